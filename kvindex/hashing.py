@@ -1,0 +1,50 @@
+"""Approximate block keys: chained 64-bit hashes over fixed-size character blocks.
+
+Without a tokenizer, ``chars_per_token`` characters stand in for one token, so a block of
+``block_tokens`` tokens is ``block_tokens * chars_per_token`` characters. Only *full* blocks get a
+key (as in vLLM: a partial last block is never shared). Key i hashes key i-1 with block i's text,
+so equal keys mean equal prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+
+_ROOT = b"pd-router/v1"
+
+
+def estimate_tokens(text: str, chars_per_token: float) -> int:
+    """Token count estimate for ``text`` (at least 1 for a non-empty prompt)."""
+    return max(1, math.ceil(len(text) / chars_per_token)) if text else 0
+
+
+def text_block_keys(text: str, block_chars: int) -> np.ndarray:
+    """uint64 chained keys of every full ``block_chars``-character block of ``text``."""
+    data = text.encode("utf-8", "surrogatepass")
+    n_blocks = len(text) // block_chars
+    keys = np.empty(n_blocks, dtype=np.uint64)
+    parent = _ROOT
+    # Slice the UTF-8 bytes per character block: encode once, then cut where the text cuts.
+    if len(data) == len(text):
+        cuts = range(0, n_blocks * block_chars + 1, block_chars)
+    else:
+        cuts = _utf8_cuts(text, block_chars, n_blocks)
+    starts = iter(cuts)
+    start = next(starts)
+    for i, end in enumerate(starts):
+        parent = hashlib.blake2b(parent + data[start:end], digest_size=8).digest()
+        keys[i] = int.from_bytes(parent, "little")
+        start = end
+    return keys
+
+
+def _utf8_cuts(text: str, block_chars: int, n_blocks: int) -> list[int]:
+    cuts = [0]
+    offset = 0
+    for i in range(n_blocks):
+        offset += len(text[i * block_chars : (i + 1) * block_chars].encode("utf-8", "surrogatepass"))
+        cuts.append(offset)
+    return cuts

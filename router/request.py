@@ -1,0 +1,207 @@
+"""OpenAI request body → ``RouteRequest``; size limits; the typed rejections and their statuses.
+
+Both adapters (proxy, ext_proc) parse through ``parse_request`` and map a ``Rejection`` to a
+response through ``Rejection.status``/``Rejection.body()`` only, so the same mistake gets the
+same answer whichever way a request arrived.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import orjson
+
+from kvindex.hashing import estimate_tokens, text_block_keys
+
+
+class Rejection(Exception):
+    """A request we will not route; ``status`` says what the client should do next."""
+
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> bytes:
+        """OpenAI-style error JSON."""
+        return orjson.dumps(
+            {"error": {"message": self.message, "type": self.error_type, "param": None,
+                       "code": self.code}}
+        )
+
+    def headers(self) -> dict[str, str]:
+        headers = {"x-pd-router-reject": self.code}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        return headers
+
+
+class BadRequest(Rejection):
+    """Malformed body or missing/invalid field: fix the request (400)."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    code = "bad_request"
+
+
+class BodyTooLarge(BadRequest):
+    """Body or prompt over the configured limit (413)."""
+
+    status = 413
+    code = "too_large"
+
+
+class UnknownModel(Rejection):
+    """The pool does not serve this model (404)."""
+
+    status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class Shed(Rejection):
+    """Sheddable request while the pool is saturated: retry later (429)."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    code = "shed"
+
+
+class NoCapacity(Rejection):
+    """No admitted, fresh endpoint can take this request now: retry after ``Retry-After`` (503)."""
+
+    status = 503
+    error_type = "service_unavailable"
+    code = "no_capacity"
+
+
+class UpstreamFailed(Rejection):
+    """Every engine tried for this request failed (502)."""
+
+    status = 502
+    error_type = "server_error"
+    code = "upstream_failed"
+
+
+COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """What the picker needs to know about one request; limits already enforced."""
+
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    block_keys: np.ndarray
+    body: dict[str, Any]
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    stream: bool = False
+    priority: int = 0
+    subset: frozenset[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    max_body_bytes: int
+    max_prompt_tokens: int
+    default_max_tokens: int
+    block_tokens: int
+    chars_per_token: float
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """The prompt as one string: a completions ``prompt`` or the rendered chat ``messages``.
+
+    The rendering is ours, not the model's chat template: approximate locality only needs equal
+    conversations to give equal prefixes. The simulated engine renders the same way.
+    """
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array")
+        parts = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'")
+            parts.append(f"<|{message['role']}|>\n{_content_text(message.get('content'), i)}\n")
+        parts.append("<|assistant|>\n")
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return " ".join(map(str, prompt))
+    raise BadRequest("'prompt' must be a string, a one-string array or an array of token ids")
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        return "".join(t for t in texts if isinstance(t, str))
+    raise BadRequest(f"'messages[{index}].content' must be a string or an array of parts")
+
+
+def _max_tokens(body: dict[str, Any], default: int) -> int:
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise BadRequest(f"'{name}' must be a positive integer, got {value!r}")
+        return value
+    return default
+
+
+def parse_request(
+    raw: bytes,
+    limits: RequestLimits,
+    *,
+    request_id: str | None = None,
+    priority: int = 0,
+) -> RouteRequest:
+    """Validate and digest one completions/chat body. Raises a ``Rejection`` subclass."""
+    if len(raw) > limits.max_body_bytes:
+        raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("missing required field 'model'")
+    text = prompt_text(body)
+    prompt_tokens = estimate_tokens(text, limits.chars_per_token)
+    if prompt_tokens > limits.max_prompt_tokens:
+        raise BodyTooLarge(
+            f"prompt is about {prompt_tokens} tokens; the limit is {limits.max_prompt_tokens}"
+        )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    block_chars = max(1, round(limits.block_tokens * limits.chars_per_token))
+    return RouteRequest(
+        model=model,
+        prompt_tokens=prompt_tokens,
+        max_tokens=_max_tokens(body, limits.default_max_tokens),
+        block_keys=text_block_keys(text, block_chars),
+        body=body,
+        request_id=request_id or uuid.uuid4().hex,
+        stream=stream,
+        priority=priority,
+    )
