@@ -32,8 +32,7 @@ class Rejection(Exception):
     def body(self) -> bytes:
         """OpenAI-style error JSON."""
         return orjson.dumps(
-            {"error": {"message": self.message, "type": self.error_type, "param": None,
-                       "code": self.code}}
+            {"error": {"message": self.message, "type": self.error_type, "param": None, "code": self.code}}
         )
 
     def headers(self) -> dict[str, str]:
@@ -188,9 +187,7 @@ def parse_request(
     text = prompt_text(body)
     prompt_tokens = estimate_tokens(text, limits.chars_per_token)
     if prompt_tokens > limits.max_prompt_tokens:
-        raise BodyTooLarge(
-            f"prompt is about {prompt_tokens} tokens; the limit is {limits.max_prompt_tokens}"
-        )
+        raise BodyTooLarge(f"prompt is about {prompt_tokens} tokens; the limit is {limits.max_prompt_tokens}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")

@@ -1,0 +1,209 @@
+"""In-memory approximate prefix index: which endpoint slot holds which chained block keys.
+
+Layout (chosen by measurement, see ``loadtests/bench_kvindex.py``):
+
+* ``owners``: ``dict[block_key, int]`` whose value is a *bitmask of slots* (a Python int used as a
+  bitset) holding that block. A lookup of one block answers for every candidate at once, so a
+  match is one dict probe and one ``&`` per prompt block, whatever the number of candidates.
+* one ``OrderedDict`` LRU per slot, bounded by ``capacity_blocks_per_slot``. Eviction is per slot
+  and clears only that slot's bit; a key whose mask reaches 0 leaves ``owners``.
+
+``match`` walks the prompt's blocks from the start with an ``alive`` mask of the candidates and
+stops when it reaches 0, so its cost is bounded by the longest match (plus one block), not by the
+prompt length or the index size.
+
+Memory, measured with tracemalloc (CPython 3.11, 64-bit keys from ``text_block_keys``, 1,000,000
+(slot, block) entries, each key held by one slot, across 64 or 512 slots): **164 bytes per
+entry** — about 90 in the slot's ``OrderedDict`` (hash-table entry + linked-list node), 40 in
+``owners`` (its table is sized in powers of two, so 30-60) and 36 for the key int (shared by
+both). Keys held by several slots cost one ``owners`` entry and one LRU entry
+per holder; a multi-slot mask is an extra int of 28 + 4·⌈max_slot/30⌉ bytes. ``memory_bytes()``
+returns an estimate from these constants.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+# Measured per-entry costs (see module docstring); used only by ``memory_bytes``.
+_LRU_ENTRY_BYTES = 90
+_OWNERS_ENTRY_BYTES = 40
+_KEY_INT_BYTES = 36
+
+# Below this many set bits a Python loop decodes a slot mask faster than numpy's unpackbits.
+_BIT_LOOP_MAX = 24
+# The walk converts keys to Python ints in chunks of 8, 32, 128, ... blocks.
+_FIRST_CHUNK = 8
+
+
+class MemoryPrefixIndex:
+    """Per-slot LRU of block keys with a key -> slot-bitmask map for one-pass matching.
+
+    Slots are integers in ``[0, max_slots)``; ``max_slots`` bounds the bitmask width and the
+    scratch arrays of ``match``. Implements :class:`kvindex.base.PrefixIndex`.
+    """
+
+    __slots__ = ("_bits", "_capacity", "_entries", "_lru", "_max_slots", "_owners")
+
+    def __init__(self, capacity_blocks_per_slot: int, max_slots: int = 4096) -> None:
+        if capacity_blocks_per_slot < 1:
+            raise ValueError(f"capacity_blocks_per_slot: must be >= 1, got {capacity_blocks_per_slot}")
+        if max_slots < 1:
+            raise ValueError(f"max_slots: must be >= 1, got {max_slots}")
+        self._capacity = capacity_blocks_per_slot
+        self._max_slots = max_slots
+        self._owners: dict[int, int] = {}
+        self._lru: dict[int, OrderedDict[int, None]] = {}
+        self._entries = 0
+        # One shared int per single-slot mask: most keys have one holder, so their mask values
+        # are references to these objects instead of one new int each.
+        self._bits = [1 << s for s in range(max_slots)]
+
+    @property
+    def capacity_blocks_per_slot(self) -> int:
+        return self._capacity
+
+    @property
+    def max_slots(self) -> int:
+        return self._max_slots
+
+    def __len__(self) -> int:
+        """Number of (slot, block) entries held."""
+        return self._entries
+
+    def slot_blocks(self, slot: int) -> int:
+        """Number of blocks currently recorded for ``slot``."""
+        lru = self._lru.get(slot)
+        return 0 if lru is None else len(lru)
+
+    def match(self, block_keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Longest consecutive cached prefix (in blocks) per slot of ``slots``; see ``PrefixIndex``."""
+        k = slots.shape[0]
+        n_blocks = block_keys.shape[0]
+        if k == 0 or n_blocks == 0 or not self._owners:
+            return np.zeros(k, dtype=np.int32)
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= self._max_slots:
+            raise ValueError(f"slots must be in [0, {self._max_slots}), got [{lo}, {hi}]")
+
+        alive = self._mask_of(slots, hi)
+        get = self._owners.get
+        bits = self._bits
+        depth = np.zeros(hi + 1, dtype=np.int32)
+        found: dict[int, int] = {}  # slot -> depth, for slots that matched at least one block
+        i = 0
+        chunk = _FIRST_CHUNK
+        # Keys become Python ints chunk by chunk (growing): indexing numpy per block boxes a scalar
+        # each time, and converting the whole prompt up front is wasted work on a short match.
+        while alive and i < n_blocks:
+            for key in block_keys[i : i + chunk].tolist():
+                still = alive & get(key, 0)
+                if still != alive:
+                    # Slots dropping out at block 0 keep depth 0: the common "nobody has it" case
+                    # decodes no bits at all.
+                    if i:
+                        gone = alive ^ still
+                        if gone & (gone - 1):
+                            self._decode(gone, i, found, depth, bits)
+                        else:  # one slot left: the usual case, kept free of a call
+                            found[gone.bit_length() - 1] = i
+                    alive = still
+                    if not alive:
+                        break
+                i += 1
+            chunk *= 4
+        if alive:
+            self._decode(alive, n_blocks, found, depth, bits)
+        if found:
+            depth[list(found)] = list(found.values())
+        return depth[slots]
+
+    def record(self, slot: int, block_keys: np.ndarray) -> None:
+        """Note that ``slot`` holds these blocks, now the most recently used; evict over capacity.
+
+        Keys are touched last-to-first so block 0 ends up most recent: evicting the least recent
+        then drops a prompt's tail before its head (as vLLM frees blocks), which keeps the shared
+        prefix that every later match must walk through.
+        """
+        if not 0 <= slot < self._max_slots:
+            raise ValueError(f"slot must be in [0, {self._max_slots}), got {slot}")
+        keys = block_keys.tolist()
+        if not keys:
+            return
+        lru = self._lru.get(slot)
+        if lru is None:
+            lru = self._lru[slot] = OrderedDict()
+        bit = self._bits[slot]
+        owners = self._owners
+        before = len(lru)
+        for key in reversed(keys):
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+                mask = owners.get(key)
+                owners[key] = bit if mask is None else mask | bit
+        over = len(lru) - self._capacity
+        if over > 0:
+            clear = ~bit
+            for _ in range(over):
+                old, _none = lru.popitem(last=False)
+                mask = owners[old] & clear
+                if mask:
+                    owners[old] = mask
+                else:
+                    del owners[old]
+        self._entries += len(lru) - before
+
+    def drop_slot(self, slot: int) -> None:
+        """Forget everything about ``slot``; unknown slots are a no-op."""
+        lru = self._lru.pop(slot, None)
+        if lru is None:
+            return
+        owners = self._owners
+        clear = ~self._bits[slot]
+        for key in lru:
+            mask = owners[key] & clear
+            if mask:
+                owners[key] = mask
+            else:
+                del owners[key]
+        self._entries -= len(lru)
+
+    def memory_bytes(self) -> int:
+        """Estimated bytes held, from the per-entry costs measured in the module docstring."""
+        return (
+            self._entries * _LRU_ENTRY_BYTES
+            + len(self._owners) * (_OWNERS_ENTRY_BYTES + _KEY_INT_BYTES)
+            + self._max_slots * 8
+        )
+
+    def _mask_of(self, slots: np.ndarray, hi: int) -> int:
+        if slots.shape[0] <= _BIT_LOOP_MAX:
+            bits = self._bits
+            mask = 0
+            for s in slots.tolist():
+                mask |= bits[s]
+            return mask
+        # Many candidates: set bytes in numpy and read them as one little-endian int.
+        flags = np.zeros(hi + 1, dtype=np.bool_)
+        flags[slots] = True
+        return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+
+    @staticmethod
+    def _decode(mask: int, value: int, found: dict[int, int], depth: np.ndarray, bits: list[int]) -> None:
+        """Give every slot whose bit is set in ``mask`` the match depth ``value``."""
+        if mask.bit_count() <= _BIT_LOOP_MAX:
+            # Clear the top bit each step: bit_length + xor with a prebuilt power of two allocates
+            # less than isolating the low bit of a wide int.
+            while mask:
+                top = mask.bit_length() - 1
+                found[top] = value
+                mask ^= bits[top]
+            return
+        raw = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+        flags = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
+        n = min(flags.shape[0], depth.shape[0])
+        depth[:n][flags[:n].view(np.bool_)] = value

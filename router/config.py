@@ -1,0 +1,224 @@
+"""The one typed configuration object: a pool, its SLOs, scoring, limits and listeners.
+
+Loaded from YAML, overridden by ``--set dotted.path=value`` flags, validated at start. Unknown
+keys are errors and every error names the field and the bad value, e.g.
+``endpoints.1.role: must be one of prefill, decode, prefill-decode, got 'both'``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from router.request import RequestLimits
+
+Role = Literal["prefill", "decode", "prefill-decode"]
+Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names every bad field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EndpointConfig(_Strict):
+    address: str = Field(description="ip:port of the engine's OpenAI server")
+    role: Role = "prefill-decode"
+    group: str | None = Field(None, description="TP/PP/LWS group; default: the endpoint is its own group")
+    link: str = Field("default", description="topology label used by the link-cost scorer")
+    name: str | None = Field(None, description="endpoint id; default: the address")
+
+    @field_validator("address")
+    @classmethod
+    def _ip_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be ip:port")
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            raise ValueError("must be ip:port with a literal IP address") from None
+        return value
+
+    @property
+    def id(self) -> str:
+        return self.name or self.address
+
+
+class SLOConfig(_Strict):
+    ttft_ms: Positive = 2000.0
+    tpot_ms: Positive = 100.0
+
+
+class EngineModelConfig(_Strict):
+    """How fast an engine is, for predicting seconds; match your hardware (or the simulator)."""
+
+    prefill_tokens_per_s: Positive = 20000.0
+    decode_step_base_ms: NonNegative = 4.0
+    decode_ms_per_seq: NonNegative = 0.2
+    decode_ms_per_1k_kv_tokens: NonNegative = 0.2
+    kv_bytes_per_token: Annotated[int, Field(gt=0)] = 131072
+    typical_prompt_tokens: Positive = 512.0
+
+
+class LinkCostConfig(_Strict):
+    latency_ms: NonNegative
+    bandwidth_gbytes_per_s: Positive
+
+
+class LinkPairConfig(LinkCostConfig):
+    between: tuple[str, str]
+
+
+class LinksConfig(_Strict):
+    same: LinkCostConfig = LinkCostConfig(latency_ms=0.05, bandwidth_gbytes_per_s=50.0)
+    default: LinkCostConfig = LinkCostConfig(latency_ms=0.5, bandwidth_gbytes_per_s=12.5)
+    pairs: list[LinkPairConfig] = []
+
+
+class WeightsConfig(_Strict):
+    """Multipliers on each term of the predicted cost (see DESIGN.md "Scoring in one unit")."""
+
+    prefix: Annotated[float, Field(ge=0, le=1)] = 1.0
+    queue: NonNegative = 1.0
+    kv: NonNegative = 1.0
+    link: NonNegative = 1.0
+    load: NonNegative = 1.0
+
+
+class PickerConfig(_Strict):
+    max_wait_skew_ms: NonNegative = Field(
+        1000.0,
+        description="locality credit only on pods whose predicted queue wait is within this of the least",
+    )
+    kv_soft_threshold: Annotated[float, Field(gt=0, lt=1)] = 0.85
+    allow_local_prefill: bool = True
+    local_prefill_interference: NonNegative = Field(
+        1.0, description="how much a prefill on a decode pod slows that pod's running decodes"
+    )
+    fallbacks: Annotated[int, Field(ge=0, le=16)] = 2
+    shed_ttft_factor: Positive = Field(
+        2.0, description="shed sheddable requests when the best predicted TTFT exceeds this × SLO"
+    )
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
+    max_prompt_tokens: Annotated[int, Field(gt=0)] = 131072
+    default_max_tokens: Annotated[int, Field(gt=0)] = 256
+    block_tokens: Annotated[int, Field(gt=0)] = 16
+    chars_per_token: Positive = 4.0
+
+
+class ScrapeConfig(_Strict):
+    interval_ms: Positive = 500.0
+    timeout_ms: Positive = 1000.0
+    stale_after_ms: Positive = 2500.0
+    eject_after_failures: Annotated[int, Field(ge=1)] = 3
+
+
+class IndexConfig(_Strict):
+    capacity_blocks_per_endpoint: Annotated[int, Field(gt=0)] = 65536
+
+
+class ProxyConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, lt=65536)] = 8000
+    connect_timeout_s: Positive = 2.0
+    request_timeout_s: Positive = 600.0
+    drain_timeout_s: NonNegative = 30.0
+
+
+class PoolConfig(_Strict):
+    model: str = Field(min_length=1)
+    strict_model: bool = Field(True, description="404 for any other model name")
+    endpoints: list[EndpointConfig] = Field(min_length=1)
+    slo: SLOConfig = SLOConfig()
+    engine: EngineModelConfig = EngineModelConfig()
+    links: LinksConfig = LinksConfig()
+    weights: WeightsConfig = WeightsConfig()
+    picker: PickerConfig = PickerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    scrape: ScrapeConfig = ScrapeConfig()
+    index: IndexConfig = IndexConfig()
+    proxy: ProxyConfig = ProxyConfig()
+
+    @model_validator(mode="after")
+    def _unique_endpoints(self) -> PoolConfig:
+        seen: set[str] = set()
+        for i, endpoint in enumerate(self.endpoints):
+            if endpoint.id in seen:
+                raise ValueError(f"endpoints.{i}: duplicate endpoint {endpoint.id!r}")
+            seen.add(endpoint.id)
+        return self
+
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(
+            max_body_bytes=self.limits.max_body_bytes,
+            max_prompt_tokens=self.limits.max_prompt_tokens,
+            default_max_tokens=self.limits.default_max_tokens,
+            block_tokens=self.limits.block_tokens,
+            chars_per_token=self.limits.chars_per_token,
+        )
+
+
+def parse_config(data: Any, overrides: list[str] | tuple[str, ...] = ()) -> PoolConfig:
+    """Validate a loaded mapping (plus ``a.b=value`` overrides) into a ``PoolConfig``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: must be a mapping, got {type(data).__name__}")
+    for override in overrides:
+        _apply_override(data, override)
+    try:
+        return PoolConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PoolConfig:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    try:
+        return parse_config(data, overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    path, sep, raw = override.partition("=")
+    if not sep or not path:
+        raise ConfigError(f"--set {override!r}: expected dotted.path=value")
+    keys = path.split(".")
+    node: Any = data
+    for key in keys[:-1]:
+        node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
+    value = yaml.safe_load(raw)
+    if isinstance(node, list):
+        node[int(keys[-1])] = value
+    else:
+        node[keys[-1]] = value
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "config"
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown field")
+        elif error["type"] == "missing":
+            lines.append(f"{where}: required field is missing")
+        else:
+            lines.append(f"{where}: {message}, got {error.get('input')!r}")
+    return "; ".join(lines)

@@ -1,0 +1,263 @@
+"""Endpoints, groups and the per-slot feature arrays the picker reads; reservations.
+
+Every endpoint owns one *slot*: an index into flat numpy arrays (scraped metrics, our own
+in-flight reservations, role and freshness masks), so ``Picker.pick()`` gathers a candidate set
+with one fancy-index per feature. Only the event loop mutates the pool; nothing here awaits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from router.config import EndpointConfig, ScrapeConfig
+    from router.scrape import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+
+class GroupState(StrEnum):
+    DISCOVERED = "discovered"
+    GATING = "gating"
+    ADMITTED = "admitted"
+    DRAINING = "draining"
+    FAILED = "failed"
+    GONE = "gone"
+
+
+@dataclass(eq=False)
+class Endpoint:
+    """One serving pod/rank."""
+
+    id: str
+    address: str
+    role: str
+    group: str
+    link: str
+    slot: int
+    metrics: EngineMetrics | None = None
+    scrape_failures: int = 0
+    last_error: str | None = None
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("prefill", "prefill-decode")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "prefill-decode")
+
+
+@dataclass(eq=False)
+class Group:
+    """The unit of admission. Static configuration admits every group at once."""
+
+    name: str
+    members: list[Endpoint] = field(default_factory=list)
+    epoch: int = 0
+    state: GroupState = GroupState.ADMITTED
+
+
+@dataclass(eq=False)
+class Reservation:
+    """Predicted work charged to a (prefill, decode) choice until the request ends.
+
+    ``finish_prefill()`` and ``release()`` are idempotent: each part is given back exactly once
+    whatever path the request takes (success, error, disconnect, timeout).
+    """
+
+    pool: Pool
+    decode_slot: int
+    prefill_slot: int | None
+    prefill_tokens: float
+    kv_tokens: float
+    prefill_open: bool = True
+    open: bool = True
+
+    def finish_prefill(self) -> None:
+        """The prompt's prefill is done (prefill leg answered / first token): free the queue charge."""
+        if self.prefill_open:
+            self.prefill_open = False
+            slot = self.decode_slot if self.prefill_slot is None else self.prefill_slot
+            self.pool.queued_prefill_tokens[slot] -= self.prefill_tokens
+            self.pool.queued_prefill_requests[slot] -= 1
+
+    def release(self) -> None:
+        if self.open:
+            self.finish_prefill()
+            self.open = False
+            self.pool.reserved_kv_tokens[self.decode_slot] -= self.kv_tokens
+            self.pool.inflight_requests[self.decode_slot] -= 1
+            self.pool.outstanding -= 1
+
+
+# name -> (dtype, value of an empty slot). Scraped gauges start as NaN: unknown is never zero.
+_FEATURES: dict[str, tuple[type, float]] = {
+    "running": (np.float64, np.nan),
+    "waiting": (np.float64, np.nan),
+    "kv_usage": (np.float64, np.nan),
+    "kv_capacity_tokens": (np.float64, np.nan),
+    "queued_prefill_tokens": (np.float64, 0.0),
+    "reserved_kv_tokens": (np.float64, 0.0),
+    "last_scrape_ok": (np.float64, -np.inf),
+    "queued_prefill_requests": (np.int64, 0),
+    "inflight_requests": (np.int64, 0),
+    "link_index": (np.int64, 0),
+    "in_use": (np.bool_, False),
+    "admitted": (np.bool_, False),
+    "can_prefill": (np.bool_, False),
+    "can_decode": (np.bool_, False),
+    "scraped": (np.bool_, False),
+    "ejected": (np.bool_, False),
+}
+
+
+class Pool:
+    """All endpoints of one InferencePool, their groups and feature arrays."""
+
+    def __init__(self, scrape: ScrapeConfig, capacity: int = 64) -> None:
+        self.stale_after_s = scrape.stale_after_ms / 1000.0
+        self.eject_after_failures = scrape.eject_after_failures
+        self.endpoints: dict[str, Endpoint] = {}
+        self.by_slot: list[Endpoint | None] = []
+        self.groups: dict[str, Group] = {}
+        self.links: dict[str, int] = {}
+        self.outstanding = 0
+        self.typical_prompt_tokens = 512.0
+        self._free_slots: list[int] = []
+        self._allocate(capacity)
+
+    # -- arrays -------------------------------------------------------------------------------
+    running: np.ndarray
+    waiting: np.ndarray
+    kv_usage: np.ndarray
+    kv_capacity_tokens: np.ndarray
+    queued_prefill_tokens: np.ndarray
+    reserved_kv_tokens: np.ndarray
+    last_scrape_ok: np.ndarray
+    queued_prefill_requests: np.ndarray
+    inflight_requests: np.ndarray
+    link_index: np.ndarray
+    in_use: np.ndarray
+    admitted: np.ndarray
+    can_prefill: np.ndarray
+    can_decode: np.ndarray
+    scraped: np.ndarray
+    ejected: np.ndarray
+
+    def _allocate(self, capacity: int) -> None:
+        old = len(self.by_slot)
+        for name, (dtype, empty) in _FEATURES.items():
+            fresh = np.full(capacity, empty, dtype=dtype)
+            if old:
+                fresh[:old] = getattr(self, name)
+            setattr(self, name, fresh)
+        self.by_slot.extend([None] * (capacity - old))
+        self._free_slots.extend(range(capacity - 1, old - 1, -1))
+
+    # -- membership ---------------------------------------------------------------------------
+    def add(self, config: EndpointConfig) -> Endpoint:
+        if config.id in self.endpoints:
+            raise ValueError(f"endpoint {config.id!r} is already in the pool")
+        if not self._free_slots:
+            self._allocate(2 * len(self.by_slot))
+        slot = self._free_slots.pop()
+        endpoint = Endpoint(
+            id=config.id,
+            address=config.address,
+            role=config.role,
+            group=config.group or config.id,
+            link=config.link,
+            slot=slot,
+        )
+        self.endpoints[endpoint.id] = endpoint
+        self.by_slot[slot] = endpoint
+        group = self.groups.setdefault(endpoint.group, Group(endpoint.group))
+        group.members.append(endpoint)
+        self.in_use[slot] = True
+        self.admitted[slot] = group.state is GroupState.ADMITTED
+        self.can_prefill[slot] = endpoint.can_prefill
+        self.can_decode[slot] = endpoint.can_decode
+        self.link_index[slot] = self.links.setdefault(endpoint.link, len(self.links))
+        return endpoint
+
+    def remove(self, endpoint_id: str) -> Endpoint:
+        endpoint = self.endpoints.pop(endpoint_id)
+        slot = endpoint.slot
+        group = self.groups[endpoint.group]
+        group.members.remove(endpoint)
+        if not group.members:
+            del self.groups[endpoint.group]
+        self.by_slot[slot] = None
+        for name, (_, empty) in _FEATURES.items():
+            getattr(self, name)[slot] = empty
+        self._free_slots.append(slot)
+        return endpoint
+
+    # -- candidates ---------------------------------------------------------------------------
+    def candidate_slots(self, now: float | None = None) -> np.ndarray:
+        """Slots that may take traffic: in use, admitted, freshly scraped, not ejected."""
+        now = time.monotonic() if now is None else now
+        ok = self.in_use & self.admitted & self.scraped & ~self.ejected
+        ok &= (now - self.last_scrape_ok) <= self.stale_after_s
+        return np.flatnonzero(ok)
+
+    def slots_of(self, addresses: frozenset[str]) -> np.ndarray:
+        """Slots of the endpoints at these ``ip:port`` addresses (unknown addresses are skipped)."""
+        found = [ep.slot for ep in self.endpoints.values() if ep.address in addresses]
+        return np.array(sorted(found), dtype=np.int64)
+
+    def observe_prompt(self, prompt_tokens: int) -> None:
+        # Slow EWMA: a stand-in size for waiting requests that did not come through us.
+        self.typical_prompt_tokens += 0.02 * (prompt_tokens - self.typical_prompt_tokens)
+
+    def reserve(
+        self, decode_slot: int, prefill_slot: int | None, prefill_tokens: float, kv_tokens: float
+    ) -> Reservation:
+        queue_slot = decode_slot if prefill_slot is None else prefill_slot
+        self.queued_prefill_tokens[queue_slot] += prefill_tokens
+        self.queued_prefill_requests[queue_slot] += 1
+        self.reserved_kv_tokens[decode_slot] += kv_tokens
+        self.inflight_requests[decode_slot] += 1
+        self.outstanding += 1
+        return Reservation(self, decode_slot, prefill_slot, prefill_tokens, kv_tokens)
+
+    # -- scrape results -----------------------------------------------------------------------
+    def apply_metrics(self, endpoint: Endpoint, metrics: EngineMetrics, now: float) -> None:
+        slot = endpoint.slot
+        if endpoint.scrape_failures >= self.eject_after_failures or not self.scraped[slot]:
+            log.info("endpoint %s is serving metrics; admitted to candidates", endpoint.id)
+        endpoint.metrics = metrics
+        endpoint.scrape_failures = 0
+        endpoint.last_error = None
+        self.scraped[slot] = True
+        self.ejected[slot] = False
+        self.last_scrape_ok[slot] = now
+        self.running[slot] = _or_nan(metrics.running)
+        self.waiting[slot] = _or_nan(metrics.waiting)
+        self.kv_usage[slot] = _or_nan(metrics.kv_usage)
+        if metrics.block_size and metrics.num_gpu_blocks:
+            self.kv_capacity_tokens[slot] = float(metrics.block_size * metrics.num_gpu_blocks)
+
+    def apply_scrape_failure(self, endpoint: Endpoint, reason: str) -> None:
+        endpoint.scrape_failures += 1
+        endpoint.last_error = reason
+        if endpoint.scrape_failures == self.eject_after_failures:
+            log.warning(
+                "endpoint %s ejected after %d failed scrapes: %s",
+                endpoint.id,
+                endpoint.scrape_failures,
+                reason,
+            )
+            self.ejected[endpoint.slot] = True
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)

@@ -1,0 +1,57 @@
+"""KV-transfer cost between a prefill and a decode candidate: a (kp, kd) matrix.
+
+``transfer[p, d] = latency[link_p, link_d] + bytes_d / bandwidth[link_p, link_d]`` where
+``bytes_d = (prompt_tokens - cached_on_d) * kv_bytes_per_token``: a decode pod that already holds
+the prompt's leading blocks (multi-turn chat) only receives the rest. Link labels index a square
+table built from configuration. Units: seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from scorers.base import Candidates, EngineModel, RequestCtx
+from scorers.prefix import cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class LinkTable:
+    latency_s: np.ndarray  # (L, L)
+    bytes_per_s: np.ndarray  # (L, L)
+
+    @classmethod
+    def build(
+        cls,
+        labels: dict[str, int],
+        same: tuple[float, float],
+        default: tuple[float, float],
+        pairs: dict[tuple[str, str], tuple[float, float]],
+    ) -> LinkTable:
+        """``same``/``default``/``pairs`` values are (latency_s, bytes_per_s); pairs are symmetric."""
+        n = max(len(labels), 1)
+        latency = np.full((n, n), default[0])
+        bandwidth = np.full((n, n), default[1])
+        np.fill_diagonal(latency, same[0])
+        np.fill_diagonal(bandwidth, same[1])
+        for (a, b), (lat, bw) in pairs.items():
+            if a in labels and b in labels:
+                i, j = labels[a], labels[b]
+                latency[i, j] = latency[j, i] = lat
+                bandwidth[i, j] = bandwidth[j, i] = bw
+        return cls(latency, bandwidth)
+
+
+def transfer_bytes(decode: Candidates, ctx: RequestCtx, model: EngineModel) -> np.ndarray:
+    return (ctx.prompt_tokens - cached_tokens(decode, ctx)) * float(model.kv_bytes_per_token)
+
+
+def transfer_s(
+    table: LinkTable, prefill: Candidates, decode: Candidates, ctx: RequestCtx, model: EngineModel
+) -> np.ndarray:
+    rows, cols = np.ix_(prefill.link_index, decode.link_index)
+    return (
+        table.latency_s[rows, cols]
+        + transfer_bytes(decode, ctx, model)[None, :] / table.bytes_per_s[rows, cols]
+    )

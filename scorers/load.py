@@ -1,0 +1,27 @@
+"""In-flight load on the decode pod: the predicted time per output token with this request added.
+
+``tpot = step_base + per_seq * (batch + 1) + per_kv_token * (used_kv + need)`` where
+``batch = max(scraped running, our in-flight requests)`` (scrapes lag behind our own picks; other
+replicas only show in scrapes). Unknown ``running`` is the pool's worst known. Units: seconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scorers import kv_headroom
+from scorers.base import Candidates, EngineModel, RequestCtx, fill_unknown
+
+
+def batch_size(cand: Candidates) -> np.ndarray:
+    running = fill_unknown(cand.running, worst=0.0)
+    return np.maximum(running, cand.inflight_requests)
+
+
+def tpot_s(cand: Candidates, ctx: RequestCtx, model: EngineModel) -> np.ndarray:
+    kv_tokens = kv_headroom.used_tokens(cand) + kv_headroom.need_tokens(ctx)
+    return (
+        model.decode_step_base_s
+        + model.decode_s_per_seq * (batch_size(cand) + 1.0)
+        + model.decode_s_per_kv_token * kv_tokens
+    )

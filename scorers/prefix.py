@@ -1,0 +1,30 @@
+"""Prefix locality: how many of the prompt's tokens a candidate must still compute.
+
+``uncached = prompt_tokens - trust * cached``, where ``cached`` is the candidate's longest cached
+prefix (in blocks × block size), capped at ``prompt_tokens - 1`` because an engine always computes
+at least the last token. ``trust`` in [0, 1] is the prefix weight, zeroed by the fairness cap on
+candidates whose predicted queue wait is far above the least-loaded one, so a warm cache cannot
+pin traffic on a hot pod. Units: tokens. Consumes: ``cached_blocks``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scorers.base import Candidates, RequestCtx
+
+
+def cached_tokens(cand: Candidates, ctx: RequestCtx) -> np.ndarray:
+    cached = cand.cached_blocks.astype(np.float64) * ctx.block_tokens
+    return np.clip(cached, 0.0, max(ctx.prompt_tokens - 1, 0))
+
+
+def fairness_trust(wait_s: np.ndarray, weight: float, max_skew_s: float) -> np.ndarray:
+    """Locality credit per candidate: ``weight`` where the wait is within ``max_skew_s`` of the least."""
+    if wait_s.size == 0:
+        return wait_s
+    return np.where(wait_s <= wait_s.min() + max_skew_s, weight, 0.0)
+
+
+def uncached_tokens(cand: Candidates, ctx: RequestCtx, trust: np.ndarray | float) -> np.ndarray:
+    return ctx.prompt_tokens - trust * cached_tokens(cand, ctx)
