@@ -73,6 +73,10 @@ class LinkCostConfig(_Strict):
     latency_ms: NonNegative
     bandwidth_gbytes_per_s: Positive
 
+    def cost(self) -> tuple[float, float]:
+        """(latency in seconds, bandwidth in bytes/s): the units the link scorer works in."""
+        return self.latency_ms / 1000.0, self.bandwidth_gbytes_per_s * 1e9
+
 
 class LinkPairConfig(LinkCostConfig):
     between: tuple[str, str]
@@ -135,6 +139,7 @@ class ProxyConfig(_Strict):
     connect_timeout_s: Positive = 2.0
     request_timeout_s: Positive = 600.0
     drain_timeout_s: NonNegative = 30.0
+    debug_headers: bool = Field(False, description="add x-pd-router-decode/-prefill/-reason to responses")
 
 
 class PoolConfig(_Strict):

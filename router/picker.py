@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvindex.base import PrefixIndex
-from router.config import LinkCostConfig, PoolConfig
+from router.config import PoolConfig
 from router.pool import Endpoint, Pool, Reservation
 from router.request import NoCapacity, RouteRequest, Shed
 from scorers.base import Candidates, EngineModel, RequestCtx
@@ -62,9 +62,9 @@ class Picker:
             links = cfg.links
             table = LinkTable.build(
                 self.pool.links,
-                same=_link_cost(links.same),
-                default=_link_cost(links.default),
-                pairs={p.between: _link_cost(p) for p in links.pairs},
+                same=links.same.cost(),
+                default=links.default.cost(),
+                pairs={p.between: p.cost() for p in links.pairs},
             )
             engine = cfg.engine
             self._params = CostParams(
@@ -207,10 +207,6 @@ class Picker:
         )
         if not prefill_open:
             decision.reservation.finish_prefill()
-
-
-def _link_cost(link: LinkCostConfig) -> tuple[float, float]:
-    return link.latency_ms / 1000.0, link.bandwidth_gbytes_per_s * 1e9
 
 
 def _reason(decode: Endpoint, prefill: Endpoint | None, b: dict[str, float], prompt_tokens: int) -> str:

@@ -246,6 +246,14 @@ class Pool:
         if metrics.block_size and metrics.num_gpu_blocks:
             self.kv_capacity_tokens[slot] = float(metrics.block_size * metrics.num_gpu_blocks)
 
+    def eject(self, endpoint: Endpoint, reason: str) -> None:
+        """Take an endpoint out of the candidates now (a failed connect); the next good scrape returns it."""
+        if not self.ejected[endpoint.slot]:
+            log.warning("endpoint %s ejected: %s", endpoint.id, reason)
+        endpoint.last_error = reason
+        endpoint.scrape_failures = max(endpoint.scrape_failures, self.eject_after_failures)
+        self.ejected[endpoint.slot] = True
+
     def apply_scrape_failure(self, endpoint: Endpoint, reason: str) -> None:
         endpoint.scrape_failures += 1
         endpoint.last_error = reason

@@ -1,0 +1,149 @@
+"""Seeded request workloads: shared-prefix (many users, few system prompts) and multi-turn chat.
+
+A workload is a list of ``WorkItem`` with arrival offsets (Poisson at ``rate`` requests/s), so two
+policies can be fed exactly the same requests at exactly the same times.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+_WORDS = [
+    "alpha",
+    "bravo",
+    "charlie",
+    "delta",
+    "echo",
+    "foxtrot",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+    "kilo",
+    "lima",
+    "mike",
+    "november",
+    "oscar",
+    "papa",
+    "quebec",
+    "romeo",
+    "sierra",
+    "tango",
+    "uniform",
+    "victor",
+    "whiskey",
+    "xray",
+    "yankee",
+    "zulu",
+    "amber",
+    "basil",
+    "cedar",
+    "dune",
+    "ember",
+    "fjord",
+]
+
+
+@dataclass(slots=True)
+class WorkItem:
+    at_s: float  # arrival offset from the start of the run
+    path: str
+    body: dict[str, Any]
+    session: int = 0  # conversation id (multi-turn), or prefix group (shared-prefix)
+    turn: int = 0
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    items: list[WorkItem] = field(default_factory=list)
+
+
+def _text(rng: random.Random, tokens: int, chars_per_token: float = 4.0) -> str:
+    """About ``tokens`` tokens of words (``chars_per_token`` characters each on average)."""
+    target = int(tokens * chars_per_token)
+    words: list[str] = []
+    size = 0
+    while size < target:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)[:target]
+
+
+def _arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
+    t = 0.0
+    out = []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def shared_prefix(
+    n_requests: int,
+    *,
+    n_prefixes: int = 4,
+    prefix_tokens: int = 1024,
+    suffix_tokens: int = 64,
+    max_tokens: int = 32,
+    rate: float = 20.0,
+    model: str = "sim-model",
+    seed: int = 0,
+) -> Workload:
+    """Few long system prompts shared by many short user questions (RAG / agents)."""
+    rng = random.Random(seed)
+    prefixes = [_text(rng, prefix_tokens) for _ in range(n_prefixes)]
+    items = []
+    for at in _arrivals(rng, n_requests, rate):
+        group = rng.randrange(n_prefixes)
+        prompt = prefixes[group] + "\nQuestion: " + _text(rng, suffix_tokens)
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        items.append(WorkItem(at, "/v1/completions", body, session=group))
+    return Workload("shared-prefix", items)
+
+
+def multi_turn(
+    n_sessions: int,
+    *,
+    turns: int = 4,
+    system_tokens: int = 256,
+    user_tokens: int = 128,
+    answer_tokens: int = 64,
+    rate: float = 10.0,
+    model: str = "sim-model",
+    seed: int = 0,
+) -> Workload:
+    """Chat sessions whose every turn resends the whole conversation so far.
+
+    Turns of one session arrive in order, ``turns`` apart on the session's own clock; the
+    assistant's earlier answers are fixed text so the workload does not depend on the engine.
+    """
+    rng = random.Random(seed)
+    items = []
+    starts = _arrivals(rng, n_sessions, rate / turns)
+    for session, start in enumerate(starts):
+        messages: list[dict[str, str]] = [{"role": "system", "content": _text(rng, system_tokens)}]
+        at = start
+        for turn in range(turns):
+            messages.append({"role": "user", "content": _text(rng, user_tokens)})
+            body = {
+                "model": model,
+                "messages": list(messages),
+                "max_tokens": answer_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            items.append(WorkItem(at, "/v1/chat/completions", body, session=session, turn=turn))
+            messages.append({"role": "assistant", "content": _text(rng, answer_tokens)})
+            at += rng.uniform(1.0, 3.0) * turns / rate * 4
+    items.sort(key=lambda item: item.at_s)
+    return Workload("multi-turn", items)

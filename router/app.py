@@ -1,0 +1,116 @@
+"""One owner of the router's lifecycle: start in order, stop in reverse.
+
+Start: HTTP client session → first scrape round (so the pool has candidates before traffic) →
+scrape loop → proxy listener → ready. Stop (SIGTERM): not ready → stop accepting → finish
+in-flight streams up to ``proxy.drain_timeout_s`` → cancel loops → close the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from contextlib import AsyncExitStack
+
+import aiohttp
+from aiohttp import web
+
+from kvindex.memory import MemoryPrefixIndex
+from router.config import PoolConfig
+from router.picker import Picker
+from router.pool import Pool
+from router.proxy import Proxy, TwoLegExchange
+from router.scrape import ScrapeError, Scraper
+from router.signals import RouterMetrics
+
+log = logging.getLogger(__name__)
+
+
+class App:
+    def __init__(self, config: PoolConfig, *, pool_name: str = "pd-router", seed: int | None = None) -> None:
+        self.config = config
+        self.pool = Pool(config.scrape)
+        for endpoint in config.endpoints:
+            self.pool.add(endpoint)
+        self.index = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
+        self.picker = Picker(config, self.pool, self.index, seed=seed)
+        self.metrics = RouterMetrics(self.pool, pool_name)
+        self.ready = False
+        self.proxy_port: int | None = None
+        self._stack = AsyncExitStack()
+        self._scraper: Scraper | None = None
+
+    async def start(self) -> None:
+        cfg = self.config
+        stack = self._stack
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0)
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        )
+        self._scraper = Scraper(session, cfg.scrape.timeout_ms / 1000.0)
+        await self.scrape_once()
+        scrape_task = asyncio.create_task(self._scrape_loop(), name="scrape-loop")
+        stack.push_async_callback(_cancel, scrape_task)
+
+        exchange = TwoLegExchange(session, cfg.proxy.connect_timeout_s, cfg.proxy.request_timeout_s)
+        proxy = Proxy(cfg, self.pool, self.picker, exchange, self.metrics, lambda: self.ready)
+        runner = web.AppRunner(
+            proxy.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=cfg.proxy.drain_timeout_s,
+        )
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        site = web.TCPSite(runner, cfg.proxy.host, cfg.proxy.port, reuse_address=True)
+        await site.start()
+        self.proxy_port = runner.addresses[0][1]
+        self.ready = True
+        log.info(
+            "proxy listening on http://%s:%s (%d endpoints)",
+            cfg.proxy.host,
+            self.proxy_port,
+            len(self.pool.endpoints),
+        )
+
+    async def stop(self) -> None:
+        self.ready = False
+        await self._stack.aclose()
+
+    async def __aenter__(self) -> App:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.stop()
+
+    async def scrape_once(self) -> None:
+        assert self._scraper is not None
+        endpoints = list(self.pool.endpoints.values())
+        results = await self._scraper.scrape_all([e.address for e in endpoints])
+        now = time.monotonic()
+        for endpoint, result in zip(endpoints, results, strict=True):
+            if endpoint.id not in self.pool.endpoints:
+                continue  # removed while the scrape was in flight
+            if isinstance(result, ScrapeError):
+                self.pool.apply_scrape_failure(endpoint, str(result))
+            else:
+                self.pool.apply_metrics(endpoint, result, now)
+
+    async def _scrape_loop(self) -> None:
+        interval = self.config.scrape.interval_ms / 1000.0
+        while True:
+            # Jitter keeps a fleet of routers from scraping every engine in lock-step.
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+            try:
+                await self.scrape_once()
+            except Exception:  # a bug here must not stop scraping forever
+                log.exception("scrape round failed")
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

@@ -1,0 +1,151 @@
+"""``pd-router``: serve, demo, sim, check-config.
+
+The composition root: it builds the configuration, wires the ``App`` and owns signal handling.
+``demo`` and ``sim`` import ``loadtests`` lazily (the simulator is not part of the service).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import orjson
+
+from router.config import ConfigError, PoolConfig, load_config
+
+log = logging.getLogger("router")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg (+ exc)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        event: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            event["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(event).decode()
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pd-router", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="default: info (demo: warning)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy for a pool described in a YAML file")
+    _config_args(serve)
+    serve.add_argument("--host", help="proxy listen address (overrides proxy.host)")
+    serve.add_argument("--port", type=int, help="proxy listen port (overrides proxy.port)")
+
+    check = sub.add_parser("check-config", help="validate a configuration file and exit")
+    _config_args(check)
+
+    demo = sub.add_parser("demo", help="simulated 2 prefill + 2 decode cluster, proxy and a workload")
+    demo.add_argument("--requests", type=int, default=120)
+    demo.add_argument("--port", type=int, default=0, help="proxy port (0: any free port)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--keep", action="store_true", help="keep serving after the run, for curl")
+
+    sim = sub.add_parser("sim", help="serve simulated vLLM engines for every endpoint of a config")
+    _config_args(sim)
+    sim.add_argument("--speed", type=float, default=1.0, help="time-model speed-up (2 = twice as fast)")
+    sim.add_argument("--num-gpu-blocks", type=int, default=2048)
+    return parser
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="pool YAML file")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a config field, e.g. slo.ttft_ms=500",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    setup_logging(args.log_level or ("warning" if args.command == "demo" else "info"))
+    try:
+        if args.command == "demo":
+            from loadtests.demo import run_demo
+
+            return _run(run_demo(requests=args.requests, keep=args.keep, port=args.port, seed=args.seed))
+        overrides = list(args.set)
+        if getattr(args, "host", None):
+            overrides.append(f"proxy.host={args.host}")
+        if getattr(args, "port", None) is not None:
+            overrides.append(f"proxy.port={args.port}")
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"pd-router: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        print(f"{args.config}: ok ({len(config.endpoints)} endpoints, model {config.model!r})")
+        return 0
+    if args.command == "sim":
+        from loadtests.cluster import link_cost_from, specs_from
+        from loadtests.simengine import TimeModel, run_sim
+
+        specs = specs_from(config, TimeModel(speed=args.speed), num_gpu_blocks=args.num_gpu_blocks)
+        return _run(run_sim(specs, link_cost_from(config.links)))
+    return _run(serve(config))
+
+
+async def serve(config: PoolConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain: not ready, stop accepting, finish streams, exit."""
+    from router.app import App
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    app = App(config)
+    await app.start()
+    try:
+        await stop.wait()
+        started = time.monotonic()
+        log.info("shutting down: draining %d in-flight requests", app.pool.outstanding)
+    finally:
+        await app.stop()
+    log.info("stopped after %.1fs of draining", time.monotonic() - started)
+    return 0
+
+
+def _run(coro: Coroutine[Any, Any, int | None]) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    with contextlib.suppress(KeyboardInterrupt):
+        return runner(coro) or 0
+    return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

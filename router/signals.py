@@ -1,0 +1,142 @@
+"""Prometheus metrics of one router instance (its own registry: two routers can share a process).
+
+Pool-level gauges are computed from the pool's arrays at scrape time by a collector, so the hot
+path only increments counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from router.picker import RouteDecision
+    from router.pool import Pool
+
+_PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
+_REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
+
+
+class RouterMetrics:
+    def __init__(self, pool: Pool, pool_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pd_router_requests",
+            "Requests handled, by outcome (ok or the rejection code).",
+            ["outcome"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "pd_router_request_duration_seconds",
+            "Time from request arrival to the end of the response.",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.pick_duration = Histogram(
+            "pd_router_pick_duration_seconds",
+            "Time to parse and pick (before any forwarding).",
+            buckets=_PICK_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pd_router_decisions",
+            "Routing decisions by kind (pd-pair, local-prefill, single).",
+            ["kind"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pd_router_upstream_errors", "Engine failures seen while forwarding.", ["endpoint"], registry=r
+        )
+        self.prefill_fallback_local = Counter(
+            "pd_router_prefill_fallback_local",
+            "Requests whose every prefill leg failed and that were decoded with local prefill.",
+            registry=r,
+        )
+        r.register(_PoolCollector(pool, pool_name))
+
+    def observe_pick(self, decision: RouteDecision, seconds: float) -> None:
+        self.pick_duration.observe(seconds)
+        self.decisions.labels(kind=decision.kind).inc()
+
+    def observe_request(self, outcome: str, seconds: float) -> None:
+        self.requests.labels(outcome=outcome).inc()
+        self.request_duration.observe(seconds)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _PoolCollector:
+    """Per-endpoint and pool gauges, read from the pool's arrays when Prometheus scrapes."""
+
+    def __init__(self, pool: Pool, pool_name: str) -> None:
+        self.pool = pool
+        self.pool_name = pool_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self.pool
+        ready = pool.candidate_slots(time.monotonic())
+        yield _gauge(
+            "pd_router_outstanding_reservations", "Requests routed and not yet released.", pool.outstanding
+        )
+        yield _gauge(
+            "llm_d_epp_ready_endpoints",
+            "Endpoints that may take traffic (admitted, fresh metrics).",
+            len(ready),
+            name=self.pool_name,
+        )
+        if len(ready):
+            yield _gauge(
+                "llm_d_epp_average_queue_size",
+                "Mean scraped waiting requests over ready endpoints.",
+                float(np.nanmean(pool.waiting[ready])) if np.isfinite(pool.waiting[ready]).any() else 0.0,
+                name=self.pool_name,
+            )
+            yield _gauge(
+                "llm_d_epp_average_kv_cache_utilization",
+                "Mean scraped KV-cache usage (0..1) over ready endpoints.",
+                float(np.nanmean(pool.kv_usage[ready])) if np.isfinite(pool.kv_usage[ready]).any() else 0.0,
+                name=self.pool_name,
+            )
+        per_endpoint = {
+            "pd_router_endpoint_queued_prefill_tokens": (
+                "Uncached prompt tokens we routed, not yet prefilled.",
+                pool.queued_prefill_tokens,
+            ),
+            "pd_router_endpoint_inflight_requests": (
+                "Requests we routed that are decoding here.",
+                pool.inflight_requests,
+            ),
+            "pd_router_endpoint_reserved_kv_tokens": (
+                "KV tokens reserved by requests we routed.",
+                pool.reserved_kv_tokens,
+            ),
+        }
+        for name, (doc, values) in per_endpoint.items():
+            family = GaugeMetricFamily(name, doc, labels=["endpoint", "role"])
+            for endpoint in pool.endpoints.values():
+                family.add_metric([endpoint.id, endpoint.role], float(values[endpoint.slot]))
+            yield family
+        ready_family = GaugeMetricFamily(
+            "pd_router_endpoint_ready", "1 if the endpoint may take traffic.", labels=["endpoint", "role"]
+        )
+        ready_set = set(ready.tolist())
+        for endpoint in pool.endpoints.values():
+            ready_family.add_metric([endpoint.id, endpoint.role], float(endpoint.slot in ready_set))
+        yield ready_family
+
+
+def _gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
