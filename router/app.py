@@ -12,11 +12,13 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import aiohttp
 from aiohttp import web
 
+from kvindex.base import PrefixIndex
 from kvindex.memory import MemoryPrefixIndex
 from router.config import PoolConfig
 from router.picker import Picker
@@ -28,14 +30,25 @@ from router.signals import RouterMetrics
 log = logging.getLogger(__name__)
 
 
+PickerFactory = Callable[[PoolConfig, Pool, PrefixIndex, int | None], Picker]
+
+
 class App:
-    def __init__(self, config: PoolConfig, *, pool_name: str = "pd-router", seed: int | None = None) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        pool_name: str = "pd-router",
+        seed: int | None = None,
+        picker_factory: PickerFactory = Picker,
+    ) -> None:
+        """``picker_factory`` lets benchmarks swap in baseline policies (same pool, same proxy)."""
         self.config = config
         self.pool = Pool(config.scrape)
         for endpoint in config.endpoints:
             self.pool.add(endpoint)
         self.index = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
-        self.picker = Picker(config, self.pool, self.index, seed=seed)
+        self.picker = picker_factory(config, self.pool, self.index, seed)
         self.metrics = RouterMetrics(self.pool, pool_name)
         self.ready = False
         self.proxy_port: int | None = None
