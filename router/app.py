@@ -108,7 +108,7 @@ class App:
             if endpoint.id not in self.pool.endpoints:
                 continue  # removed while the scrape was in flight
             if isinstance(result, ScrapeError):
-                self.pool.apply_scrape_failure(endpoint, str(result))
+                self.pool.record_failure(endpoint, str(result))
             else:
                 self.pool.apply_metrics(endpoint, result, now)
 

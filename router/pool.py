@@ -43,7 +43,7 @@ class Endpoint:
     link: str
     slot: int
     metrics: EngineMetrics | None = None
-    scrape_failures: int = 0
+    failures: int = 0  # consecutive failed scrapes or forwards
     last_error: str | None = None
 
     @property
@@ -232,10 +232,10 @@ class Pool:
     # -- scrape results -----------------------------------------------------------------------
     def apply_metrics(self, endpoint: Endpoint, metrics: EngineMetrics, now: float) -> None:
         slot = endpoint.slot
-        if endpoint.scrape_failures >= self.eject_after_failures or not self.scraped[slot]:
+        if endpoint.failures >= self.eject_after_failures or not self.scraped[slot]:
             log.info("endpoint %s is serving metrics; admitted to candidates", endpoint.id)
         endpoint.metrics = metrics
-        endpoint.scrape_failures = 0
+        endpoint.failures = 0
         endpoint.last_error = None
         self.scraped[slot] = True
         self.ejected[slot] = False
@@ -247,21 +247,22 @@ class Pool:
             self.kv_capacity_tokens[slot] = float(metrics.block_size * metrics.num_gpu_blocks)
 
     def eject(self, endpoint: Endpoint, reason: str) -> None:
-        """Take an endpoint out of the candidates now (a failed connect); the next good scrape returns it."""
+        """Take an endpoint out of the candidates now (connect refused); the next good scrape returns it."""
         if not self.ejected[endpoint.slot]:
             log.warning("endpoint %s ejected: %s", endpoint.id, reason)
         endpoint.last_error = reason
-        endpoint.scrape_failures = max(endpoint.scrape_failures, self.eject_after_failures)
+        endpoint.failures = max(endpoint.failures, self.eject_after_failures)
         self.ejected[endpoint.slot] = True
 
-    def apply_scrape_failure(self, endpoint: Endpoint, reason: str) -> None:
-        endpoint.scrape_failures += 1
+    def record_failure(self, endpoint: Endpoint, reason: str) -> None:
+        """A failed scrape or forward; ``eject_after_failures`` in a row take the endpoint out."""
+        endpoint.failures += 1
         endpoint.last_error = reason
-        if endpoint.scrape_failures == self.eject_after_failures:
+        if endpoint.failures == self.eject_after_failures:
             log.warning(
-                "endpoint %s ejected after %d failed scrapes: %s",
+                "endpoint %s ejected after %d failures in a row: %s",
                 endpoint.id,
-                endpoint.scrape_failures,
+                endpoint.failures,
                 reason,
             )
             self.ejected[endpoint.slot] = True

@@ -335,9 +335,12 @@ class Proxy:
     def _upstream_failed(self, exc: UpstreamError) -> None:
         log.warning("upstream %s failed: %s", exc.endpoint.id, exc.reason)
         self.metrics.upstream_errors.labels(endpoint=exc.endpoint.id).inc()
+        # Passive health: a refused connect means the pod is gone, so do not wait for the scraper;
+        # other failures (a reset keep-alive connection, a 5xx) only count towards ejection.
         if exc.connect:
-            # Passive health: do not wait for the scraper to notice a dead pod.
             self.pool.eject(exc.endpoint, exc.reason)
+        else:
+            self.pool.record_failure(exc.endpoint, exc.reason)
 
     async def _start_response(
         self,

@@ -136,7 +136,7 @@ class _PoolCollector:
         yield ready_family
 
 
-def _gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=list(labels))
+def _gauge(metric: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(metric, doc, labels=list(labels))
     family.add_metric(list(labels.values()), value)
     return family

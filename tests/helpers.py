@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from router.config import PoolConfig, parse_config
+from router.config import LinksConfig, PoolConfig, parse_config
 from router.pool import Pool
 from router.request import RouteRequest
 
@@ -74,3 +78,47 @@ def make_request(
         body={},
         **kw,
     )
+
+
+@contextlib.asynccontextmanager
+async def router_on_sim(
+    specs: list[Any], sections: dict[str, Any] | None = None, *, speed: float = 20.0
+) -> AsyncIterator[tuple[Any, Any, str]]:
+    """A simulated cluster and an ``App`` in front of it; yields (cluster, app, base_url)."""
+    from loadtests.cluster import engine_model_for, link_cost_from
+    from loadtests.simengine import SimCluster, TimeModel
+    from router.app import App
+
+    time_model = TimeModel(speed=speed)
+    specs = [dataclasses.replace(spec, time=time_model) for spec in specs]
+    sections = dict(sections or {})
+    links = LinksConfig.model_validate(sections.get("links", {}))
+    async with SimCluster(specs, link_cost_from(links)) as cluster:
+        endpoints = [
+            {"address": cluster.address(spec.name), "role": spec.role, "link": spec.link, "name": spec.name}
+            for spec in specs
+        ]
+        data = {
+            "model": "sim-model",
+            "endpoints": endpoints,
+            "engine": engine_model_for(time_model, specs[0].kv_bytes_per_token),
+            "scrape": {
+                "interval_ms": 50,
+                "timeout_ms": 300,
+                "stale_after_ms": 1000,
+                "eject_after_failures": 2,
+            },
+            "proxy": {"port": 0, "debug_headers": True, "drain_timeout_s": 2},
+            **sections,
+        }
+        async with App(parse_config(data), seed=0) as app:
+            yield cluster, app, f"http://127.0.0.1:{app.proxy_port}"
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
+    """Poll ``predicate`` on the event loop until it holds or the deadline passes."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.01)

@@ -154,7 +154,7 @@ def test_stale_and_ejected_endpoints_leave_and_come_back() -> None:
     pool.apply_metrics(pool.endpoints["d1"], Metrics(), stale_at)
     assert picker.pick(make_request(100), now=stale_at).decode.id == "d1"
     for _ in range(pool.eject_after_failures):
-        pool.apply_scrape_failure(pool.endpoints["d1"], "connection refused")
+        pool.record_failure(pool.endpoints["d1"], "connection refused")
     with pytest.raises(NoCapacity):
         picker.pick(make_request(100), now=stale_at)
     pool.apply_metrics(d0, Metrics(), stale_at)
