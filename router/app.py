@@ -58,6 +58,7 @@ class App:
     async def start(self) -> None:
         cfg = self.config
         stack = self._stack
+        self.picker.defer = asyncio.get_running_loop().call_soon
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0)
         session = await stack.enter_async_context(
             aiohttp.ClientSession(connector=connector, auto_decompress=False)

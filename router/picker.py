@@ -8,6 +8,7 @@ work to the pool before returning, so a burst between two scrapes spreads out in
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,6 +55,9 @@ class Picker:
         self._rng = np.random.default_rng(seed)
         self._links_version = -1
         self._params: CostParams | None = None
+        # How work that may follow a pick is run: at once by default; the App sets its event
+        # loop's ``call_soon`` so it runs right after the pick returns, off its latency.
+        self.defer: Callable[..., object] = _call_now
 
     def _cost_params(self) -> CostParams:
         # Rebuilt only when discovery adds a link label.
@@ -87,7 +91,7 @@ class Picker:
             self._links_version = len(self.pool.links)
         return self._params
 
-    def candidates(self, slots: np.ndarray, block_keys: np.ndarray) -> Candidates:
+    def candidates(self, slots: np.ndarray, cached_blocks: np.ndarray) -> Candidates:
         pool = self.pool
         return Candidates(
             slots=slots,
@@ -99,7 +103,7 @@ class Picker:
             reserved_kv_tokens=pool.reserved_kv_tokens[slots],
             inflight_requests=pool.inflight_requests[slots],
             link_index=pool.link_index[slots],
-            cached_blocks=self.index.match(block_keys, slots),
+            cached_blocks=cached_blocks,
         )
 
     def pick(self, request: RouteRequest, now: float | None = None) -> RouteDecision:
@@ -108,12 +112,14 @@ class Picker:
         slots = pool.candidate_slots(now)
         if request.subset is not None:
             slots = np.intersect1d(slots, pool.slots_of(request.subset), assume_unique=True)
-        params = self._cost_params()
-        cand = self.candidates(slots, request.block_keys)
-        prefill = cand.take(pool.can_prefill[slots])
-        decode = cand.take(pool.can_decode[slots])
+        cached = self.index.match(request.block_keys, slots)
+        is_prefill = pool.can_prefill[slots]
+        is_decode = pool.can_decode[slots]
+        prefill = self.candidates(slots[is_prefill], cached[is_prefill])
+        decode = self.candidates(slots[is_decode], cached[is_decode])
         if len(decode) == 0:
             raise NoCapacity("no admitted endpoint with fresh metrics can decode", retry_after_s=1.0)
+        params = self._cost_params()
         ctx = RequestCtx(
             prompt_tokens=request.prompt_tokens,
             max_tokens=request.max_tokens,
@@ -121,9 +127,11 @@ class Picker:
             typical_prompt_tokens=pool.typical_prompt_tokens,
         )
         costs = pair_costs(prefill, decode, ctx, params)
-        noisy = costs.cost * (1.0 + _TIE_JITTER * self._rng.random(costs.cost.shape))
-        best = int(np.argmin(noisy))
-        row, col = divmod(best, noisy.shape[1])
+        # Jitter per row and per column (not per cell: cheap at any size) breaks exact ties only.
+        rows, cols = costs.cost.shape
+        jitter = self._rng.random(rows + cols) * _TIE_JITTER
+        noisy = costs.cost * (1.0 + jitter[:rows, None] + jitter[None, rows:])
+        row, col = divmod(int(np.argmin(noisy)), cols)
         if not np.isfinite(noisy[row, col]):
             raise NoCapacity("no decode endpoint has KV room for this request", retry_after_s=1.0)
         ttft = float(costs.ttft_s[row, col])
@@ -145,8 +153,9 @@ class Picker:
     ) -> RouteDecision:
         by_slot = self.pool.by_slot
         d_slot = int(decode.slots[col])
-        p_slot = None if row == 0 else int(prefill.slots[row - 1])
-        breakdown = costs.breakdown(row, col)
+        p_index = int(costs.prefill_of[row, col])
+        p_slot = None if p_index < 0 else int(prefill.slots[p_index])
+        breakdown = costs.breakdown(row, col, request.prompt_tokens)
         reservation = self.pool.reserve(
             decode_slot=d_slot,
             prefill_slot=p_slot,
@@ -154,26 +163,24 @@ class Picker:
             kv_tokens=request.prompt_tokens + request.max_tokens,
         )
         self.pool.observe_prompt(request.prompt_tokens)
-        # Optimistic: the prompt's blocks will be on P, and on D once transferred.
+        # Optimistic: the prompt's blocks will be on P, and on D once transferred. Recording is
+        # the dearest step of a pick, so an event loop runs it right after the pick returns.
         if p_slot is not None:
-            self.index.record(p_slot, request.block_keys)
-        self.index.record(d_slot, request.block_keys)
+            self.defer(self.index.record, p_slot, request.block_keys)
+        self.defer(self.index.record, d_slot, request.block_keys)
 
         n = self.config.picker.fallbacks
-        decode_order = np.argsort(noisy.min(axis=0), kind="stable")
+        column_best = noisy.min(axis=0)
         decode_fallbacks = [
             by_slot[int(decode.slots[c])]
-            for c in decode_order[: n + 1]
-            if c != col and np.isfinite(noisy[:, c].min())
+            for c in np.argsort(column_best, kind="stable")[: n + 1]
+            if c != col and np.isfinite(column_best[c])
         ][:n]
-        prefill_fallbacks: list[Endpoint] = []
-        if p_slot is not None:
-            prefill_order = np.argsort(noisy[1:, col], kind="stable")
-            prefill_fallbacks = [
-                by_slot[int(prefill.slots[r])]
-                for r in prefill_order[: n + 1]
-                if r != row - 1 and np.isfinite(noisy[r + 1, col])
-            ][:n]
+        prefill_fallbacks = (
+            []
+            if p_slot is None
+            else [by_slot[int(prefill.slots[p])] for p in costs.prefill_order(col, p_index)[:n]]
+        )
         decode_ep = by_slot[d_slot]
         prefill_ep = None if p_slot is None else by_slot[p_slot]
         assert decode_ep is not None
@@ -207,6 +214,10 @@ class Picker:
         )
         if not prefill_open:
             decision.reservation.finish_prefill()
+
+
+def _call_now(fn: Callable[..., object], *args: object) -> None:
+    fn(*args)
 
 
 def _reason(decode: Endpoint, prefill: Endpoint | None, b: dict[str, float], prompt_tokens: int) -> str:

@@ -1,9 +1,9 @@
-"""The weighting: every scorer's term combined into one (1 + kp, kd) cost matrix, in SLO units.
+"""The weighting: every scorer's term combined into one cost matrix over (route, decode pod).
 
-Row 0 is "no prefill leg" (decode pod d computes the prompt itself); row 1 + i is the pair
-(prefill i, decode d). For a pair::
+Row 0 is "no prefill leg" (decode pod d computes the prompt itself). The other rows are prefill
+link classes: for a pair (P, D)::
 
-    ttft = w_queue * wait(P) + prefill(uncached on P) + w_link * transfer(P -> D)
+    ttft = w_queue * wait(P) + prefill(uncached on P) + w_link * transfer(link(P) -> D)
 
 and for the local row::
 
@@ -14,9 +14,11 @@ user-seconds count against this choice). Then::
 
     cost = ttft / ttft_slo + w_load * tpot(D) / tpot_slo + w_kv * kv_penalty(D)
 
-A decode pod the request would not fit on, and a pair that names one pod twice, cost +inf.
-Minimising this compares "skip the prefill leg" with every pair in one argmin, instead of fixed
-thresholds.
+The P×D matrix is reduced *exactly*: a pair's cost is ``a[P] + T[link(P), D] + c[D]``, so for each
+decode pod the best prefill pod of a link class is the class's cheapest ``a[P]`` (or its runner-up
+when the cheapest is that same pod). One row per class instead of one per pod keeps 512 endpoints
+at a (1 + classes) × 256 matrix. A decode pod the request would not fit on, and a pair without a
+distinct prefill pod, cost +inf. One argmin compares "skip the prefill leg" with every pair.
 """
 
 from __future__ import annotations
@@ -54,34 +56,55 @@ class CostParams:
 
 @dataclass(slots=True)
 class PairCosts:
-    cost: np.ndarray  # (1 + kp, kd), +inf where infeasible
-    ttft_s: np.ndarray  # (1 + kp, kd)
+    cost: np.ndarray  # (1 + L, kd), +inf where infeasible
+    ttft_s: np.ndarray  # (1 + L, kd)
+    prefill_of: np.ndarray  # (1 + L, kd) index into the prefill candidates; -1 = none
     tpot_s: np.ndarray  # (kd,)
-    wait_s: np.ndarray  # (1 + kp, 1): row 0 placeholder, see local_wait_s
-    local_wait_s: np.ndarray  # (kd,)
-    prefill_s: np.ndarray  # (1 + kp, 1)
-    local_prefill_s: np.ndarray  # (kd,)
-    interference_s: np.ndarray  # (kd,)
-    transfer_s: np.ndarray  # (1 + kp, kd), row 0 zero
     kv_penalty: np.ndarray  # (kd,)
-    cached_tokens: np.ndarray  # (1 + kp, kd): tokens credited to the prompt's computation
-    uncached_tokens: np.ndarray  # (1 + kp, kd)
+    local_wait_s: np.ndarray  # (kd,)
+    local_prefill_s: np.ndarray  # (kd,)
+    local_uncached: np.ndarray  # (kd,)
+    interference_s: np.ndarray  # (kd,)
+    prefill_cost_s: np.ndarray  # (kp,) w_queue * wait + prefill
+    prefill_wait_s: np.ndarray  # (kp,)
+    prefill_s: np.ndarray  # (kp,)
+    prefill_uncached: np.ndarray  # (kp,)
+    prefill_class: np.ndarray  # (kp,) row - 1 of each prefill candidate's link class
+    transfer_s: np.ndarray  # (L, kd)
+    link_weight: float
 
-    def breakdown(self, row: int, col: int) -> dict[str, float]:
+    def breakdown(self, row: int, col: int, prompt_tokens: int) -> dict[str, float]:
         """The terms behind one cell, for debug headers, logs and the demo's "why"."""
-        local = row == 0
+        if row == 0:
+            wait, prefill, uncached = (
+                self.local_wait_s[col],
+                self.local_prefill_s[col],
+                self.local_uncached[col],
+            )
+            transfer, interference = 0.0, self.interference_s[col]
+        else:
+            p = self.prefill_of[row, col]
+            wait, prefill, uncached = self.prefill_wait_s[p], self.prefill_s[p], self.prefill_uncached[p]
+            transfer, interference = self.transfer_s[row - 1, col], 0.0
         return {
             "cost": float(self.cost[row, col]),
             "ttft_s": float(self.ttft_s[row, col]),
             "tpot_s": float(self.tpot_s[col]),
-            "queue_wait_s": float(self.local_wait_s[col] if local else self.wait_s[row, 0]),
-            "prefill_s": float(self.local_prefill_s[col] if local else self.prefill_s[row, 0]),
-            "transfer_s": float(self.transfer_s[row, col]),
-            "interference_s": float(self.interference_s[col]) if local else 0.0,
+            "queue_wait_s": float(wait),
+            "prefill_s": float(prefill),
+            "transfer_s": float(transfer),
+            "interference_s": float(interference),
             "kv_penalty": float(self.kv_penalty[col]),
-            "cached_tokens": float(self.cached_tokens[row, col]),
-            "uncached_tokens": float(self.uncached_tokens[row, col]),
+            "cached_tokens": float(prompt_tokens - uncached),
+            "uncached_tokens": float(uncached),
         }
+
+    def prefill_order(self, col: int, exclude: int) -> np.ndarray:
+        """Prefill candidates ordered by pair cost with decode column ``col`` (``exclude`` left out)."""
+        pair = self.prefill_cost_s + self.link_weight * self.transfer_s[self.prefill_class, col]
+        pair[exclude] = np.inf
+        order = np.argsort(pair, kind="stable")
+        return order[np.isfinite(pair[order])]
 
 
 def pair_costs(prefill: Candidates, decode: Candidates, ctx: RequestCtx, params: CostParams) -> PairCosts:
@@ -90,45 +113,77 @@ def pair_costs(prefill: Candidates, decode: Candidates, ctx: RequestCtx, params:
     kd = len(decode)
 
     # Decode-side terms, shape (kd,).
-    tpot = load.tpot_s(decode, ctx, model)
-    kv_pen = kv_headroom.penalty(decode, ctx, params.kv_soft_threshold)
-    blocked = ~kv_headroom.fits(decode, ctx)
+    used = kv_headroom.used_tokens(decode)
+    batch = load.batch_size(decode)
+    tpot = load.tpot_s(decode, ctx, model, used, batch)
+    kv_pen = kv_headroom.penalty(decode, ctx, used, params.kv_soft_threshold)
     column = w.load * tpot / params.tpot_slo_s + w.kv * kv_pen
-    column[blocked] = np.inf
+    column[~kv_headroom.fits(decode, ctx, used)] = np.inf
 
-    # Local prefill (row 0).
+    # Row 0: the decode pod prefills locally.
     local_wait = queue.wait_s(decode, ctx, model)
-    local_trust = prefix.fairness_trust(local_wait, w.prefix, params.max_wait_skew_s)
-    local_uncached = prefix.uncached_tokens(decode, ctx, local_trust)
+    local_uncached = prefix.uncached_tokens(
+        decode, ctx, prefix.fairness_trust(local_wait, w.prefix, params.max_wait_skew_s)
+    )
     local_prefill = local_uncached / model.prefill_tokens_per_s
-    interference = params.local_prefill_interference * local_prefill * load.batch_size(decode)
+    interference = params.local_prefill_interference * local_prefill * batch
     local_ttft = w.queue * local_wait + local_prefill + interference
     if not params.allow_local_prefill and len(prefill):
         local_ttft = np.full(kd, np.inf)
 
-    # Pairs (rows 1..kp).
+    # Prefill pods, reduced to their link classes.
     p_wait = queue.wait_s(prefill, ctx, model)
-    p_trust = prefix.fairness_trust(p_wait, w.prefix, params.max_wait_skew_s)
-    p_uncached = prefix.uncached_tokens(prefill, ctx, p_trust)
+    p_uncached = prefix.uncached_tokens(
+        prefill, ctx, prefix.fairness_trust(p_wait, w.prefix, params.max_wait_skew_s)
+    )
     p_prefill = p_uncached / model.prefill_tokens_per_s
-    transfer = link.transfer_s(params.links, prefill, decode, ctx, model)
-    pair_ttft = (w.queue * p_wait + p_prefill)[:, None] + w.link * transfer
-    pair_ttft[prefill.slots[:, None] == decode.slots[None, :]] = np.inf
+    p_cost = w.queue * p_wait + p_prefill
+    classes, p_class, best, second = _best_two_per_class(p_cost, prefill.link_index)
+    transfer = link.transfer_s(params.links, classes, decode, ctx, model)
+    # Where a class's cheapest prefill pod is the decode pod itself (a prefill-decode pod in both
+    # sets), the pair uses the class's runner-up instead.
+    same_pod = prefill.slots[best][:, None] == decode.slots[None, :]
+    chosen = np.where(same_pod, second[:, None], best[:, None])
+    with np.errstate(invalid="ignore"):
+        pair_ttft = np.where(chosen >= 0, p_cost[chosen] + w.link * transfer, np.inf)
 
     ttft = np.vstack([local_ttft[None, :], pair_ttft])
-    cost = ttft / params.ttft_slo_s + column[None, :]
-    uncached = np.vstack([local_uncached[None, :], np.broadcast_to(p_uncached[:, None], pair_ttft.shape)])
     return PairCosts(
-        cost=cost,
+        cost=ttft / params.ttft_slo_s + column,
         ttft_s=ttft,
+        prefill_of=np.vstack([np.full((1, kd), -1), chosen]),
         tpot_s=tpot,
-        wait_s=np.concatenate([[0.0], p_wait])[:, None],
-        local_wait_s=local_wait,
-        prefill_s=np.concatenate([[0.0], p_prefill])[:, None],
-        local_prefill_s=local_prefill,
-        interference_s=interference,
-        transfer_s=np.vstack([np.zeros((1, kd)), transfer]),
         kv_penalty=kv_pen,
-        cached_tokens=ctx.prompt_tokens - uncached,
-        uncached_tokens=uncached,
+        local_wait_s=local_wait,
+        local_prefill_s=local_prefill,
+        local_uncached=local_uncached,
+        interference_s=interference,
+        prefill_cost_s=p_cost,
+        prefill_wait_s=p_wait,
+        prefill_s=p_prefill,
+        prefill_uncached=p_uncached,
+        prefill_class=p_class,
+        transfer_s=transfer,
+        link_weight=w.link,
     )
+
+
+def _best_two_per_class(
+    cost: np.ndarray, labels: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct label: (labels, class of each item, cheapest item, runner-up item or -1)."""
+    if cost.size == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, empty
+    order = np.lexsort((cost, labels))
+    sorted_labels = labels[order]
+    boundary = np.empty(len(order), dtype=bool)
+    boundary[0] = True
+    np.not_equal(sorted_labels[1:], sorted_labels[:-1], out=boundary[1:])
+    starts = np.flatnonzero(boundary)
+    classes = sorted_labels[starts]
+    best = order[starts]
+    ends = np.append(starts[1:], len(order))
+    second = np.where(ends - starts > 1, order[np.minimum(starts + 1, len(order) - 1)], -1)
+    item_class = np.searchsorted(classes, labels)
+    return classes, item_class, best, second

@@ -4,7 +4,7 @@
 they are newer), ``need = prompt_tokens + max_tokens``. A candidate whose known capacity cannot
 hold ``used + need`` is filtered out. The penalty is ``max(0, frac - soft) / (1 - soft)`` with
 ``frac = (used + need) / capacity``: 0 below the soft threshold, 1 at full. Units: a fraction of
-one TTFT SLO (the picker multiplies). Unknown usage is the pool's worst known usage; unknown
+one TTFT SLO (the weighting multiplies). Unknown usage is the pool's worst known usage; unknown
 capacity cannot be filtered and pays the penalty of the worst known fraction.
 """
 
@@ -17,23 +17,19 @@ from scorers.base import Candidates, RequestCtx, fill_unknown
 
 def used_tokens(cand: Candidates) -> np.ndarray:
     usage = fill_unknown(cand.kv_usage, worst=1.0)
-    scraped = np.nan_to_num(usage * cand.kv_capacity_tokens, nan=0.0)
-    return np.maximum(scraped, cand.reserved_kv_tokens)
+    # fmax ignores NaN: unknown capacity leaves our own reservations as the estimate.
+    return np.fmax(usage * cand.kv_capacity_tokens, cand.reserved_kv_tokens)
 
 
 def need_tokens(ctx: RequestCtx) -> int:
     return ctx.prompt_tokens + ctx.max_tokens
 
 
-def fill_fraction(cand: Candidates, ctx: RequestCtx) -> np.ndarray:
-    frac = (used_tokens(cand) + need_tokens(ctx)) / cand.kv_capacity_tokens
-    return fill_unknown(frac, worst=0.0)
-
-
-def fits(cand: Candidates, ctx: RequestCtx) -> np.ndarray:
+def fits(cand: Candidates, ctx: RequestCtx, used: np.ndarray) -> np.ndarray:
     """Bool mask: the request's KV would fit (unknown capacity counts as fitting)."""
-    return ~((used_tokens(cand) + need_tokens(ctx)) > cand.kv_capacity_tokens)
+    return ~((used + need_tokens(ctx)) > cand.kv_capacity_tokens)
 
 
-def penalty(cand: Candidates, ctx: RequestCtx, soft_threshold: float) -> np.ndarray:
-    return np.maximum(0.0, fill_fraction(cand, ctx) - soft_threshold) / (1.0 - soft_threshold)
+def penalty(cand: Candidates, ctx: RequestCtx, used: np.ndarray, soft_threshold: float) -> np.ndarray:
+    frac = fill_unknown((used + need_tokens(ctx)) / cand.kv_capacity_tokens, worst=0.0)
+    return np.maximum(0.0, frac - soft_threshold) / (1.0 - soft_threshold)

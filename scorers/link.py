@@ -1,9 +1,10 @@
-"""KV-transfer cost between a prefill and a decode candidate: a (kp, kd) matrix.
+"""KV-transfer cost from a prefill link class to each decode candidate: an (L, kd) matrix.
 
-``transfer[p, d] = latency[link_p, link_d] + bytes_d / bandwidth[link_p, link_d]`` where
+``transfer[l, d] = latency[l, link_d] + bytes_d / bandwidth[l, link_d]`` where
 ``bytes_d = (prompt_tokens - cached_on_d) * kv_bytes_per_token``: a decode pod that already holds
-the prompt's leading blocks (multi-turn chat) only receives the rest. Link labels index a square
-table built from configuration. Units: seconds.
+the prompt's leading blocks (multi-turn chat) only receives the rest. Rows are link *classes*
+(labels), not pods: every prefill pod with the same label pays the same transfer, which lets the
+picker reduce the P×D problem exactly to (link classes)×D. Units: seconds.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ def transfer_bytes(decode: Candidates, ctx: RequestCtx, model: EngineModel) -> n
 
 
 def transfer_s(
-    table: LinkTable, prefill: Candidates, decode: Candidates, ctx: RequestCtx, model: EngineModel
+    table: LinkTable, prefill_links: np.ndarray, decode: Candidates, ctx: RequestCtx, model: EngineModel
 ) -> np.ndarray:
-    rows, cols = np.ix_(prefill.link_index, decode.link_index)
+    """(len(prefill_links), kd) seconds to move this prompt's missing KV from each class to each D."""
+    rows, cols = np.ix_(prefill_links, decode.link_index)
     return (
         table.latency_s[rows, cols]
         + transfer_bytes(decode, ctx, model)[None, :] / table.bytes_per_s[rows, cols]

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from scorers import kv_headroom
 from scorers.base import Candidates, EngineModel, RequestCtx, fill_unknown
+from scorers.kv_headroom import need_tokens
 
 
 def batch_size(cand: Candidates) -> np.ndarray:
-    running = fill_unknown(cand.running, worst=0.0)
-    return np.maximum(running, cand.inflight_requests)
+    return np.maximum(fill_unknown(cand.running, worst=0.0), cand.inflight_requests)
 
 
-def tpot_s(cand: Candidates, ctx: RequestCtx, model: EngineModel) -> np.ndarray:
-    kv_tokens = kv_headroom.used_tokens(cand) + kv_headroom.need_tokens(ctx)
+def tpot_s(
+    cand: Candidates, ctx: RequestCtx, model: EngineModel, used_kv: np.ndarray, batch: np.ndarray
+) -> np.ndarray:
+    """``used_kv`` from ``kv_headroom.used_tokens``, ``batch`` from ``batch_size`` (computed once)."""
     return (
         model.decode_step_base_s
-        + model.decode_s_per_seq * (batch_size(cand) + 1.0)
-        + model.decode_s_per_kv_token * kv_tokens
+        + model.decode_s_per_seq * (batch + 1.0)
+        + model.decode_s_per_kv_token * (used_kv + need_tokens(ctx))
     )

@@ -15,8 +15,8 @@ from scorers.base import Candidates, RequestCtx
 
 
 def cached_tokens(cand: Candidates, ctx: RequestCtx) -> np.ndarray:
-    cached = cand.cached_blocks.astype(np.float64) * ctx.block_tokens
-    return np.clip(cached, 0.0, max(ctx.prompt_tokens - 1, 0))
+    # Block counts are never negative, so only the upper cap needs applying.
+    return np.minimum(cand.cached_blocks * float(ctx.block_tokens), max(ctx.prompt_tokens - 1, 0))
 
 
 def fairness_trust(wait_s: np.ndarray, weight: float, max_skew_s: float) -> np.ndarray:

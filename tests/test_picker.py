@@ -109,7 +109,7 @@ def test_unknown_metrics_count_as_the_pool_worst_not_as_idle() -> None:
     }
     picker = picker_for(endpoints, metrics)
     assert picker.pick(make_request(100), now=NOW).decode.id == "e2"
-    cand = picker.candidates(np.array([0, 1]), np.array([], dtype=np.uint64))
+    cand = picker.candidates(np.array([0, 1]), np.zeros(2, dtype=np.int32))
     from scorers import load, queue
 
     assert load.batch_size(cand)[0] == 30  # unknown running -> worst known (30), not 0
