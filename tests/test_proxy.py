@@ -171,11 +171,14 @@ async def test_dead_decode_pod_fails_over_before_the_first_byte() -> None:
 
 
 async def test_dead_prefill_pod_fails_over_to_the_next_prefill() -> None:
-    async with router_on_sim(PD_SPECS, {**ALWAYS_PAIR, "scrape": {"interval_ms": 60000}}) as (
-        cluster,
-        app,
-        base,
-    ), aiohttp.ClientSession() as http:
+    async with (
+        router_on_sim(PD_SPECS, {**ALWAYS_PAIR, "scrape": {"interval_ms": 60000}}) as (
+            cluster,
+            app,
+            base,
+        ),
+        aiohttp.ClientSession() as http,
+    ):
         await cluster.kill("p0")
         for _ in range(4):
             async with http.post(f"{base}/v1/completions", json=completion()) as resp:

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import numpy as np
+
+from scorers.base import Candidates, EngineModel, RequestCtx
+
+MODEL = EngineModel(
+    prefill_tokens_per_s=10000.0,
+    decode_step_base_s=0.004,
+    decode_s_per_seq=0.0002,
+    decode_s_per_kv_token=1e-7,
+    kv_bytes_per_token=100_000,
+)
+
+
+def cands(n: int = 3, **features: list[float]) -> Candidates:
+    """Candidates with idle, known defaults; override any feature with a list of n values."""
+    defaults: dict[str, np.ndarray] = {
+        "slots": np.arange(n),
+        "running": np.zeros(n),
+        "waiting": np.zeros(n),
+        "kv_usage": np.zeros(n),
+        "kv_capacity_tokens": np.full(n, 10000.0),
+        "queued_prefill_tokens": np.zeros(n),
+        "reserved_kv_tokens": np.zeros(n),
+        "inflight_requests": np.zeros(n, dtype=np.int64),
+        "link_index": np.zeros(n, dtype=np.int64),
+        "cached_blocks": np.zeros(n, dtype=np.int32),
+    }
+    for name, values in features.items():
+        defaults[name] = np.asarray(values, dtype=defaults[name].dtype)
+    return Candidates(**defaults)
+
+
+def ctx(prompt_tokens: int = 1000, max_tokens: int = 100) -> RequestCtx:
+    return RequestCtx(prompt_tokens, max_tokens, block_tokens=16, typical_prompt_tokens=500.0)
