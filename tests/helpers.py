@@ -87,7 +87,6 @@ async def router_on_sim(
     """A simulated cluster and an ``App`` in front of it; yields (cluster, app, base_url)."""
     from loadtests.cluster import engine_model_for, link_cost_from
     from loadtests.simengine import SimCluster, TimeModel
-    from router.app import App
 
     time_model = TimeModel(speed=speed)
     specs = [dataclasses.replace(spec, time=time_model) for spec in specs]
@@ -98,21 +97,21 @@ async def router_on_sim(
             {"address": cluster.address(spec.name), "role": spec.role, "link": spec.link, "name": spec.name}
             for spec in specs
         ]
-        data = {
-            "model": "sim-model",
-            "endpoints": endpoints,
-            "engine": engine_model_for(time_model, specs[0].kv_bytes_per_token),
-            "scrape": {
-                "interval_ms": 50,
-                "timeout_ms": 300,
-                "stale_after_ms": 1000,
-                "eject_after_failures": 2,
-            },
-            "proxy": {"port": 0, "debug_headers": True, "drain_timeout_s": 2},
-            **sections,
-        }
-        async with App(parse_config(data), seed=0) as app:
-            yield cluster, app, f"http://127.0.0.1:{app.proxy_port}"
+        data = {"endpoints": endpoints, "engine": engine_model_for(time_model, specs[0].kv_bytes_per_token)}
+        async with router_for({**data, **sections}) as (app, base):
+            yield cluster, app, base
+
+
+@contextlib.asynccontextmanager
+async def router_for(sections: dict[str, Any]) -> AsyncIterator[tuple[Any, str]]:
+    """An ``App`` on a free loopback port with test-friendly scrape settings; yields (app, base_url)."""
+    from router.app import App
+
+    scrape = {"interval_ms": 50, "timeout_ms": 300, "stale_after_ms": 1000, "eject_after_failures": 2}
+    proxy = {"port": 0, "debug_headers": True, "drain_timeout_s": 2}
+    data = {"model": "sim-model", "scrape": scrape, "proxy": proxy, **sections}
+    async with App(parse_config(data), seed=0) as app:
+        yield app, f"http://127.0.0.1:{app.proxy_port}"
 
 
 async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:

@@ -1,0 +1,108 @@
+"""``pd-router serve`` as a real process, and byte-exact stream pass-through."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from helpers import eventually, router_for
+
+from loadtests.simengine import EngineSpec, SimCluster, TimeModel
+
+pytestmark = pytest.mark.integration
+
+METRICS = (Path(__file__).parent / "data" / "vllm_metrics.txt").read_text()
+# Odd chunk boundaries, a multi-byte character split across chunks, and no trailing [DONE]
+# newline convention assumed: the proxy must not re-frame anything.
+CHUNKS = [b'data: {"choices":[{"text":"h', b"\xc3", b'\xa9llo"}]}\n', b"\n", b"data: [DONE]\n\n", b": tail\n"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _fixed_engine() -> tuple[web.AppRunner, str]:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=METRICS)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in CHUNKS:
+            await response.write(chunk)
+            await asyncio.sleep(0.005)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_stream_bytes_pass_through_unchanged() -> None:
+    runner, address = await _fixed_engine()
+    try:
+        endpoints = [{"address": address, "role": "prefill-decode"}]
+        async with router_for({"endpoints": endpoints}) as (_, base), aiohttp.ClientSession() as http:
+            body = {"model": "sim-model", "prompt": "hi", "stream": True}
+            async with http.post(f"http://{address}/v1/completions", json=body) as resp:
+                direct = await resp.read()
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.headers["Content-Type"] == "text/event-stream"
+                proxied = await resp.read()
+        assert direct == b"".join(CHUNKS)
+        assert proxied == direct
+    finally:
+        await runner.cleanup()
+
+
+async def test_serve_drains_in_flight_streams_on_sigterm(tmp_path: Path) -> None:
+    spec = EngineSpec("e0", "prefill-decode", time=TimeModel(speed=4.0))
+    async with SimCluster([spec]) as cluster:
+        port = _free_port()
+        config = tmp_path / "pool.yaml"
+        address = cluster.address("e0")
+        config.write_text(
+            f"model: sim-model\nendpoints:\n  - {{address: '{address}', role: prefill-decode}}\n"
+            f"proxy: {{port: {port}, drain_timeout_s: 20}}\nscrape: {{interval_ms: 100}}\n"
+        )
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.cli", "serve", "--config", str(config),
+            stderr=asyncio.subprocess.PIPE, env=env,
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            while b"proxy listening" not in (line := await asyncio.wait_for(proc.stderr.readline(), 20)):
+                assert line, "pd-router serve exited before listening"
+            async with aiohttp.ClientSession() as http:
+                body = {"model": "sim-model", "prompt": "drain me " * 20, "max_tokens": 200, "stream": True}
+                async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    await resp.content.readline()
+                    proc.send_signal(signal.SIGTERM)
+                    rest = await resp.read()
+                assert rest.rstrip().endswith(b"data: [DONE]")
+                assert rest.count(b'"text"') >= 190  # the stream finished, not cut
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    await http.get(f"http://127.0.0.1:{port}/health")
+            assert await asyncio.wait_for(proc.wait(), 20) == 0
+            await eventually(lambda: cluster.engines["e0"].num_running == 0, what="engine idle")
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
