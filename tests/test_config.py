@@ -73,3 +73,8 @@ def test_cli_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["check-config", "--config", str(good)]) == 0
     assert main(["check-config", "--config", str(good), "--set", "slo.tpot_ms=-1"]) == 2
     assert "slo.tpot_ms: Input should be greater than 0, got -1" in capsys.readouterr().err
+
+
+def test_the_example_pool_file_is_valid() -> None:
+    config = load_config(Path(__file__).parent.parent / "examples" / "pool.yaml")
+    assert {e.role for e in config.endpoints} == {"prefill", "decode"}
