@@ -133,7 +133,7 @@ class Picker:
         noisy = costs.cost * (1.0 + jitter[:rows, None] + jitter[None, rows:])
         row, col = divmod(int(np.argmin(noisy)), cols)
         if not np.isfinite(noisy[row, col]):
-            raise NoCapacity("no decode endpoint has KV room for this request", retry_after_s=1.0)
+            raise NoCapacity("no decode endpoint has the KV capacity for this request", retry_after_s=1.0)
         ttft = float(costs.ttft_s[row, col])
         if request.priority < 0 and ttft > self.config.picker.shed_ttft_factor * params.ttft_slo_s:
             raise Shed(
@@ -160,7 +160,7 @@ class Picker:
             decode_slot=d_slot,
             prefill_slot=p_slot,
             prefill_tokens=breakdown["uncached_tokens"],
-            kv_tokens=request.prompt_tokens + request.max_tokens,
+            kv_tokens=float(costs.kv_need[col]),
         )
         self.pool.observe_prompt(request.prompt_tokens)
         # Optimistic: the prompt's blocks will be on P, and on D once transferred. Recording is

@@ -17,7 +17,7 @@ user-seconds count against this choice). Then::
 The P×D matrix is reduced *exactly*: a pair's cost is ``a[P] + T[link(P), D] + c[D]``, so for each
 decode pod the best prefill pod of a link class is the class's cheapest ``a[P]`` (or its runner-up
 when the cheapest is that same pod). One row per class instead of one per pod keeps 512 endpoints
-at a (1 + classes) × 256 matrix. A decode pod the request would not fit on, and a pair without a
+at a (1 + classes) × 256 matrix. A decode pod the request could never fit on, and a pair without a
 distinct prefill pod, cost +inf. One argmin compares "skip the prefill leg" with every pair.
 """
 
@@ -61,6 +61,7 @@ class PairCosts:
     prefill_of: np.ndarray  # (1 + L, kd) index into the prefill candidates; -1 = none
     tpot_s: np.ndarray  # (kd,)
     kv_penalty: np.ndarray  # (kd,)
+    kv_need: np.ndarray  # (kd,) new KV tokens the request allocates on each decode pod
     local_wait_s: np.ndarray  # (kd,)
     local_prefill_s: np.ndarray  # (kd,)
     local_uncached: np.ndarray  # (kd,)
@@ -114,11 +115,12 @@ def pair_costs(prefill: Candidates, decode: Candidates, ctx: RequestCtx, params:
 
     # Decode-side terms, shape (kd,).
     used = kv_headroom.used_tokens(decode)
+    need = kv_headroom.need_tokens(decode, ctx)
     batch = load.batch_size(decode)
-    tpot = load.tpot_s(decode, ctx, model, used, batch)
-    kv_pen = kv_headroom.penalty(decode, ctx, used, params.kv_soft_threshold)
+    tpot = load.tpot_s(model, used + need, batch)
+    kv_pen = kv_headroom.penalty(decode, used, need, params.kv_soft_threshold)
     column = w.load * tpot / params.tpot_slo_s + w.kv * kv_pen
-    column[~kv_headroom.fits(decode, ctx, used)] = np.inf
+    column[~kv_headroom.fits(decode, need)] = np.inf
 
     # Row 0: the decode pod prefills locally.
     local_wait = queue.wait_s(decode, ctx, model)
@@ -154,6 +156,7 @@ def pair_costs(prefill: Candidates, decode: Candidates, ctx: RequestCtx, params:
         prefill_of=np.vstack([np.full((1, kd), -1), chosen]),
         tpot_s=tpot,
         kv_penalty=kv_pen,
+        kv_need=need,
         local_wait_s=local_wait,
         local_prefill_s=local_prefill,
         local_uncached=local_uncached,

@@ -1,11 +1,14 @@
-"""KV headroom on the decode pod: a hard filter plus a soft penalty near the edge.
+"""KV headroom on the decode pod: a hard filter for the impossible, a penalty that grows past full.
 
+``need = prompt_tokens - cached + max_tokens``: blocks the pod already holds for this prompt are
+shared, not allocated again (vLLM's prefix caching), so only the rest needs room.
 ``used = max(kv_usage * capacity, reserved_kv_tokens)`` (scraped usage, or our reservations when
-they are newer), ``need = prompt_tokens + max_tokens``. A candidate whose known capacity cannot
-hold ``used + need`` is filtered out. The penalty is ``max(0, frac - soft) / (1 - soft)`` with
-``frac = (used + need) / capacity``: 0 below the soft threshold, 1 at full. Units: a fraction of
-one TTFT SLO (the weighting multiplies). Unknown usage is the pool's worst known usage; unknown
-capacity cannot be filtered and pays the penalty of the worst known fraction.
+they are newer). With ``frac = (used + need) / capacity`` the penalty is
+``max(0, frac - soft) / (1 - soft)``: 0 below the soft threshold, 1 at exactly full, and growing
+beyond, because a pod that is full *now* queues the request until blocks free (that is a wait,
+not a refusal). Only a request that cannot fit in the pod's whole capacity is filtered out.
+Units: a fraction of one TTFT SLO (the weighting multiplies). Unknown usage is the pool's worst
+known usage; unknown capacity cannot be filtered and pays the worst known fraction.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from scorers.base import Candidates, RequestCtx, fill_unknown
+from scorers.prefix import cached_tokens
 
 
 def used_tokens(cand: Candidates) -> np.ndarray:
@@ -21,15 +25,16 @@ def used_tokens(cand: Candidates) -> np.ndarray:
     return np.fmax(usage * cand.kv_capacity_tokens, cand.reserved_kv_tokens)
 
 
-def need_tokens(ctx: RequestCtx) -> int:
-    return ctx.prompt_tokens + ctx.max_tokens
+def need_tokens(cand: Candidates, ctx: RequestCtx) -> np.ndarray:
+    """New KV tokens this request would allocate on each candidate."""
+    return ctx.prompt_tokens + ctx.max_tokens - cached_tokens(cand, ctx)
 
 
-def fits(cand: Candidates, ctx: RequestCtx, used: np.ndarray) -> np.ndarray:
-    """Bool mask: the request's KV would fit (unknown capacity counts as fitting)."""
-    return ~((used + need_tokens(ctx)) > cand.kv_capacity_tokens)
+def fits(cand: Candidates, need: np.ndarray) -> np.ndarray:
+    """Bool mask: the request could ever fit (unknown capacity counts as fitting)."""
+    return ~(need > cand.kv_capacity_tokens)
 
 
-def penalty(cand: Candidates, ctx: RequestCtx, used: np.ndarray, soft_threshold: float) -> np.ndarray:
-    frac = fill_unknown((used + need_tokens(ctx)) / cand.kv_capacity_tokens, worst=0.0)
+def penalty(cand: Candidates, used: np.ndarray, need: np.ndarray, soft_threshold: float) -> np.ndarray:
+    frac = fill_unknown((used + need) / cand.kv_capacity_tokens, worst=0.0)
     return np.maximum(0.0, frac - soft_threshold) / (1.0 - soft_threshold)

@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Candidates, EngineModel, RequestCtx, fill_unknown
-from scorers.kv_headroom import need_tokens
+from scorers.base import Candidates, EngineModel, fill_unknown
 
 
 def batch_size(cand: Candidates) -> np.ndarray:
     return np.maximum(fill_unknown(cand.running, worst=0.0), cand.inflight_requests)
 
 
-def tpot_s(
-    cand: Candidates, ctx: RequestCtx, model: EngineModel, used_kv: np.ndarray, batch: np.ndarray
-) -> np.ndarray:
-    """``used_kv`` from ``kv_headroom.used_tokens``, ``batch`` from ``batch_size`` (computed once)."""
+def tpot_s(model: EngineModel, kv_tokens: np.ndarray, batch: np.ndarray) -> np.ndarray:
+    """``kv_tokens``: resident KV including this request (used + need); ``batch``: ``batch_size``."""
     return (
         model.decode_step_base_s
         + model.decode_s_per_seq * (batch + 1.0)
-        + model.decode_s_per_kv_token * (used_kv + need_tokens(ctx))
+        + model.decode_s_per_kv_token * kv_tokens
     )

@@ -88,7 +88,7 @@ def test_fairness_cap_drops_locality_credit_on_an_overloaded_pod() -> None:
     assert decision.prefill.id == "p0"
 
 
-def test_decode_pod_without_kv_room_is_filtered_and_a_full_pool_is_no_capacity() -> None:
+def test_full_decode_pod_is_avoided_and_a_request_no_pod_can_hold_is_no_capacity() -> None:
     metrics = {
         "d0": Metrics(kv_usage=0.99, num_gpu_blocks=100),
         "d1": Metrics(kv_usage=0.1, num_gpu_blocks=100),
@@ -96,8 +96,19 @@ def test_decode_pod_without_kv_room_is_filtered_and_a_full_pool_is_no_capacity()
     picker = picker_for(PD, metrics)
     assert picker.pick(make_request(500), now=NOW).decode.id == "d1"
     with pytest.raises(NoCapacity) as err:
-        picker.pick(make_request(1580), now=NOW)  # 1580 + 16 > 1600 * 0.9 left on d1
+        picker.pick(make_request(1590), now=NOW)  # 1590 + 16 > 1600 tokens of capacity
     assert err.value.status == 503 and err.value.retry_after_s
+
+
+def test_kv_reservation_counts_only_blocks_the_decode_pod_does_not_hold() -> None:
+    index = DictIndex()
+    keys = list(range(1, 51))  # 800 tokens
+    picker = picker_for(PD, index=index)
+    d0 = picker.pool.endpoints["d0"]
+    index.record(d0.slot, np.array(keys, dtype=np.uint64))
+    decision = picker.pick(make_request(1000, keys, max_tokens=100), now=NOW)
+    assert decision.decode is d0
+    assert picker.pool.reserved_kv_tokens[d0.slot] == 1000 - 800 + 100
 
 
 def test_unknown_metrics_count_as_the_pool_worst_not_as_idle() -> None:
