@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import orjson
 
-from loadtests.client import Result, Summary
+from loadtests.client import Summary, run_workload, send
 from loadtests.cluster import engine_model_for, link_cost_from
 from loadtests.policies import POLICIES
 from loadtests.simengine import EngineSpec, SimCluster, TimeModel
@@ -210,77 +209,6 @@ def make_config(cluster: SimCluster, tm: TimeModel, links: dict[str, Any]) -> Po
     return parse_config(data)
 
 
-async def send_exact(session: aiohttp.ClientSession, base_url: str, item: WorkItem) -> Result:
-    """One streaming request; TTFT = the first chunk that carries generated text.
-
-    Not ``loadtests.client.send``: that counts any chunk with ``choices`` as the first token, and
-    a chat stream's first chunk is the empty ``{"role": "assistant", "content": ""}`` delta, sent
-    before the prompt is even scheduled, so chat TTFTs came out as ~1 ms whatever the load.
-    """
-    started = time.perf_counter()
-    first = last = 0.0
-    tokens = 0
-    usage: dict[str, Any] = {}
-    try:
-        async with session.post(base_url + item.path, json=item.body) as resp:
-            decode = resp.headers.get("x-pd-router-decode", "")
-            prefill = resp.headers.get("x-pd-router-prefill", "")
-            if resp.status != 200:
-                return Result(False, resp.status, error=(await resp.text())[:200])
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                event = orjson.loads(line[6:])
-                if "error" in event:
-                    return Result(False, resp.status, error=str(event["error"]))
-                if event.get("usage"):
-                    usage = event["usage"]
-                for choice in event.get("choices") or ():
-                    text = (
-                        choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                    )
-                    if text:
-                        now = time.perf_counter()
-                        first = first or now
-                        last = now
-                        tokens += 1
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return Result(False, 0, error=type(exc).__name__)
-    if not tokens:
-        return Result(False, 200, error="no tokens")
-    details = usage.get("prompt_tokens_details") or {}
-    return Result(
-        True,
-        200,
-        ttft_s=first - started,
-        tpot_s=(last - first) / (tokens - 1) if tokens > 1 else float("nan"),
-        latency_s=last - started,
-        prompt_tokens=usage.get("prompt_tokens", 0),
-        cached_tokens=details.get("cached_tokens", 0) or 0,
-        completion_tokens=usage.get("completion_tokens", tokens),
-        decode=decode,
-        prefill=prefill,
-    )
-
-
-async def run_open_loop(base_url: str, workload: Workload, name: str, timeout_s: float) -> Summary:
-    """Send every item at its arrival time (open loop) and wait for all of them (bounded)."""
-    summary = Summary(name)
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        start = time.perf_counter()
-
-        async def one(item: WorkItem) -> None:
-            delay = item.at_s - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            summary.results.append(await send_exact(session, base_url, item))
-
-        await asyncio.gather(*(one(item) for item in workload.items))
-        summary.wall_s = time.perf_counter() - start
-    return summary
-
-
 async def run_policy(
     scn: Scenario, policy: str, workload: Workload, tm: TimeModel, seed: int, timeout_s: float
 ) -> Summary:
@@ -290,7 +218,7 @@ async def run_policy(
         config = make_config(cluster, tm, links)
         async with App(config, seed=seed, picker_factory=POLICIES[policy]) as app:
             base = f"http://127.0.0.1:{app.proxy_port}"
-            run = run_open_loop(base, workload, policy, timeout_s)
+            run = run_workload(base, workload, name=policy, timeout_s=timeout_s)
             return await asyncio.wait_for(run, timeout=timeout_s + workload.items[-1].at_s + 10.0)
 
 
@@ -319,7 +247,7 @@ async def unloaded_ttft(scn: Scenario, tm: TimeModel, seed: int, k: int = 6) -> 
             base = f"http://127.0.0.1:{app.proxy_port}"
             for item in _sample(scn, k, seed):
                 for out in (cold, warm):
-                    result = await send_exact(session, base, item)
+                    result = await send(session, base, item)
                     if result.ok:
                         out.append(result.ttft_s)
                     await asyncio.sleep(0.05)  # let the engine and the router settle between requests

@@ -65,6 +65,10 @@ class Summary:
         return Counter(f"{r.prefill or '-'} -> {r.decode}" for r in self.ok)
 
 
+def _has_text(choice: dict) -> bool:
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
 async def send(session: aiohttp.ClientSession, base_url: str, item: WorkItem) -> Result:
     """One streaming request; TTFT is the first content chunk, TPOT the mean gap after it."""
     started = time.perf_counter()
@@ -86,7 +90,8 @@ async def send(session: aiohttp.ClientSession, base_url: str, item: WorkItem) ->
                     return Result(False, resp.status, error=str(event["error"]))
                 if event.get("usage"):
                     usage = event["usage"]
-                if event.get("choices"):
+                if any(_has_text(choice) for choice in event.get("choices") or ()):
+                    # The first chat chunk is an empty role delta sent before any work: not a token.
                     now = time.perf_counter()
                     first = first or now
                     last = now

@@ -157,9 +157,14 @@ class SimEngine:
         self._waiting: deque[_Request] = deque()
         self._transfer: set[_Request] = set()
         self._running: list[_Request] = []
+        # Blocks in use: private ones (partial tail, generated tokens) plus one per distinct full prompt
+        # block referenced by an admitted request. Like vLLM, requests share prompt blocks by hash.
         self._held = 0
-        # LRU of block key -> None; most recently used at the end.
+        self._refs: dict[int, int] = {}
+        # LRU of computed block key -> None; most recently used at the end. Keys that are also
+        # referenced are in use; the others are free blocks that keep their content until reused.
         self._cache: OrderedDict[int, None] = OrderedDict()
+        self._cached_and_referenced = 0
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
@@ -262,6 +267,8 @@ class SimEngine:
         self._transfer.clear()
         self._running.clear()
         self._held = 0
+        self._refs.clear()
+        self._cached_and_referenced = 0
         await runner.cleanup()
         log.info("sim engine %s stopped", self.spec.name)
 
@@ -556,8 +563,52 @@ class SimEngine:
         # Cached-but-unreferenced blocks are exactly the free blocks; running requests evict them.
         capacity = max(0, self.spec.num_gpu_blocks - self._held)
         cache = self._cache
-        while len(cache) > capacity:
-            cache.popitem(last=False)
+        refs = self._refs
+        skipped = 0
+        while len(cache) - self._cached_and_referenced > capacity and skipped < len(cache):
+            key = next(iter(cache))
+            if key in refs:  # in use: not evictable, look further
+                cache.move_to_end(key)
+                skipped += 1
+            else:
+                del cache[key]
+
+    def _reference(self, keys: list[int]) -> int:
+        """Reference a request's full prompt blocks; returns how many were not in use before."""
+        refs, cache = self._refs, self._cache
+        new = 0
+        for key in keys:
+            count = refs.get(key, 0)
+            refs[key] = count + 1
+            if not count:
+                new += 1
+                self._cached_and_referenced += key in cache
+        return new
+
+    def _release_refs(self, keys: list[int]) -> int:
+        """Drop a request's references; returns how many blocks are no longer in use."""
+        refs, cache = self._refs, self._cache
+        freed = 0
+        for key in keys:
+            count = refs[key] - 1
+            if count:
+                refs[key] = count
+            else:
+                del refs[key]
+                freed += 1
+                self._cached_and_referenced -= key in cache
+        return freed
+
+    def _private_blocks(self, req: _Request) -> int:
+        """Blocks only this request uses: its partial last prompt block and its generated tokens."""
+        return _blocks_for(req.prompt_tokens + req.generated + 1, self.spec.block_tokens) - len(
+            req.block_keys
+        )
+
+    def _free_request_blocks(self, req: _Request) -> None:
+        if req.blocks:  # admitted: it holds private blocks and prompt-block references
+            self._held -= req.blocks + self._release_refs(req.block_keys)
+            req.blocks = 0
 
     def _cache_match(self, keys: list[int]) -> int:
         cache = self._cache
@@ -570,8 +621,10 @@ class SimEngine:
         return hits
 
     def _cache_insert(self, keys: list[int]) -> None:
-        cache = self._cache
+        cache, refs = self._cache, self._refs
         for key in keys:
+            if key not in cache:
+                self._cached_and_referenced += key in refs
             cache[key] = None
             cache.move_to_end(key)
         self._trim_cache()
@@ -581,12 +634,14 @@ class SimEngine:
         bt = spec.block_tokens
         while self._waiting and len(self._running) + len(self._transfer) < spec.time.max_running:
             req = self._waiting[0]
-            need = _blocks_for(req.prompt_tokens + req.generated + 1, bt)
+            private = self._private_blocks(req)
+            refs = self._refs
+            need = private + sum(1 for key in req.block_keys if key not in refs)
             if need > self._free_blocks():
                 break  # FIFO: the head waits for KV, as vLLM's scheduler does without preemption room
             self._waiting.popleft()
-            req.blocks = need
-            self._held += need
+            req.blocks = private
+            self._held += private + self._reference(req.block_keys)
             self._trim_cache()
             hit_blocks = self._cache_match(req.block_keys)
             req.computed = min(hit_blocks * bt, req.target - 1)
@@ -638,8 +693,7 @@ class SimEngine:
     def _preempt(self, victim: _Request) -> None:
         # Recompute-style preemption: free everything, go back to the head of the queue.
         self._running.remove(victim)
-        self._held -= victim.blocks
-        victim.blocks = 0
+        self._free_request_blocks(victim)
         victim.computed = 0
         victim.target = victim.prompt_tokens + victim.generated
         victim.state = "waiting"
@@ -648,7 +702,7 @@ class SimEngine:
 
     def _grow(self, req: _Request) -> bool:
         """Make room for the token ``req`` emits this step; False when ``req`` itself was preempted."""
-        need = _blocks_for(req.prompt_tokens + req.generated + 1, self.spec.block_tokens) - req.blocks
+        need = self._private_blocks(req) - req.blocks
         while need > self._free_blocks():
             victim = self._running[-1]
             self._preempt(victim)
@@ -672,8 +726,7 @@ class SimEngine:
             self._transfer.discard(req)
         elif state == "running":
             self._running.remove(req)
-        self._held -= req.blocks
-        req.blocks = 0
+        self._free_request_blocks(req)
         self._trim_cache()
 
     def _emit(self, req: _Request, now: float) -> None:

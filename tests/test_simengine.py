@@ -527,3 +527,26 @@ async def test_run_sim_serves_until_cancelled(caplog: pytest.LogCaptureFixture) 
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert any("sim engine solo stopped" in r.getMessage() for r in caplog.records)
+
+
+async def test_running_requests_share_prompt_blocks_like_vllm(session: aiohttp.ClientSession) -> None:
+    spec = EngineSpec(name="e", role="prefill-decode", time=TimeModel(speed=2.0))
+    async with SimCluster([spec]) as c:
+        engine = c.engines["e"]
+        body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 200, "stream": True}
+
+        async def first_line() -> aiohttp.ClientResponse:
+            resp = await session.post(f"http://{c.address('e')}/v1/completions", json=body)
+            await resp.content.readline()
+            return resp
+
+        one = await first_line()
+        alone = engine.kv_blocks_used
+        two = await first_line()
+        assert engine.num_running == 2
+        # The second request adds only its private tail and generated blocks, not the ~31 prompt blocks.
+        assert engine.kv_blocks_used - alone < 5 < alone
+        one.close()
+        two.close()
+        await wait_until(lambda: _async(engine.num_running == 0))
+        assert engine.kv_blocks_used == 0
