@@ -103,6 +103,7 @@ class Picker:
             reserved_kv_tokens=pool.reserved_kv_tokens[slots],
             inflight_requests=pool.inflight_requests[slots],
             link_index=pool.link_index[slots],
+            decodes=pool.can_decode[slots],
             cached_blocks=cached_blocks,
         )
 

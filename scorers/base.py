@@ -27,6 +27,7 @@ class Candidates:
     reserved_kv_tokens: np.ndarray  # our reservations: prompt + max_tokens of requests in flight
     inflight_requests: np.ndarray  # our reservations: requests decoding here
     link_index: np.ndarray  # index into the link table
+    decodes: np.ndarray  # bool: the pod runs decodes (a prefill there stalls them)
     cached_blocks: np.ndarray  # longest cached prefix of this prompt, in blocks
 
     def __len__(self) -> int:

@@ -3,14 +3,17 @@
 Row 0 is "no prefill leg" (decode pod d computes the prompt itself). The other rows are prefill
 link classes: for a pair (P, D)::
 
-    ttft = w_queue * wait(P) + prefill(uncached on P) + w_link * transfer(link(P) -> D)
+    ttft = w_queue * wait(P) + prefill(uncached on P) + stall(P) + w_link * transfer(link(P) -> D) + step(D)
 
 and for the local row::
 
-    ttft = w_queue * wait(D) + prefill(uncached on D) + interference * prefill(D) * batch(D)
+    ttft = w_queue * wait(D) + prefill(uncached on D) + stall(D)
 
-(a prefill on a decode pod stalls each of its running decodes for as long as it takes, and those
-user-seconds count against this choice). Then::
+``stall(X) = interference * prefill(X) * batch(X)``: a prefill on a pod that also decodes (role
+``prefill-decode``, or D itself) stalls each of its running decodes for as long as it takes, and
+those user-seconds count against the choice; prefill-only pods have no decodes to stall. A pair's
+first token comes from D's next step after the KV arrived, hence ``step(D)`` (the predicted TPOT).
+Then::
 
     cost = ttft / ttft_slo + w_load * tpot(D) / tpot_slo + w_kv * kv_penalty(D)
 
@@ -66,7 +69,8 @@ class PairCosts:
     local_prefill_s: np.ndarray  # (kd,)
     local_uncached: np.ndarray  # (kd,)
     interference_s: np.ndarray  # (kd,)
-    prefill_cost_s: np.ndarray  # (kp,) w_queue * wait + prefill
+    prefill_cost_s: np.ndarray  # (kp,) w_queue * wait + prefill + stall
+    prefill_stall_s: np.ndarray  # (kp,)
     prefill_wait_s: np.ndarray  # (kp,)
     prefill_s: np.ndarray  # (kp,)
     prefill_uncached: np.ndarray  # (kp,)
@@ -86,7 +90,7 @@ class PairCosts:
         else:
             p = self.prefill_of[row, col]
             wait, prefill, uncached = self.prefill_wait_s[p], self.prefill_s[p], self.prefill_uncached[p]
-            transfer, interference = self.transfer_s[row - 1, col], 0.0
+            transfer, interference = self.transfer_s[row - 1, col], self.prefill_stall_s[p]
         return {
             "cost": float(self.cost[row, col]),
             "ttft_s": float(self.ttft_s[row, col]),
@@ -102,7 +106,11 @@ class PairCosts:
 
     def prefill_order(self, col: int, exclude: int) -> np.ndarray:
         """Prefill candidates ordered by pair cost with decode column ``col`` (``exclude`` left out)."""
-        pair = self.prefill_cost_s + self.link_weight * self.transfer_s[self.prefill_class, col]
+        pair = (
+            self.prefill_cost_s
+            + self.link_weight * self.transfer_s[self.prefill_class, col]
+            + self.tpot_s[col]
+        )
         pair[exclude] = np.inf
         order = np.argsort(pair, kind="stable")
         return order[np.isfinite(pair[order])]
@@ -139,7 +147,12 @@ def pair_costs(prefill: Candidates, decode: Candidates, ctx: RequestCtx, params:
         prefill, ctx, prefix.fairness_trust(p_wait, w.prefix, params.max_wait_skew_s)
     )
     p_prefill = p_uncached / model.prefill_tokens_per_s
-    p_cost = w.queue * p_wait + p_prefill
+    p_stall = (
+        params.local_prefill_interference
+        * p_prefill
+        * np.where(prefill.decodes, load.batch_size(prefill), 0.0)
+    )
+    p_cost = w.queue * p_wait + p_prefill + p_stall
     classes, p_class, best, second = _best_two_per_class(p_cost, prefill.link_index)
     transfer = link.transfer_s(params.links, classes, decode, ctx, model)
     # Where a class's cheapest prefill pod is the decode pod itself (a prefill-decode pod in both
@@ -147,7 +160,7 @@ def pair_costs(prefill: Candidates, decode: Candidates, ctx: RequestCtx, params:
     same_pod = prefill.slots[best][:, None] == decode.slots[None, :]
     chosen = np.where(same_pod, second[:, None], best[:, None])
     with np.errstate(invalid="ignore"):
-        pair_ttft = np.where(chosen >= 0, p_cost[chosen] + w.link * transfer, np.inf)
+        pair_ttft = np.where(chosen >= 0, p_cost[chosen] + w.link * transfer + tpot, np.inf)
 
     ttft = np.vstack([local_ttft[None, :], pair_ttft])
     return PairCosts(
@@ -162,6 +175,7 @@ def pair_costs(prefill: Candidates, decode: Candidates, ctx: RequestCtx, params:
         local_uncached=local_uncached,
         interference_s=interference,
         prefill_cost_s=p_cost,
+        prefill_stall_s=p_stall,
         prefill_wait_s=p_wait,
         prefill_s=p_prefill,
         prefill_uncached=p_uncached,

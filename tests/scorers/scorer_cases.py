@@ -25,6 +25,7 @@ def cands(n: int = 3, **features: list[float]) -> Candidates:
         "reserved_kv_tokens": np.zeros(n),
         "inflight_requests": np.zeros(n, dtype=np.int64),
         "link_index": np.zeros(n, dtype=np.int64),
+        "decodes": np.zeros(n, dtype=bool),
         "cached_blocks": np.zeros(n, dtype=np.int32),
     }
     for name, values in features.items():

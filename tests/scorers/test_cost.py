@@ -31,7 +31,7 @@ def brute_force(prefill, decode, c, p) -> np.ndarray:
             if prefill.slots[i] == decode.slots[j]:
                 continue
             transfer = costs.transfer_s[costs.prefill_class[i], j]
-            ttft = costs.prefill_cost_s[i] + transfer
+            ttft = costs.prefill_cost_s[i] + transfer + costs.tpot_s[j]
             column = costs.cost[0, j] - costs.ttft_s[0, j] / p.ttft_slo_s
             full[i, j] = ttft / p.ttft_slo_s + column
     return full
@@ -70,6 +70,15 @@ def test_local_prefill_pays_for_stalling_the_running_batch() -> None:
     c = ctx(2000)
     assert pair_costs(no_prefill, busy, c, params()).interference_s[0] > 0
     assert pair_costs(no_prefill, idle, c, params()).interference_s[0] == 0
+
+
+def test_a_prefill_on_a_pod_that_also_decodes_pays_for_its_stall_too() -> None:
+    decode = cands(1, slots=[9])
+    prefill_only = cands(1, running=[30], decodes=[False])
+    both_roles = cands(1, running=[30], decodes=[True])
+    c = ctx(2000)
+    assert pair_costs(prefill_only, decode, c, params()).prefill_stall_s[0] == 0
+    assert pair_costs(both_roles, decode, c, params()).prefill_stall_s[0] > 0
 
 
 def test_disallowing_local_prefill_leaves_only_pairs() -> None:
