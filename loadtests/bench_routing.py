@@ -128,7 +128,7 @@ SCENARIOS: dict[str, Scenario] = {
         _pd_pool,
         _shared(A_PREFIXES, A_PREFIX_TOKENS, A_SUFFIX_TOKENS, A_MAX_TOKENS),
         ["round-robin", "least-loaded", "pd-router"],
-        rate=26.0,
+        rate=40.0,
         requests=600,
         params=(
             f"{A_PREFIXES} prefixes × {A_PREFIX_TOKENS} tok + {A_SUFFIX_TOKENS} tok question, "
@@ -141,7 +141,7 @@ SCENARIOS: dict[str, Scenario] = {
         _pd_pool,
         _chat,
         ["round-robin", "least-loaded", "pd-router"],
-        rate=42.0,
+        rate=50.0,
         requests=600,
         params=(
             f"{B_TURNS} turns/session, system {B_SYSTEM} tok, user {B_USER} tok/turn, "
