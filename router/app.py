@@ -60,9 +60,11 @@ class App:
         stack = self._stack
         self.picker.defer = asyncio.get_running_loop().call_soon
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0)
-        session = await stack.enter_async_context(
-            aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # A proxy must not keep cookies: one client's Set-Cookie would ride along on others' requests.
+        client = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         )
+        session = await stack.enter_async_context(client)
         self._scraper = Scraper(session, cfg.scrape.timeout_ms / 1000.0)
         await self.scrape_once()
         scrape_task = asyncio.create_task(self._scrape_loop(), name="scrape-loop")

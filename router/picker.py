@@ -113,12 +113,9 @@ class Picker:
         slots = pool.candidate_slots(now)
         if request.subset is not None:
             slots = np.intersect1d(slots, pool.slots_of(request.subset), assume_unique=True)
-        cached = self.index.match(request.block_keys, slots)
-        is_prefill = pool.can_prefill[slots]
+        cand = self.candidates(slots, self.index.match(request.block_keys, slots))
         is_decode = pool.can_decode[slots]
-        prefill = self.candidates(slots[is_prefill], cached[is_prefill])
-        decode = self.candidates(slots[is_decode], cached[is_decode])
-        if len(decode) == 0:
+        if not is_decode.any():
             raise NoCapacity("no admitted endpoint with fresh metrics can decode", retry_after_s=1.0)
         params = self._cost_params()
         ctx = RequestCtx(
@@ -127,7 +124,7 @@ class Picker:
             block_tokens=self.block_tokens,
             typical_prompt_tokens=pool.typical_prompt_tokens,
         )
-        costs = pair_costs(prefill, decode, ctx, params)
+        costs = pair_costs(cand, pool.can_prefill[slots], is_decode, ctx, params)
         # Jitter per row and per column (not per cell: cheap at any size) breaks exact ties only.
         rows, cols = costs.cost.shape
         jitter = self._rng.random(rows + cols) * _TIE_JITTER
@@ -140,28 +137,28 @@ class Picker:
             raise Shed(
                 f"pool saturated: predicted TTFT {ttft:.2f}s for a sheddable request", retry_after_s=1.0
             )
-        return self._decide(request, prefill, decode, costs, noisy, row, col)
+        return self._decide(request, cand.slots, costs, noisy, row, col)
 
     def _decide(
         self,
         request: RouteRequest,
-        prefill: Candidates,
-        decode: Candidates,
+        slots: np.ndarray,
         costs: PairCosts,
         noisy: np.ndarray,
         row: int,
         col: int,
     ) -> RouteDecision:
         by_slot = self.pool.by_slot
-        d_slot = int(decode.slots[col])
-        p_index = int(costs.prefill_of[row, col])
-        p_slot = None if p_index < 0 else int(prefill.slots[p_index])
+        d_pos = int(costs.decode[col])
+        p_pos = int(costs.prefill_of[row, col])
+        d_slot = int(slots[d_pos])
+        p_slot = None if p_pos < 0 else int(slots[p_pos])
         breakdown = costs.breakdown(row, col, request.prompt_tokens)
         reservation = self.pool.reserve(
             decode_slot=d_slot,
             prefill_slot=p_slot,
             prefill_tokens=breakdown["uncached_tokens"],
-            kv_tokens=float(costs.kv_need[col]),
+            kv_tokens=float(costs.kv_need[d_pos]),
         )
         self.pool.observe_prompt(request.prompt_tokens)
         # Optimistic: the prompt's blocks will be on P, and on D once transferred. Recording is
@@ -173,14 +170,12 @@ class Picker:
         n = self.config.picker.fallbacks
         column_best = noisy.min(axis=0)
         decode_fallbacks = [
-            by_slot[int(decode.slots[c])]
+            by_slot[int(slots[costs.decode[c]])]
             for c in np.argsort(column_best, kind="stable")[: n + 1]
             if c != col and np.isfinite(column_best[c])
         ][:n]
         prefill_fallbacks = (
-            []
-            if p_slot is None
-            else [by_slot[int(prefill.slots[p])] for p in costs.prefill_order(col, p_index)[:n]]
+            [] if p_slot is None else [by_slot[int(slots[p])] for p in costs.prefill_order(col, p_pos)[:n]]
         )
         decode_ep = by_slot[d_slot]
         prefill_ep = None if p_slot is None else by_slot[p_slot]

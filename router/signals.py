@@ -60,13 +60,16 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_PoolCollector(pool, pool_name))
+        # Label children bound once per value: ``labels()`` costs a lock and a tuple per call.
+        self._decision_children: dict[str, Counter] = {}
+        self._request_children: dict[str, Counter] = {}
 
     def observe_pick(self, decision: RouteDecision, seconds: float) -> None:
         self.pick_duration.observe(seconds)
-        self.decisions.labels(kind=decision.kind).inc()
+        _child(self._decision_children, self.decisions, decision.kind).inc()
 
     def observe_request(self, outcome: str, seconds: float) -> None:
-        self.requests.labels(outcome=outcome).inc()
+        _child(self._request_children, self.requests, outcome).inc()
         self.request_duration.observe(seconds)
 
     def exposition(self) -> tuple[bytes, str]:
@@ -134,6 +137,13 @@ class _PoolCollector:
         for endpoint in pool.endpoints.values():
             ready_family.add_metric([endpoint.id, endpoint.role], float(endpoint.slot in ready_set))
         yield ready_family
+
+
+def _child(children: dict[str, Counter], metric: Counter, value: str) -> Counter:
+    child = children.get(value)
+    if child is None:
+        child = children[value] = metric.labels(value)
+    return child
 
 
 def _gauge(metric: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:

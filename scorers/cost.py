@@ -59,128 +59,130 @@ class CostParams:
 
 @dataclass(slots=True)
 class PairCosts:
+    """The matrix and the per-candidate terms behind it.
+
+    Per-candidate vectors have shape (k,) over *all* candidates; ``prefill``/``decode`` are the
+    positions of the prefill-capable and decode-capable ones (a ``prefill-decode`` pod is in both).
+    """
+
     cost: np.ndarray  # (1 + L, kd), +inf where infeasible
     ttft_s: np.ndarray  # (1 + L, kd)
-    prefill_of: np.ndarray  # (1 + L, kd) index into the prefill candidates; -1 = none
-    tpot_s: np.ndarray  # (kd,)
-    kv_penalty: np.ndarray  # (kd,)
-    kv_need: np.ndarray  # (kd,) new KV tokens the request allocates on each decode pod
-    local_wait_s: np.ndarray  # (kd,)
-    local_prefill_s: np.ndarray  # (kd,)
-    local_uncached: np.ndarray  # (kd,)
-    interference_s: np.ndarray  # (kd,)
-    prefill_cost_s: np.ndarray  # (kp,) w_queue * wait + prefill + stall
-    prefill_stall_s: np.ndarray  # (kp,)
-    prefill_wait_s: np.ndarray  # (kp,)
-    prefill_s: np.ndarray  # (kp,)
-    prefill_uncached: np.ndarray  # (kp,)
-    prefill_class: np.ndarray  # (kp,) row - 1 of each prefill candidate's link class
+    prefill_of: np.ndarray  # (1 + L, kd) candidate position of the pair's prefill pod; -1 = none
+    prefill: np.ndarray  # (kp,) candidate positions
+    decode: np.ndarray  # (kd,) candidate positions
+    prefill_class: np.ndarray  # (kp,) row - 1 of each prefill pod's link class
     transfer_s: np.ndarray  # (L, kd)
+    route_s: np.ndarray  # (k,) w_queue * wait + prefill + stall, with this pod doing the prefill
+    wait_s: np.ndarray  # (k,)
+    prefill_s: np.ndarray  # (k,)
+    stall_s: np.ndarray  # (k,)
+    uncached: np.ndarray  # (k,)
+    tpot_s: np.ndarray  # (k,)
+    kv_penalty: np.ndarray  # (k,)
+    kv_need: np.ndarray  # (k,) new KV tokens the request would allocate there
     link_weight: float
 
     def breakdown(self, row: int, col: int, prompt_tokens: int) -> dict[str, float]:
         """The terms behind one cell, for debug headers, logs and the demo's "why"."""
-        if row == 0:
-            wait, prefill, uncached = (
-                self.local_wait_s[col],
-                self.local_prefill_s[col],
-                self.local_uncached[col],
-            )
-            transfer, interference = 0.0, self.interference_s[col]
-        else:
-            p = self.prefill_of[row, col]
-            wait, prefill, uncached = self.prefill_wait_s[p], self.prefill_s[p], self.prefill_uncached[p]
-            transfer, interference = self.transfer_s[row - 1, col], self.prefill_stall_s[p]
+        d = self.decode[col]
+        p = d if row == 0 else self.prefill_of[row, col]
         return {
             "cost": float(self.cost[row, col]),
             "ttft_s": float(self.ttft_s[row, col]),
-            "tpot_s": float(self.tpot_s[col]),
-            "queue_wait_s": float(wait),
-            "prefill_s": float(prefill),
-            "transfer_s": float(transfer),
-            "interference_s": float(interference),
-            "kv_penalty": float(self.kv_penalty[col]),
-            "cached_tokens": float(prompt_tokens - uncached),
-            "uncached_tokens": float(uncached),
+            "tpot_s": float(self.tpot_s[d]),
+            "queue_wait_s": float(self.wait_s[p]),
+            "prefill_s": float(self.prefill_s[p]),
+            "transfer_s": 0.0 if row == 0 else float(self.transfer_s[row - 1, col]),
+            "interference_s": float(self.stall_s[p]),
+            "kv_penalty": float(self.kv_penalty[d]),
+            "cached_tokens": float(prompt_tokens - self.uncached[p]),
+            "uncached_tokens": float(self.uncached[p]),
         }
 
     def prefill_order(self, col: int, exclude: int) -> np.ndarray:
-        """Prefill candidates ordered by pair cost with decode column ``col`` (``exclude`` left out)."""
-        pair = (
-            self.prefill_cost_s
-            + self.link_weight * self.transfer_s[self.prefill_class, col]
-            + self.tpot_s[col]
-        )
-        pair[exclude] = np.inf
+        """Candidate positions of prefill pods by pair cost with decode column ``col``, best first.
+
+        ``exclude`` (a candidate position: the chosen prefill pod) and the decode pod itself are
+        left out.
+        """
+        pair = self.route_s[self.prefill] + self.link_weight * self.transfer_s[self.prefill_class, col]
+        pair[(self.prefill == exclude) | (self.prefill == self.decode[col])] = np.inf
         order = np.argsort(pair, kind="stable")
-        return order[np.isfinite(pair[order])]
+        return self.prefill[order[np.isfinite(pair[order])]]
 
 
-def pair_costs(prefill: Candidates, decode: Candidates, ctx: RequestCtx, params: CostParams) -> PairCosts:
+def pair_costs(
+    cand: Candidates, is_prefill: np.ndarray, is_decode: np.ndarray, ctx: RequestCtx, params: CostParams
+) -> PairCosts:
+    """Every term once over all k candidates, then the (1 + L, kd) matrix from slices of them."""
     w = params.weights
     model = params.model
-    kd = len(decode)
 
-    # Decode-side terms, shape (kd,).
-    used = kv_headroom.used_tokens(decode)
-    need = kv_headroom.need_tokens(decode, ctx)
-    batch = load.batch_size(decode)
-    tpot = load.tpot_s(model, used + need, batch)
-    kv_pen = kv_headroom.penalty(decode, used, need, params.kv_soft_threshold)
-    column = w.load * tpot / params.tpot_slo_s + w.kv * kv_pen
-    column[~kv_headroom.fits(decode, need)] = np.inf
-
-    # Row 0: the decode pod prefills locally.
-    local_wait = queue.wait_s(decode, ctx, model)
-    local_uncached = prefix.uncached_tokens(
-        decode, ctx, prefix.fairness_trust(local_wait, w.prefix, params.max_wait_skew_s)
+    # What it costs for each pod to compute this prompt: queue, uncached prefill, and the stall it
+    # inflicts on the pod's own running decodes (zero on prefill-only pods).
+    cached = prefix.cached_tokens(cand, ctx)
+    wait = queue.wait_s(cand, ctx, model)
+    uncached = prefix.uncached_tokens(
+        cached, ctx, prefix.fairness_trust(wait, w.prefix, params.max_wait_skew_s)
     )
-    local_prefill = local_uncached / model.prefill_tokens_per_s
-    interference = params.local_prefill_interference * local_prefill * batch
-    local_ttft = w.queue * local_wait + local_prefill + interference
+    prefill_time = uncached / model.prefill_tokens_per_s
+    batch = load.batch_size(cand)
+    stall = params.local_prefill_interference * prefill_time * np.where(cand.decodes, batch, 0.0)
+    route = w.queue * wait + prefill_time + stall
+
+    # What it costs for each pod to decode it: TPOT with it added, KV headroom.
+    used = kv_headroom.used_tokens(cand)
+    need = kv_headroom.need_tokens(cached, ctx)
+    tpot = load.tpot_s(model, used + need, batch)
+    kv_pen = kv_headroom.penalty(cand, used, need, params.kv_soft_threshold)
+    column_all = w.load * tpot / params.tpot_slo_s + w.kv * kv_pen
+    column_all[~kv_headroom.fits(cand, need)] = np.inf
+
+    decode = np.flatnonzero(is_decode)
+    prefill = np.flatnonzero(is_prefill)
+    kd = len(decode)
+    column = column_all[decode]
+    d_tpot = tpot[decode]
+
+    # Row 0: the decode pod prefills itself.
+    local_ttft = route[decode]
     if not params.allow_local_prefill and len(prefill):
         local_ttft = np.full(kd, np.inf)
 
-    # Prefill pods, reduced to their link classes.
-    p_wait = queue.wait_s(prefill, ctx, model)
-    p_uncached = prefix.uncached_tokens(
-        prefill, ctx, prefix.fairness_trust(p_wait, w.prefix, params.max_wait_skew_s)
-    )
-    p_prefill = p_uncached / model.prefill_tokens_per_s
-    p_stall = (
-        params.local_prefill_interference
-        * p_prefill
-        * np.where(prefill.decodes, load.batch_size(prefill), 0.0)
-    )
-    p_cost = w.queue * p_wait + p_prefill + p_stall
-    classes, p_class, best, second = _best_two_per_class(p_cost, prefill.link_index)
-    transfer = link.transfer_s(params.links, classes, decode, ctx, model)
+    # Pairs, reduced to the prefill pods' link classes.
+    p_route = route[prefill]
+    classes, p_class, best, second = _best_two_per_class(p_route, cand.link_index[prefill])
+    decode_bytes = link.transfer_bytes(cached[decode], ctx, model)
+    transfer = link.transfer_s(params.links, classes, cand.link_index[decode], decode_bytes)
     # Where a class's cheapest prefill pod is the decode pod itself (a prefill-decode pod in both
     # sets), the pair uses the class's runner-up instead.
-    same_pod = prefill.slots[best][:, None] == decode.slots[None, :]
+    same_pod = prefill[best][:, None] == decode[None, :]
     chosen = np.where(same_pod, second[:, None], best[:, None])
     with np.errstate(invalid="ignore"):
-        pair_ttft = np.where(chosen >= 0, p_cost[chosen] + w.link * transfer + tpot, np.inf)
+        pair_ttft = np.where(chosen >= 0, p_route[chosen] + w.link * transfer + d_tpot, np.inf)
+    chosen = np.where(chosen >= 0, prefill[chosen], -1)
 
-    ttft = np.vstack([local_ttft[None, :], pair_ttft])
+    ttft = np.empty((1 + len(classes), kd))
+    ttft[0] = local_ttft
+    ttft[1:] = pair_ttft
+    prefill_of = np.full((1 + len(classes), kd), -1)
+    prefill_of[1:] = chosen
     return PairCosts(
         cost=ttft / params.ttft_slo_s + column,
         ttft_s=ttft,
-        prefill_of=np.vstack([np.full((1, kd), -1), chosen]),
+        prefill_of=prefill_of,
+        prefill=prefill,
+        decode=decode,
+        prefill_class=p_class,
+        transfer_s=transfer,
+        route_s=route,
+        wait_s=wait,
+        prefill_s=prefill_time,
+        stall_s=stall,
+        uncached=uncached,
         tpot_s=tpot,
         kv_penalty=kv_pen,
         kv_need=need,
-        local_wait_s=local_wait,
-        local_prefill_s=local_prefill,
-        local_uncached=local_uncached,
-        interference_s=interference,
-        prefill_cost_s=p_cost,
-        prefill_stall_s=p_stall,
-        prefill_wait_s=p_wait,
-        prefill_s=p_prefill,
-        prefill_uncached=p_uncached,
-        prefill_class=p_class,
-        transfer_s=transfer,
         link_weight=w.link,
     )
 
@@ -189,18 +191,27 @@ def _best_two_per_class(
     cost: np.ndarray, labels: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per distinct label: (labels, class of each item, cheapest item, runner-up item or -1)."""
-    if cost.size == 0:
+    n = cost.size
+    if n == 0:
         empty = np.empty(0, dtype=np.int64)
         return empty, empty, empty, empty
+    if n == 1 or labels.min() == labels.max():  # one link class: the common case, no sort needed
+        first = labels[:1]
+        if n == 1:
+            return first, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.full(1, -1)
+        two = np.argpartition(cost, 1)[:2]
+        if cost[two[1]] < cost[two[0]]:
+            two = two[::-1]
+        return first, np.zeros(n, dtype=np.int64), two[:1], two[1:]
     order = np.lexsort((cost, labels))
     sorted_labels = labels[order]
-    boundary = np.empty(len(order), dtype=bool)
+    boundary = np.empty(n, dtype=bool)
     boundary[0] = True
     np.not_equal(sorted_labels[1:], sorted_labels[:-1], out=boundary[1:])
     starts = np.flatnonzero(boundary)
     classes = sorted_labels[starts]
     best = order[starts]
-    ends = np.append(starts[1:], len(order))
-    second = np.where(ends - starts > 1, order[np.minimum(starts + 1, len(order) - 1)], -1)
+    ends = np.append(starts[1:], n)
+    second = np.where(ends - starts > 1, order[np.minimum(starts + 1, n - 1)], -1)
     item_class = np.searchsorted(classes, labels)
     return classes, item_class, best, second

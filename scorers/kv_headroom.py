@@ -16,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 
 from scorers.base import Candidates, RequestCtx, fill_unknown
-from scorers.prefix import cached_tokens
 
 
 def used_tokens(cand: Candidates) -> np.ndarray:
@@ -25,9 +24,9 @@ def used_tokens(cand: Candidates) -> np.ndarray:
     return np.fmax(usage * cand.kv_capacity_tokens, cand.reserved_kv_tokens)
 
 
-def need_tokens(cand: Candidates, ctx: RequestCtx) -> np.ndarray:
-    """New KV tokens this request would allocate on each candidate."""
-    return ctx.prompt_tokens + ctx.max_tokens - cached_tokens(cand, ctx)
+def need_tokens(cached: np.ndarray, ctx: RequestCtx) -> np.ndarray:
+    """New KV tokens this request would allocate on each candidate (``cached``: ``prefix.cached_tokens``)."""
+    return ctx.prompt_tokens + ctx.max_tokens - cached
 
 
 def fits(cand: Candidates, need: np.ndarray) -> np.ndarray:

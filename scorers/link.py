@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scorers.base import Candidates, EngineModel, RequestCtx
-from scorers.prefix import cached_tokens
+from scorers.base import EngineModel, RequestCtx
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +43,15 @@ class LinkTable:
         return cls(latency, bandwidth)
 
 
-def transfer_bytes(decode: Candidates, ctx: RequestCtx, model: EngineModel) -> np.ndarray:
-    return (ctx.prompt_tokens - cached_tokens(decode, ctx)) * float(model.kv_bytes_per_token)
+def transfer_bytes(cached: np.ndarray, ctx: RequestCtx, model: EngineModel) -> np.ndarray:
+    """Bytes to send to each decode pod (``cached``: ``prefix.cached_tokens`` of the decode pods)."""
+    return (ctx.prompt_tokens - cached) * float(model.kv_bytes_per_token)
 
 
 def transfer_s(
-    table: LinkTable, prefill_links: np.ndarray, decode: Candidates, ctx: RequestCtx, model: EngineModel
+    table: LinkTable, prefill_links: np.ndarray, decode_links: np.ndarray, decode_bytes: np.ndarray
 ) -> np.ndarray:
-    """(len(prefill_links), kd) seconds to move this prompt's missing KV from each class to each D."""
-    rows, cols = np.ix_(prefill_links, decode.link_index)
-    return (
-        table.latency_s[rows, cols]
-        + transfer_bytes(decode, ctx, model)[None, :] / table.bytes_per_s[rows, cols]
-    )
+    """(len(prefill_links), kd) seconds to move ``decode_bytes`` from each link class to each D."""
+    latency = table.latency_s[prefill_links][:, decode_links]
+    bandwidth = table.bytes_per_s[prefill_links][:, decode_links]
+    return latency + decode_bytes[None, :] / bandwidth

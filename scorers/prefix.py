@@ -26,5 +26,6 @@ def fairness_trust(wait_s: np.ndarray, weight: float, max_skew_s: float) -> np.n
     return np.where(wait_s <= wait_s.min() + max_skew_s, weight, 0.0)
 
 
-def uncached_tokens(cand: Candidates, ctx: RequestCtx, trust: np.ndarray | float) -> np.ndarray:
-    return ctx.prompt_tokens - trust * cached_tokens(cand, ctx)
+def uncached_tokens(cached: np.ndarray, ctx: RequestCtx, trust: np.ndarray | float) -> np.ndarray:
+    """``cached`` from ``cached_tokens`` (computed once per pick)."""
+    return ctx.prompt_tokens - trust * cached

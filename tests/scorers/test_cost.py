@@ -22,65 +22,74 @@ def params(**overrides: object) -> CostParams:
     return CostParams(**{**base, **overrides})  # type: ignore[arg-type]
 
 
-def brute_force(prefill, decode, c, p) -> np.ndarray:
-    """Reference: the full P×D matrix by explicit per-pair arithmetic."""
-    costs = pair_costs(prefill, decode, c, p)
-    full = np.full((len(prefill), len(decode)), np.inf)
-    for i in range(len(prefill)):
-        for j in range(len(decode)):
-            if prefill.slots[i] == decode.slots[j]:
+def brute_force(costs, cand, c, p) -> np.ndarray:
+    """Reference: the full P×D matrix by explicit per-pair arithmetic over candidate positions."""
+    column = costs.cost[0] - costs.ttft_s[0] / p.ttft_slo_s
+    full = np.full((len(cand), len(costs.decode)), np.inf)
+    for i in costs.prefill:
+        for j, d in enumerate(costs.decode):
+            if i == d:
                 continue
-            transfer = costs.transfer_s[costs.prefill_class[i], j]
-            ttft = costs.prefill_cost_s[i] + transfer + costs.tpot_s[j]
-            column = costs.cost[0, j] - costs.ttft_s[0, j] / p.ttft_slo_s
-            full[i, j] = ttft / p.ttft_slo_s + column
+            link_i, link_d = cand.link_index[i], cand.link_index[d]
+            missing = (
+                c.prompt_tokens - min(cand.cached_blocks[d] * 16, c.prompt_tokens - 1)
+            ) * MODEL.kv_bytes_per_token
+            transfer = TABLE.latency_s[link_i, link_d] + missing / TABLE.bytes_per_s[link_i, link_d]
+            ttft = costs.route_s[i] + transfer + costs.tpot_s[d]
+            full[i, j] = ttft / p.ttft_slo_s + column[j]
     return full
 
 
 def test_class_reduction_equals_the_full_pair_matrix() -> None:
     rng = np.random.default_rng(3)
-    for _ in range(50):
-        kp, kd = rng.integers(1, 7), rng.integers(1, 7)
-        prefill = cands(
-            kp,
-            queued_prefill_tokens=rng.integers(0, 20000, kp).tolist(),
-            link_index=rng.integers(0, 2, kp).tolist(),
-            cached_blocks=rng.integers(0, 60, kp).tolist(),
+    for _ in range(60):
+        k = int(rng.integers(1, 9))
+        cand = cands(
+            k,
+            queued_prefill_tokens=rng.integers(0, 20000, k).tolist(),
+            running=rng.integers(0, 30, k).tolist(),
+            link_index=rng.integers(0, 2, k).tolist(),
+            cached_blocks=rng.integers(0, 60, k).tolist(),
+            decodes=rng.random(k) < 0.5,
         )
-        # Some decode pods are the same pods as prefill ones (prefill-decode role).
-        slots = rng.choice(np.arange(10), size=kd, replace=False)
-        decode = cands(
-            kd, running=rng.integers(0, 30, kd).tolist(), link_index=rng.integers(0, 2, kd).tolist()
-        )
-        decode.slots = slots
-        prefill.slots = rng.choice(np.arange(10), size=kp, replace=False)
-        costs = pair_costs(prefill, decode, ctx(1000), params())
-        expected = brute_force(prefill, decode, ctx(1000), params())
-        assert np.allclose(costs.cost[1:].min(axis=0), expected.min(axis=0))
+        role = rng.integers(0, 3, k)  # 0 prefill, 1 decode, 2 prefill-decode
+        is_prefill, is_decode = role != 1, role != 0
+        cand.decodes = is_decode
+        if not is_decode.any():
+            continue
+        costs = pair_costs(cand, is_prefill, is_decode, ctx(1000), params())
+        expected = brute_force(costs, cand, ctx(1000), params())
+        if len(costs.prefill):
+            assert np.allclose(costs.cost[1:].min(axis=0), expected.min(axis=0))
         for row in range(1, costs.cost.shape[0]):
-            for col in range(kd):
+            for col in range(len(costs.decode)):
                 p = costs.prefill_of[row, col]
                 if p >= 0:
                     assert np.isclose(costs.cost[row, col], expected[p, col])
+                    assert p != costs.decode[col]
 
 
 def test_local_prefill_pays_for_stalling_the_running_batch() -> None:
-    busy, idle = cands(1, running=[40]), cands(1, running=[0])
-    no_prefill = cands(0)
     c = ctx(2000)
-    assert pair_costs(no_prefill, busy, c, params()).interference_s[0] > 0
-    assert pair_costs(no_prefill, idle, c, params()).interference_s[0] == 0
+    busy = pair_costs(
+        cands(1, running=[40], decodes=[True]), np.array([False]), np.array([True]), c, params()
+    )
+    idle = pair_costs(cands(1, running=[0], decodes=[True]), np.array([False]), np.array([True]), c, params())
+    assert busy.stall_s[0] > 0 and idle.stall_s[0] == 0
+    assert busy.cost[0, 0] > idle.cost[0, 0]
 
 
 def test_a_prefill_on_a_pod_that_also_decodes_pays_for_its_stall_too() -> None:
-    decode = cands(1, slots=[9])
-    prefill_only = cands(1, running=[30], decodes=[False])
-    both_roles = cands(1, running=[30], decodes=[True])
-    c = ctx(2000)
-    assert pair_costs(prefill_only, decode, c, params()).prefill_stall_s[0] == 0
-    assert pair_costs(both_roles, decode, c, params()).prefill_stall_s[0] > 0
+    cand = cands(3, running=[30, 30, 0], decodes=[False, True, True])
+    is_prefill, is_decode = np.array([True, True, False]), np.array([False, True, True])
+    costs = pair_costs(cand, is_prefill, is_decode, ctx(2000), params())
+    assert costs.stall_s[0] == 0 and costs.stall_s[1] > 0
+    # Decode on pod 2: prefill-only pod 0 is the cheaper prefill source (same queue, no stall).
+    assert costs.prefill_of[1, 1] == 0
 
 
 def test_disallowing_local_prefill_leaves_only_pairs() -> None:
-    costs = pair_costs(cands(2), cands(2, slots=[5, 6]), ctx(), params(allow_local_prefill=False))
+    cand = cands(4, decodes=[False, False, True, True])
+    is_decode = np.array([False, False, True, True])
+    costs = pair_costs(cand, ~is_decode, is_decode, ctx(), params(allow_local_prefill=False))
     assert np.isinf(costs.cost[0]).all() and np.isfinite(costs.cost[1:]).any()

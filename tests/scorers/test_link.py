@@ -5,6 +5,7 @@ from scorer_cases import MODEL, cands, ctx
 
 from scorers import link
 from scorers.link import LinkTable
+from scorers.prefix import cached_tokens
 
 TABLE = LinkTable.build(
     {"a": 0, "b": 1, "c": 2},
@@ -16,7 +17,12 @@ TABLE = LinkTable.build(
 
 def test_transfer_uses_the_link_between_the_two_labels_symmetrically() -> None:
     decode = cands(3, link_index=[0, 1, 2])
-    t = link.transfer_s(TABLE, np.array([0, 2]), decode, ctx(1000), MODEL)
+    t = link.transfer_s(
+        TABLE,
+        np.array([0, 2]),
+        decode.link_index,
+        link.transfer_bytes(cached_tokens(decode, ctx(1000)), ctx(1000), MODEL),
+    )
     megabytes = 1000 * MODEL.kv_bytes_per_token
     assert math.isclose(t[0, 0], 0.0001 + megabytes / 100e9)  # same label
     assert math.isclose(t[0, 1], 0.002 + megabytes / 1e9)  # default
@@ -26,5 +32,10 @@ def test_transfer_uses_the_link_between_the_two_labels_symmetrically() -> None:
 
 def test_a_decode_pod_holding_the_prefix_only_receives_the_rest() -> None:
     decode = cands(2, link_index=[1, 1], cached_blocks=[0, 50])
-    t = link.transfer_s(TABLE, np.array([0]), decode, ctx(1000), MODEL)
+    t = link.transfer_s(
+        TABLE,
+        np.array([0]),
+        decode.link_index,
+        link.transfer_bytes(cached_tokens(decode, ctx(1000)), ctx(1000), MODEL),
+    )
     assert math.isclose(t[0, 1] - 0.002, (t[0, 0] - 0.002) * 200 / 1000)
