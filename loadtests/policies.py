@@ -18,16 +18,14 @@ one pod. They ignore KV headroom except ``IndependentPicker`` (its decode-side c
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from kvindex.base import PrefixIndex
 from router.config import PoolConfig
 from router.picker import Picker, RouteDecision
-from router.pool import Endpoint, Pool
+from router.pool import Pool
 from router.request import NoCapacity, RouteRequest
-from scorers import prefix
+from scorers import prefix, queue
 from scorers.base import Candidates, RequestCtx, fill_unknown
 from scorers.cost import PairCosts, pair_costs
 
@@ -43,13 +41,12 @@ class _BaselinePicker(Picker):
         slots = pool.candidate_slots(now)
         if request.subset is not None:
             slots = np.intersect1d(slots, pool.slots_of(request.subset), assume_unique=True)
-        cached = self.index.match(request.block_keys, slots)
+        cand = self.candidates(slots, self.index.match(request.block_keys, slots))
         # Only dedicated prefill pods form pairs: a baseline never splits a request across two
         # prefill-decode pods (that is a pd-router-only move).
         is_prefill = pool.can_prefill[slots] & ~pool.can_decode[slots]
         is_decode = pool.can_decode[slots]
-        prefill = self.candidates(slots[is_prefill], cached[is_prefill])
-        decode = self.candidates(slots[is_decode], cached[is_decode])
+        prefill, decode = np.flatnonzero(is_prefill), np.flatnonzero(is_decode)
         if len(decode) == 0:
             raise NoCapacity("no admitted endpoint with fresh metrics can decode", retry_after_s=1.0)
         ctx = RequestCtx(
@@ -60,69 +57,68 @@ class _BaselinePicker(Picker):
         )
         # Keys are separable (a prefill pod's key does not depend on the decode pod and vice
         # versa): the two choices are independent, which is the point of every baseline here.
-        costs = pair_costs(prefill, decode, ctx, self._cost_params()) if self.needs_costs else None
-        d_key = self._decode_key(decode, ctx, costs)
-        p_key = self._prefill_key(prefill, ctx, costs) if len(prefill) else None
+        costs = (
+            pair_costs(cand, is_prefill, is_decode, ctx, self._cost_params()) if self.needs_costs else None
+        )
+        d_key = self._decode_key(cand, decode, ctx, costs)
         d_order = np.argsort(d_key, kind="stable")
-        d_order = d_order[np.isfinite(d_key[d_order])]
+        d_order = decode[d_order[np.isfinite(d_key[d_order])]]
         if d_order.size == 0:
-            raise NoCapacity("no decode endpoint has KV room for this request", retry_after_s=1.0)
-        p_order = None if p_key is None else np.argsort(p_key, kind="stable")
+            raise NoCapacity("no decode endpoint has the KV capacity for this request", retry_after_s=1.0)
+        p_order = None
+        if len(prefill):
+            p_order = prefill[np.argsort(self._prefill_key(cand, prefill, ctx, costs), kind="stable")]
         self._advance()
-        return self._commit(request, ctx, prefill, decode, p_order, d_order)
+        return self._commit(request, ctx, cand, p_order, d_order)
 
     def _commit(
         self,
         request: RouteRequest,
         ctx: RequestCtx,
-        prefill: Candidates,
-        decode: Candidates,
+        cand: Candidates,
         p_order: np.ndarray | None,
         d_order: np.ndarray,
     ) -> RouteDecision:
         """Reserve and record exactly as ``Picker._decide`` does, so the proxy's release logic works.
 
         Not ``_decide`` itself: it is tied to the shape of pd-router's cost matrix (which rows are
-        which prefill pods), and a baseline has no such matrix.
+        which prefill pods), and a baseline has no such matrix. Orders are candidate positions.
         """
         by_slot = self.pool.by_slot
+        cached = prefix.cached_tokens(cand, ctx)
         d = int(d_order[0])
-        d_slot = int(decode.slots[d])
+        d_slot = int(cand.slots[d])
         n = self.config.picker.fallbacks
-        decode_fallbacks = [by_slot[int(decode.slots[c])] for c in d_order[1 : n + 1]]
-        if p_order is None:
-            p_slot = None
-            # The decode pod prefills: only what it has not cached (what the engine will compute).
-            uncached = ctx.prompt_tokens - float(prefix.cached_tokens(decode, ctx)[d])
-            prefill_fallbacks: list[Endpoint | None] = []
-        else:
-            p = int(p_order[0])
-            p_slot = int(prefill.slots[p])
-            uncached = ctx.prompt_tokens - float(prefix.cached_tokens(prefill, ctx)[p])
-            prefill_fallbacks = [by_slot[int(prefill.slots[r])] for r in p_order[1 : n + 1]]
+        decode_fallbacks = [by_slot[int(cand.slots[c])] for c in d_order[1 : n + 1]]
+        # The pod that prefills computes only what it has not cached.
+        p = d if p_order is None else int(p_order[0])
+        p_slot = None if p_order is None else int(cand.slots[p])
+        uncached = ctx.prompt_tokens - float(cached[p])
+        prefill_fallbacks = (
+            [] if p_order is None else [by_slot[int(cand.slots[r])] for r in p_order[1 : n + 1]]
+        )
         reservation = self.pool.reserve(
             decode_slot=d_slot,
             prefill_slot=p_slot,
             prefill_tokens=uncached,
-            kv_tokens=request.prompt_tokens + request.max_tokens,
+            kv_tokens=ctx.prompt_tokens + ctx.max_tokens - float(cached[d]),
         )
         self.pool.observe_prompt(request.prompt_tokens)
         # Optimistic, as the real picker: the blocks will be on P, and on D after the transfer.
-        defer = getattr(self, "defer", _call_now)
         if p_slot is not None:
-            defer(self.index.record, p_slot, request.block_keys)
-        defer(self.index.record, d_slot, request.block_keys)
+            self.defer(self.index.record, p_slot, request.block_keys)
+        self.defer(self.index.record, d_slot, request.block_keys)
         decode_ep = by_slot[d_slot]
         prefill_ep = None if p_slot is None else by_slot[p_slot]
         assert decode_ep is not None
         where = decode_ep.id if prefill_ep is None else f"{prefill_ep.id} -> {decode_ep.id}"
-        cached = request.prompt_tokens - uncached
+        hit = request.prompt_tokens - uncached
         return RouteDecision(
             decode=decode_ep,
             prefill=prefill_ep,
             reservation=reservation,
-            reason=f"{self.name} {where}: {cached:.0f}/{request.prompt_tokens} prompt tokens cached",
-            breakdown={"cached_tokens": cached, "uncached_tokens": uncached},
+            reason=f"{self.name} {where}: {hit:.0f}/{request.prompt_tokens} prompt tokens cached",
+            breakdown={"cached_tokens": hit, "uncached_tokens": uncached},
             prefill_fallbacks=prefill_fallbacks,  # type: ignore[arg-type]
             decode_fallbacks=decode_fallbacks,  # type: ignore[arg-type]
         )
@@ -130,12 +126,16 @@ class _BaselinePicker(Picker):
     name = "baseline"
     needs_costs = False  # only IndependentPicker reads pd-router's cost terms
 
-    def _prefill_key(self, prefill: Candidates, ctx: RequestCtx, costs: PairCosts | None) -> np.ndarray:
-        """Lower is better, shape (kp,)."""
+    def _prefill_key(
+        self, cand: Candidates, prefill: np.ndarray, ctx: RequestCtx, costs: PairCosts | None
+    ) -> np.ndarray:
+        """Lower is better, one value per position in ``prefill``."""
         raise NotImplementedError
 
-    def _decode_key(self, decode: Candidates, ctx: RequestCtx, costs: PairCosts | None) -> np.ndarray:
-        """Lower is better, shape (kd,); +inf = not a candidate."""
+    def _decode_key(
+        self, cand: Candidates, decode: np.ndarray, ctx: RequestCtx, costs: PairCosts | None
+    ) -> np.ndarray:
+        """Lower is better, one value per position in ``decode``; +inf = not a candidate."""
         raise NotImplementedError
 
     def _advance(self) -> None:
@@ -157,10 +157,14 @@ class RoundRobinPicker(_BaselinePicker):
         # Distance from the pointer: 0 for the pod whose turn it is, then the next ones (fallbacks).
         return ((np.arange(n) - start) % n).astype(np.float64)
 
-    def _prefill_key(self, prefill: Candidates, ctx: RequestCtx, costs: PairCosts | None) -> np.ndarray:
+    def _prefill_key(
+        self, cand: Candidates, prefill: np.ndarray, ctx: RequestCtx, costs: PairCosts | None
+    ) -> np.ndarray:
         return self._rank(len(prefill), self._next_prefill % len(prefill))
 
-    def _decode_key(self, decode: Candidates, ctx: RequestCtx, costs: PairCosts | None) -> np.ndarray:
+    def _decode_key(
+        self, cand: Candidates, decode: np.ndarray, ctx: RequestCtx, costs: PairCosts | None
+    ) -> np.ndarray:
         return self._rank(len(decode), self._next_decode % len(decode))
 
     def _advance(self) -> None:
@@ -173,15 +177,18 @@ class LeastLoadedPicker(_BaselinePicker):
 
     name = "least-loaded"
 
-    def _prefill_key(self, prefill: Candidates, ctx: RequestCtx, costs: PairCosts | None) -> np.ndarray:
+    def _prefill_key(
+        self, cand: Candidates, prefill: np.ndarray, ctx: RequestCtx, costs: PairCosts | None
+    ) -> np.ndarray:
         # The queue scorer's notion of queued tokens: ours, or scraped waiting × typical prompt.
-        waiting = fill_unknown(prefill.waiting, worst=0.0) * ctx.typical_prompt_tokens
-        tokens = np.maximum(prefill.queued_prefill_tokens, waiting)
+        tokens = queue.queued_tokens(cand, ctx)[prefill]
         return tokens + _TIE * self._rng.random(len(prefill))
 
-    def _decode_key(self, decode: Candidates, ctx: RequestCtx, costs: PairCosts | None) -> np.ndarray:
-        scraped = fill_unknown(decode.running, worst=0.0) + fill_unknown(decode.waiting, worst=0.0)
-        requests = np.maximum(scraped, decode.inflight_requests)
+    def _decode_key(
+        self, cand: Candidates, decode: np.ndarray, ctx: RequestCtx, costs: PairCosts | None
+    ) -> np.ndarray:
+        scraped = fill_unknown(cand.running, worst=0.0) + fill_unknown(cand.waiting, worst=0.0)
+        requests = np.maximum(scraped, cand.inflight_requests)[decode]
         return requests + _TIE * self._rng.random(len(decode))
 
 
@@ -197,29 +204,25 @@ class IndependentPicker(_BaselinePicker):
     name = "independent"
     needs_costs = True
 
-    def _prefill_key(self, prefill: Candidates, ctx: RequestCtx, costs: PairCosts | None) -> np.ndarray:
+    def _prefill_key(
+        self, cand: Candidates, prefill: np.ndarray, ctx: RequestCtx, costs: PairCosts | None
+    ) -> np.ndarray:
         assert costs is not None
-        if hasattr(costs, "prefill_cost_s"):
-            return np.asarray(costs.prefill_cost_s, dtype=np.float64)
-        # Older PairCosts layout: one row per prefill pod after the local row.
-        w = self._cost_params().weights
-        return w.queue * costs.wait_s[1:, 0] + costs.prefill_s[1:, 0]  # type: ignore[attr-defined]
+        return costs.route_s[prefill]
 
-    def _decode_key(self, decode: Candidates, ctx: RequestCtx, costs: PairCosts | None) -> np.ndarray:
+    def _decode_key(
+        self, cand: Candidates, decode: np.ndarray, ctx: RequestCtx, costs: PairCosts | None
+    ) -> np.ndarray:
         assert costs is not None
         params = self._cost_params()
         w = params.weights
-        column = w.load * costs.tpot_s / params.tpot_slo_s + w.kv * costs.kv_penalty
-        # The KV filter makes every row of a column +inf where the request would not fit.
+        column = w.load * costs.tpot_s[decode] / params.tpot_slo_s + w.kv * costs.kv_penalty[decode]
+        # The KV filter makes every row of a column +inf where the request could never fit.
         column = np.where(np.isfinite(costs.cost).any(axis=0), column, np.inf)
         if costs.ttft_s.shape[0] == 1:
             # No prefill pods (a prefill-decode pool): the pod also prefills, so its TTFT counts.
             column = column + costs.ttft_s[0] / params.ttft_slo_s
         return column
-
-
-def _call_now(fn: Callable[..., object], *args: object) -> None:
-    fn(*args)
 
 
 POLICIES: dict[str, type[Picker]] = {
