@@ -63,6 +63,9 @@ class EngineModelConfig(_Strict):
 
     prefill_tokens_per_s: Positive = 20000.0
     decode_step_base_ms: NonNegative = 4.0
+    pd_leg_overhead_ms: NonNegative = Field(
+        3.0, description="fixed cost of a P/D pair's extra prefill leg (HTTP exchange, second tokenisation)"
+    )
     decode_ms_per_seq: NonNegative = 0.2
     decode_ms_per_1k_kv_tokens: NonNegative = 0.2
     kv_bytes_per_token: Annotated[int, Field(gt=0)] = 131072

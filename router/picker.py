@@ -82,6 +82,7 @@ class Picker:
                 model=EngineModel(
                     prefill_tokens_per_s=engine.prefill_tokens_per_s,
                     decode_step_base_s=engine.decode_step_base_ms / 1000.0,
+                    pd_leg_overhead_s=engine.pd_leg_overhead_ms / 1000.0,
                     decode_s_per_seq=engine.decode_ms_per_seq / 1000.0,
                     decode_s_per_kv_token=engine.decode_ms_per_1k_kv_tokens / 1e6,
                     kv_bytes_per_token=engine.kv_bytes_per_token,

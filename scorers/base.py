@@ -51,7 +51,8 @@ class EngineModel:
     """Engine speed, for turning tokens into seconds."""
 
     prefill_tokens_per_s: float
-    decode_step_base_s: float
+    decode_step_base_s: float  # fixed cost of any engine step
+    pd_leg_overhead_s: float  # the extra HTTP exchange of a P/D pair's prefill leg
     decode_s_per_seq: float
     decode_s_per_kv_token: float
     kv_bytes_per_token: int

@@ -3,7 +3,8 @@
 Row 0 is "no prefill leg" (decode pod d computes the prompt itself). The other rows are prefill
 link classes: for a pair (P, D)::
 
-    ttft = w_queue * wait(P) + prefill(uncached on P) + stall(P) + w_link * transfer(link(P) -> D) + step(D)
+    ttft = w_queue * wait(P) + prefill(uncached on P) + stall(P) + w_link * transfer(link(P) -> D)
+           + 2 * step(D) + step_base + leg overhead
 
 and for the local row::
 
@@ -11,8 +12,12 @@ and for the local row::
 
 ``stall(X) = interference * prefill(X) * batch(X)``: a prefill on a pod that also decodes (role
 ``prefill-decode``, or D itself) stalls each of its running decodes for as long as it takes, and
-those user-seconds count against the choice; prefill-only pods have no decodes to stall. A pair's
-first token comes from D's next step after the KV arrived, hence ``step(D)`` (the predicted TPOT).
+those user-seconds count against the choice; prefill-only pods have no decodes to stall. With
+continuous batching a request that reaches an engine mid-step waits about half a step before it
+joins; a pair reaches D twice (the decode leg, then the arrived KV) and its first token needs one
+more D step, hence ``2 * step(D)`` (predicted TPOT) where the local route pays it inside ``wait(D)``
+and its own step. ``step_base`` is P's own engine step; the leg overhead the extra HTTP exchange
+and the second tokenisation of the prompt.
 Then::
 
     cost = ttft / ttft_slo + w_load * tpot(D) / tpot_slo + w_kv * kv_penalty(D)
@@ -151,6 +156,7 @@ def pair_costs(
 
     # Pairs, reduced to the prefill pods' link classes.
     p_route = route[prefill]
+    after_transfer = 2.0 * d_tpot + (model.decode_step_base_s + model.pd_leg_overhead_s)
     classes, p_class, best, second = _best_two_per_class(p_route, cand.link_index[prefill])
     decode_bytes = link.transfer_bytes(cached[decode], ctx, model)
     transfer = link.transfer_s(params.links, classes, cand.link_index[decode], decode_bytes)
@@ -159,7 +165,7 @@ def pair_costs(
     same_pod = prefill[best][:, None] == decode[None, :]
     chosen = np.where(same_pod, second[:, None], best[:, None])
     with np.errstate(invalid="ignore"):
-        pair_ttft = np.where(chosen >= 0, p_route[chosen] + w.link * transfer + d_tpot, np.inf)
+        pair_ttft = np.where(chosen >= 0, p_route[chosen] + w.link * transfer + after_transfer, np.inf)
     chosen = np.where(chosen >= 0, prefill[chosen], -1)
 
     ttft = np.empty((1 + len(classes), kd))

@@ -7,6 +7,7 @@ from scorers.base import Candidates, EngineModel, RequestCtx
 MODEL = EngineModel(
     prefill_tokens_per_s=10000.0,
     decode_step_base_s=0.004,
+    pd_leg_overhead_s=0.001,
     decode_s_per_seq=0.0002,
     decode_s_per_kv_token=1e-7,
     kv_bytes_per_token=100_000,

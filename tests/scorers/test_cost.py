@@ -35,7 +35,13 @@ def brute_force(costs, cand, c, p) -> np.ndarray:
                 c.prompt_tokens - min(cand.cached_blocks[d] * 16, c.prompt_tokens - 1)
             ) * MODEL.kv_bytes_per_token
             transfer = TABLE.latency_s[link_i, link_d] + missing / TABLE.bytes_per_s[link_i, link_d]
-            ttft = costs.route_s[i] + transfer + costs.tpot_s[d]
+            ttft = (
+                costs.route_s[i]
+                + transfer
+                + 2 * costs.tpot_s[d]
+                + MODEL.decode_step_base_s
+                + MODEL.pd_leg_overhead_s
+            )
             full[i, j] = ttft / p.ttft_slo_s + column[j]
     return full
 
