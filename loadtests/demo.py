@@ -106,7 +106,7 @@ async def run_demo(requests: int = 120, keep: bool = False, port: int = 0, seed:
             base = f"http://127.0.0.1:{app.proxy_port}"
             sys.stderr.write(f"pd-router proxy on {base}; sending {requests} requests\n")
             workload = shared_prefix(
-                requests, n_prefixes=4, prefix_tokens=1536, suffix_tokens=48, rate=12.0, seed=seed
+                requests, n_prefixes=8, prefix_tokens=2048, suffix_tokens=48, rate=20.0, seed=seed
             )
             summary = await run_workload(base, workload, on_done=Progress(requests))
             sys.stdout.write(render(summary))
