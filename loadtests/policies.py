@@ -38,10 +38,8 @@ class _BaselinePicker(Picker):
 
     def pick(self, request: RouteRequest, now: float | None = None) -> RouteDecision:
         pool = self.pool
-        slots = pool.candidate_slots(now)
-        if request.subset is not None:
-            slots = np.intersect1d(slots, pool.slots_of(request.subset), assume_unique=True)
-        cand = self.candidates(slots, self.index.match(request.block_keys, slots))
+        cand = self.gather(request, now)
+        slots = cand.slots
         # Only dedicated prefill pods form pairs: a baseline never splits a request across two
         # prefill-decode pods (that is a pd-router-only move).
         is_prefill = pool.can_prefill[slots] & ~pool.can_decode[slots]

@@ -28,7 +28,7 @@ import orjson
 from aiohttp import web
 
 from kvindex.hashing import estimate_tokens, text_block_keys
-from router.request import BadRequest, prompt_text
+from router.request import BadRequest, max_tokens_of, prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -408,15 +408,7 @@ class SimEngine:
         if not chat and "prompt" not in body:
             raise BadRequest("missing required field 'prompt'")
         text = prompt_text(body)
-        max_tokens = DEFAULT_MAX_TOKENS
-        for name in ("max_completion_tokens", "max_tokens"):
-            value = body.get(name)
-            if value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise BadRequest(f"'{name}' must be a positive integer, got {value!r}")
-            max_tokens = value
-            break
+        max_tokens = max_tokens_of(body, DEFAULT_MAX_TOKENS)
         min_tokens = body.get("min_tokens", 0)
         if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
             raise BadRequest(f"'min_tokens' must be a non-negative integer, got {min_tokens!r}")

@@ -108,13 +108,19 @@ class Picker:
             cached_blocks=cached_blocks,
         )
 
-    def pick(self, request: RouteRequest, now: float | None = None) -> RouteDecision:
-        """Choose and reserve; raises ``NoCapacity`` or ``Shed``. Never awaits."""
+    def gather(self, request: RouteRequest, now: float | None) -> Candidates:
+        """Every endpoint that may take this request (inside its subset hint), with its cached prefix."""
         pool = self.pool
         slots = pool.candidate_slots(now)
         if request.subset is not None:
             slots = np.intersect1d(slots, pool.slots_of(request.subset), assume_unique=True)
-        cand = self.candidates(slots, self.index.match(request.block_keys, slots))
+        return self.candidates(slots, self.index.match(request.block_keys, slots))
+
+    def pick(self, request: RouteRequest, now: float | None = None) -> RouteDecision:
+        """Choose and reserve; raises ``NoCapacity`` or ``Shed``. Never awaits."""
+        pool = self.pool
+        cand = self.gather(request, now)
+        slots = cand.slots
         is_decode = pool.can_decode[slots]
         if not is_decode.any():
             raise NoCapacity("no admitted endpoint with fresh metrics can decode", retry_after_s=1.0)

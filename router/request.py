@@ -152,7 +152,8 @@ def _content_text(content: Any, index: int) -> str:
     raise BadRequest(f"'messages[{index}].content' must be a string or an array of parts")
 
 
-def _max_tokens(body: dict[str, Any], default: int) -> int:
+def max_tokens_of(body: dict[str, Any], default: int) -> int:
+    """``max_completion_tokens`` or ``max_tokens`` (the first present), validated; else ``default``."""
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
         if value is None:
@@ -195,7 +196,7 @@ def parse_request(
     return RouteRequest(
         model=model,
         prompt_tokens=prompt_tokens,
-        max_tokens=_max_tokens(body, limits.default_max_tokens),
+        max_tokens=max_tokens_of(body, limits.default_max_tokens),
         block_keys=text_block_keys(text, block_chars),
         body=body,
         request_id=request_id or uuid.uuid4().hex,
