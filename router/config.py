@@ -137,12 +137,35 @@ class IndexConfig(_Strict):
 
 
 class ProxyConfig(_Strict):
+    enabled: bool = True
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, lt=65536)] = 8000
     connect_timeout_s: Positive = 2.0
     request_timeout_s: Positive = 600.0
     drain_timeout_s: NonNegative = 30.0
     debug_headers: bool = Field(False, description="add x-pd-router-decode/-prefill/-reason to responses")
+
+
+class ExtProcConfig(_Strict):
+    """The Envoy ext_proc endpoint picker (Gateway API InferencePool protocol) and its gRPC health."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, lt=65536)] = 9002
+    health_port: Annotated[int, Field(ge=0, lt=65536)] = 9003
+    response_processing: bool = Field(
+        True, description="follow the response (status, usage); false: close the stream once routed"
+    )
+    max_concurrent_streams: Annotated[int, Field(gt=0)] = 10000
+    grace_s: NonNegative = Field(10.0, description="on shutdown, how long open streams may finish")
+
+
+class MetricsConfig(_Strict):
+    """A separate Prometheus listener (the proxy also serves /metrics on its own port)."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, lt=65536)] = 9090
 
 
 class PoolConfig(_Strict):
@@ -158,6 +181,8 @@ class PoolConfig(_Strict):
     scrape: ScrapeConfig = ScrapeConfig()
     index: IndexConfig = IndexConfig()
     proxy: ProxyConfig = ProxyConfig()
+    extproc: ExtProcConfig = ExtProcConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> PoolConfig:

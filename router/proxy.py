@@ -66,9 +66,9 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 class UpstreamError(Exception):
     """An engine failed before we sent the client anything; the next fallback may be tried."""
 
-    def __init__(self, endpoint: Endpoint, reason: str, *, connect: bool = False) -> None:
-        super().__init__(f"{endpoint.id}: {reason}")
-        self.endpoint = endpoint
+    def __init__(self, address: str, reason: str, *, connect: bool = False) -> None:
+        super().__init__(f"{address}: {reason}")
+        self.address = address
         self.reason = reason
         self.connect = connect
 
@@ -105,33 +105,33 @@ class TwoLegExchange:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
 
-    async def prefill(self, endpoint: Endpoint, leg: Leg, body: dict[str, Any]) -> Any:
+    async def prefill(self, address: str, leg: Leg, body: dict[str, Any]) -> Any:
         """Run the prefill leg; returns its ``kv_transfer_params`` or raises ``UpstreamError``."""
         try:
             async with self.session.post(
-                f"http://{endpoint.address}{leg.path}",
+                f"http://{address}{leg.path}",
                 data=prefill_body(body),
                 headers={**leg.headers, "content-type": "application/json"},
                 timeout=self.timeout,
             ) as resp:
                 payload = await resp.read()
                 if resp.status != 200:
-                    raise UpstreamError(endpoint, f"prefill leg answered HTTP {resp.status}")
+                    raise UpstreamError(address, f"prefill leg answered HTTP {resp.status}")
         except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(endpoint, f"connect failed: {exc.os_error or exc}", connect=True) from None
+            raise UpstreamError(address, f"connect failed: {exc.os_error or exc}", connect=True) from None
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(endpoint, f"prefill leg failed: {type(exc).__name__}") from None
+            raise UpstreamError(address, f"prefill leg failed: {type(exc).__name__}") from None
         try:
             params = orjson.loads(payload)["kv_transfer_params"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
-            raise UpstreamError(endpoint, "prefill answer has no kv_transfer_params") from None
+            raise UpstreamError(address, "prefill answer has no kv_transfer_params") from None
         if not isinstance(params, dict):
-            raise UpstreamError(endpoint, "prefill answer's kv_transfer_params is not an object")
+            raise UpstreamError(address, "prefill answer's kv_transfer_params is not an object")
         return params
 
     async def decode(
         self,
-        endpoint: Endpoint,
+        address: str,
         leg: Leg,
         data: bytes,
         start_response: Callable[[aiohttp.ClientResponse], Awaitable[web.StreamResponse]],
@@ -144,25 +144,25 @@ class TwoLegExchange:
         """
         try:
             resp = await self.session.post(
-                f"http://{endpoint.address}{leg.path}",
+                f"http://{address}{leg.path}",
                 data=data,
                 headers={**leg.headers, "content-type": "application/json"},
                 timeout=self.timeout,
             )
         except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(endpoint, f"connect failed: {exc.os_error or exc}", connect=True) from None
+            raise UpstreamError(address, f"connect failed: {exc.os_error or exc}", connect=True) from None
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(endpoint, f"decode leg failed: {type(exc).__name__}") from None
+            raise UpstreamError(address, f"decode leg failed: {type(exc).__name__}") from None
         async with resp:
             if resp.status >= 500:
-                raise UpstreamError(endpoint, f"decode leg answered HTTP {resp.status}")
+                raise UpstreamError(address, f"decode leg answered HTTP {resp.status}")
             streaming = resp.content_type == "text/event-stream"
             if not streaming:
                 # Small JSON answers are read whole, so a failure part-way can still fail over.
                 try:
                     payload = await resp.read()
                 except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise UpstreamError(endpoint, f"decode answer cut: {type(exc).__name__}") from None
+                    raise UpstreamError(address, f"decode answer cut: {type(exc).__name__}") from None
                 on_first_byte()
                 out = await start_response(resp)
                 await out.write(payload)
@@ -178,9 +178,9 @@ class TwoLegExchange:
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
                 if out is None:
                     raise UpstreamError(
-                        endpoint, f"decode stream failed before any byte: {type(exc).__name__}"
+                        address, f"decode stream failed before any byte: {type(exc).__name__}"
                     ) from None
-                log.warning("decode stream from %s cut mid-way: %s", endpoint.id, type(exc).__name__)
+                log.warning("decode stream from %s cut mid-way: %s", address, type(exc).__name__)
                 await out.write(_sse_error("upstream engine stopped mid-stream", "upstream_disconnected"))
             if out is None:
                 on_first_byte()
@@ -304,7 +304,7 @@ class Proxy:
                 self.picker.retarget(decision, decode=endpoint)
             try:
                 return await self.exchange.decode(
-                    endpoint,
+                    endpoint.address,
                     leg,
                     data,
                     lambda resp: self._start_response(request, resp, route, decision),
@@ -312,7 +312,7 @@ class Proxy:
                 )
             except UpstreamError as exc:
                 last_error = exc
-                self._upstream_failed(exc)
+                self._upstream_failed(endpoint, exc)
         assert last_error is not None
         raise UpstreamFailed(f"every decode endpoint tried failed; last: {last_error}")
 
@@ -322,9 +322,9 @@ class Proxy:
             if endpoint is not decision.prefill:
                 self.picker.retarget(decision, prefill=endpoint)
             try:
-                params = await self.exchange.prefill(endpoint, leg, route.body)
+                params = await self.exchange.prefill(endpoint.address, leg, route.body)
             except UpstreamError as exc:
-                self._upstream_failed(exc)
+                self._upstream_failed(endpoint, exc)
                 continue
             decision.reservation.finish_prefill()
             return params
@@ -333,15 +333,15 @@ class Proxy:
         self.metrics.prefill_fallback_local.inc()
         return None
 
-    def _upstream_failed(self, exc: UpstreamError) -> None:
-        log.warning("upstream %s failed: %s", exc.endpoint.id, exc.reason)
-        self.metrics.upstream_errors.labels(endpoint=exc.endpoint.id).inc()
+    def _upstream_failed(self, endpoint: Endpoint, exc: UpstreamError) -> None:
+        log.warning("upstream %s failed: %s", endpoint.id, exc.reason)
+        self.metrics.upstream_errors.labels(endpoint=endpoint.id).inc()
         # Passive health: a refused connect means the pod is gone, so do not wait for the scraper;
         # other failures (a reset keep-alive connection, a 5xx) only count towards ejection.
         if exc.connect:
-            self.pool.eject(exc.endpoint, exc.reason)
+            self.pool.eject(endpoint, exc.reason)
         else:
-            self.pool.record_failure(exc.endpoint, exc.reason)
+            self.pool.record_failure(endpoint, exc.reason)
 
     async def _start_response(
         self,
