@@ -21,6 +21,7 @@ from aiohttp import web
 from kvindex.base import PrefixIndex
 from kvindex.memory import MemoryPrefixIndex
 from router.config import PoolConfig
+from router.extproc import HealthState, start_grpc
 from router.picker import Picker
 from router.pool import Pool
 from router.proxy import Proxy, TwoLegExchange
@@ -52,6 +53,10 @@ class App:
         self.metrics = RouterMetrics(self.pool, pool_name)
         self.ready = False
         self.proxy_port: int | None = None
+        self.extproc_port: int | None = None
+        self.health_port: int | None = None
+        self.metrics_port: int | None = None
+        self.health: HealthState | None = None
         self._stack = AsyncExitStack()
         self._scraper: Scraper | None = None
 
@@ -70,6 +75,18 @@ class App:
         scrape_task = asyncio.create_task(self._scrape_loop(), name="scrape-loop")
         stack.push_async_callback(_cancel, scrape_task)
 
+        if cfg.proxy.enabled:
+            await self._start_proxy(session)
+        if cfg.extproc.enabled:
+            await self._start_extproc()
+        if cfg.metrics.enabled:
+            await self._start_metrics()
+        self.ready = True
+        if self.health is not None:
+            await self.health.set_ready(True)
+
+    async def _start_proxy(self, session: aiohttp.ClientSession) -> None:
+        cfg = self.config
         exchange = TwoLegExchange(session, cfg.proxy.connect_timeout_s, cfg.proxy.request_timeout_s)
         proxy = Proxy(cfg, self.pool, self.picker, exchange, self.metrics, lambda: self.ready)
         runner = web.AppRunner(
@@ -79,11 +96,10 @@ class App:
             shutdown_timeout=cfg.proxy.drain_timeout_s,
         )
         await runner.setup()
-        stack.push_async_callback(runner.cleanup)
+        self._stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, cfg.proxy.host, cfg.proxy.port, reuse_address=True)
         await site.start()
         self.proxy_port = runner.addresses[0][1]
-        self.ready = True
         log.info(
             "proxy listening on http://%s:%s (%d endpoints)",
             cfg.proxy.host,
@@ -91,8 +107,39 @@ class App:
             len(self.pool.endpoints),
         )
 
+    async def _start_extproc(self) -> None:
+        cfg = self.config.extproc
+        self.health = HealthState()
+        server, health_server, self.extproc_port, self.health_port = await start_grpc(
+            self.config, self.picker, self.metrics, self.health
+        )
+        # Reverse order on stop: the ext_proc server drains open streams, then health goes.
+        self._stack.push_async_callback(health_server.stop, None)
+        self._stack.push_async_callback(server.stop, cfg.grace_s)
+        log.info(
+            "ext_proc listening on %s:%s, gRPC health on %s", cfg.host, self.extproc_port, self.health_port
+        )
+
+    async def _start_metrics(self) -> None:
+        cfg = self.config.metrics
+        app = web.Application()
+
+        async def exposition(_: web.Request) -> web.Response:
+            body, content_type = self.metrics.exposition()
+            return web.Response(body=body, headers={"Content-Type": content_type})
+
+        app.router.add_get("/metrics", exposition)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()
+        self.metrics_port = runner.addresses[0][1]
+
     async def stop(self) -> None:
+        """Not ready first (gateways stop sending), then listeners drain and loops stop, in reverse."""
         self.ready = False
+        if self.health is not None:
+            await self.health.set_ready(False)
         await self._stack.aclose()
 
     async def __aenter__(self) -> App:
