@@ -451,6 +451,8 @@ async def start_grpc(
     pb_grpc.add_ExternalProcessorServicer_to_server(
         ExternalProcessor(settings_from(config), picker, metrics), server
     )
+    # Health on the ext_proc port too: Envoy health-checks the cluster endpoint it connects to.
+    health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     health_server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, health_server)
