@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(serve)
     serve.add_argument("--host", help="proxy listen address (overrides proxy.host)")
     serve.add_argument("--port", type=int, help="proxy listen port (overrides proxy.port)")
+    # The Gateway API Inference Extension's flag names, so charts and habits carry over.
+    serve.add_argument("--grpc-port", type=int, help="serve ext_proc on this port (enables extproc)")
+    serve.add_argument("--grpc-health-port", type=int, help="gRPC health port (extproc.health_port)")
+    serve.add_argument("--metrics-port", type=int, help="serve /metrics on this port (enables metrics)")
 
     check = sub.add_parser("check-config", help="validate a configuration file and exit")
     _config_args(check)
@@ -72,6 +76,22 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(sim)
     sim.add_argument("--speed", type=float, default=1.0, help="time-model speed-up (2 = twice as fast)")
     sim.add_argument("--num-gpu-blocks", type=int, default=2048)
+
+    sidecar = sub.add_parser("sidecar", help="decode-side P/D proxy for Envoy/InferencePool deployments")
+    sidecar.add_argument("--decode", required=True, metavar="IP:PORT", help="the local decode engine")
+    sidecar.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 in a pod)")
+    sidecar.add_argument("--port", type=int, default=8000)
+    sidecar.add_argument(
+        "--allow",
+        action="append",
+        required=True,
+        metavar="CIDR|IP|IP:PORT",
+        help="prefill targets this sidecar may contact (repeatable; host names are refused)",
+    )
+    sidecar.add_argument("--connect-timeout-s", type=float, default=2.0)
+    sidecar.add_argument("--request-timeout-s", type=float, default=600.0)
+    sidecar.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    sidecar.add_argument("--drain-timeout-s", type=float, default=5.0)
     return parser
 
 
@@ -94,11 +114,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from loadtests.demo import run_demo
 
             return _run(run_demo(requests=args.requests, keep=args.keep, port=args.port, seed=args.seed))
+        if args.command == "sidecar":
+            return _run_sidecar(args)
         overrides = list(args.set)
         if getattr(args, "host", None):
             overrides.append(f"proxy.host={args.host}")
         if getattr(args, "port", None) is not None:
             overrides.append(f"proxy.port={args.port}")
+        if getattr(args, "grpc_port", None) is not None:
+            overrides += ["extproc.enabled=true", f"extproc.port={args.grpc_port}"]
+        if getattr(args, "grpc_health_port", None) is not None:
+            overrides.append(f"extproc.health_port={args.grpc_health_port}")
+        if getattr(args, "metrics_port", None) is not None:
+            overrides += ["metrics.enabled=true", f"metrics.port={args.metrics_port}"]
         config = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"pd-router: invalid configuration: {exc}", file=sys.stderr)
@@ -119,18 +147,39 @@ async def serve(config: PoolConfig) -> int:
     """Run until SIGTERM/SIGINT, then drain: not ready, stop accepting, finish streams, exit."""
     from router.app import App
 
+    return await until_signal(App(config))
+
+
+def _run_sidecar(args: argparse.Namespace) -> int:
+    from router.sidecar import SidecarServer
+
+    try:
+        server = SidecarServer(
+            args.decode,
+            args.host,
+            args.port,
+            args.allow,
+            connect_timeout_s=args.connect_timeout_s,
+            request_timeout_s=args.request_timeout_s,
+            max_body_bytes=args.max_body_bytes,
+            drain_timeout_s=args.drain_timeout_s,
+        )
+    except ValueError as exc:
+        print(f"pd-router sidecar: {exc}", file=sys.stderr)
+        return 2
+    return _run(until_signal(server))
+
+
+async def until_signal(server: Any) -> int:
+    """Serve until SIGTERM/SIGINT, then leave ``server``'s context (it drains in-flight streams)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    app = App(config)
-    await app.start()
-    try:
+    async with server:
         await stop.wait()
+        log.info("shutting down: finishing in-flight requests")
         started = time.monotonic()
-        log.info("shutting down: draining %d in-flight requests", app.pool.outstanding)
-    finally:
-        await app.stop()
     log.info("stopped after %.1fs of draining", time.monotonic() - started)
     return 0
 

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from yarl import URL
 
 from router.proxy import _HOP_HEADERS, INTERNAL_HEADERS, Leg, TwoLegExchange, UpstreamError, decode_body
 from router.request import COMPLETION_PATHS, BadRequest, BodyTooLarge, Rejection, UpstreamFailed
@@ -36,8 +37,8 @@ PREFILLER_HEADER = "x-prefiller-host-port"
 PREFILL_OUTCOME_HEADER = "x-pd-sidecar-prefill"
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
-# Never sent to an engine: the router-only headers, the legacy name of the prefill header, and the
-# request id / content type that each leg sets itself (a second spelling would duplicate them).
+# Never sent to an engine: the router-only headers and the legacy name of the prefill header.
+# The request id and content type are dropped from the copied headers because each leg sets its own.
 _DROPPED_REQUEST_HEADERS = INTERNAL_HEADERS | {"x-prefiller-url"}
 _LEG_OWN_HEADERS = frozenset({"x-request-id", "content-type"})
 # The exchange legs re-encode JSON and want it uncompressed; a pass-through may keep the client's
@@ -189,8 +190,9 @@ class Sidecar:
         if target is not None:
             parsed = parse_host_port(target) if self.allow.permits(target) else None
             if parsed is None:
-                log.warning("request %s: prefill target %r is not allowed; refused", request_id, target)
-                raise PrefillForbidden(f"prefill target {target!r} is not allowed by this sidecar")
+                shown = target[:80]  # client-controlled: bounded in logs and answers
+                log.warning("request %s: prefill target %r is not allowed; refused", request_id, shown)
+                raise PrefillForbidden(f"prefill target {shown!r} is not allowed by this sidecar")
             address = format_host_port(*parsed)  # canonical, so nothing odd reaches the URL
         raw = await self._read_body(request)
         body = _parse_body(raw)
@@ -265,7 +267,9 @@ class Sidecar:
         try:
             upstream = await self.session.request(
                 request.method,
-                f"http://{self.decode_address}{request.raw_path}",
+                # rel_url, not raw_path: an absolute-form target must not pick the host. encoded=True
+                # keeps the client's percent-encoding byte for byte.
+                URL(f"http://{self.decode_address}{request.rel_url.raw_path_qs}", encoded=True),
                 data=data,
                 headers=headers,
                 allow_redirects=False,
@@ -404,6 +408,7 @@ async def run_sidecar(
     connect_timeout_s: float = 2.0,
     request_timeout_s: float = 600.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ready: asyncio.Event | None = None,
 ) -> None:
     """Serve until cancelled; on cancellation stop accepting and let in-flight streams finish briefly."""
@@ -415,6 +420,7 @@ async def run_sidecar(
         connect_timeout_s=connect_timeout_s,
         request_timeout_s=request_timeout_s,
         max_body_bytes=max_body_bytes,
+        drain_timeout_s=drain_timeout_s,
     )
     async with server:
         if ready is not None:
