@@ -220,3 +220,63 @@ async def test_cancelled_and_failed_streams_release_their_reservations(tmp_path:
             with contextlib.suppress(aiohttp.ClientPayloadError):
                 await resp.read()
         await eventually(lambda: pool.outstanding == 0, what="release after engine failure")
+
+
+async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(tmp_path: Path) -> None:
+    from router.sidecar import SidecarServer
+
+    specs = [
+        EngineSpec("p0", "prefill", time=FAST),
+        EngineSpec("p1", "prefill", time=FAST),
+        EngineSpec("d0", "decode", time=FAST),
+        EngineSpec("d1", "decode", time=FAST),
+    ]
+    async with SimCluster(specs) as engines, contextlib.AsyncExitStack() as stack:
+        prefill_addresses = [engines.address("p0"), engines.address("p1")]
+        sidecars = {}
+        for name in ("d0", "d1"):
+            server = SidecarServer(engines.address(name), "127.0.0.1", 0, prefill_addresses)
+            await stack.enter_async_context(server)
+            sidecars[name] = f"127.0.0.1:{server.port}"
+        # The picker's pool lists the decode pods by their sidecars (the InferencePool targetPort)
+        # and is scraped through them; the engines behind are the ones in ``engines``.
+        pool = [
+            {"address": engines.address("p0"), "role": "prefill", "name": "p0"},
+            {"address": engines.address("p1"), "role": "prefill", "name": "p1"},
+            {"address": sidecars["d0"], "role": "decode", "name": "d0"},
+            {"address": sidecars["d1"], "role": "decode", "name": "d1"},
+        ]
+        extproc = {"enabled": True, "port": 0, "health_port": 0}
+        data = {
+            "endpoints": pool,
+            "proxy": {"enabled": False},
+            "extproc": extproc,
+            "picker": {"allow_local_prefill": False},
+        }
+        async with router_for(data) as (app, _):
+            listen, admin = free_port(), free_port()
+            host, port = sidecars["d0"].split(":")
+            config = render(
+                "full-duplex", LISTEN_PORT=listen, ADMIN_PORT=admin, EPP_HOST="127.0.0.1",
+                EPP_PORT=app.extproc_port, FALLBACK_HOST=host, FALLBACK_PORT=port,
+            )  # fmt: skip
+            async with run_envoy(config, tmp_path, admin), aiohttp.ClientSession() as http:
+                forged = {"x-prefiller-host-port": "169.254.169.254:80"}
+                body = completion(stream=True)
+                async with http.post(
+                    f"http://127.0.0.1:{listen}/v1/completions", json=body, headers=forged
+                ) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["x-pd-sidecar-prefill"] == "remote"
+                    assert (await resp.read()).rstrip().endswith(b"data: [DONE]")
+        by_name = engines.engines
+        (prefill,) = [n for n in ("p0", "p1") if by_name[n].requests_seen]
+        (decode,) = [n for n in ("d0", "d1") if by_name[n].requests_seen]
+        _, _, prefill_body = by_name[prefill].requests_seen[-1]
+        assert (
+            prefill_body["kv_transfer_params"]["do_remote_decode"] is True and prefill_body["max_tokens"] == 1
+        )
+        _, decode_headers, decode_body = by_name[decode].requests_seen[-1]
+        assert decode_body["kv_transfer_params"]["remote_port"] == by_name[prefill].port
+        assert decode_body["stream"] is True and "x-prefiller-host-port" not in decode_headers
+        assert by_name[decode].stats.remote_prefills_received == 1
