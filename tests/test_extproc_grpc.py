@@ -76,3 +76,19 @@ async def test_garbage_on_the_stream_is_a_grpc_error_and_the_server_keeps_servin
             responses = [r async for r in stub.Process(iter(messages))]
             assert responses[0].HasField("request_headers")
             assert app.pool.outstanding in (0, 1)
+
+
+async def test_metrics_listener_serves_the_router_metrics() -> None:
+    import aiohttp
+
+    async with SimCluster([EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20))]) as cluster:
+        data = {
+            "endpoints": [{"address": cluster.address("e0")}],
+            "proxy": {"enabled": False},
+            "metrics": {"enabled": True, "port": 0},
+        }
+        async with router_for(data) as (app, _), aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{app.metrics_port}/metrics") as resp:
+                text = await resp.text()
+            assert 'llm_d_epp_ready_endpoints{name="pd-router"} 1.0' in text
+            assert "pd_router_outstanding_reservations 0.0" in text
