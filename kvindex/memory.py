@@ -160,6 +160,23 @@ class MemoryPrefixIndex:
                     del owners[old]
         self._entries += len(lru) - before
 
+    def remove(self, slot: int, block_keys: np.ndarray | list[int]) -> None:
+        """Forget these blocks of ``slot`` (an engine evicted them); unknown keys are a no-op."""
+        lru = self._lru.get(slot)
+        if lru is None:
+            return
+        owners = self._owners
+        clear = ~self._bits[slot]
+        keys = block_keys.tolist() if isinstance(block_keys, np.ndarray) else block_keys
+        for key in keys:
+            if lru.pop(key, 0) is None:  # it was there (the LRU stores None as the value)
+                mask = owners[key] & clear
+                if mask:
+                    owners[key] = mask
+                else:
+                    del owners[key]
+                self._entries -= 1
+
     def drop_slot(self, slot: int) -> None:
         """Forget everything about ``slot``; unknown slots are a no-op."""
         lru = self._lru.pop(slot, None)

@@ -208,3 +208,16 @@ def test_match_agrees_with_a_naive_model(capacity: int, ops: list[tuple[str, obj
         assert index.match(np.array([probe], dtype=np.uint64), np.array(every)).tolist() == model.match(
             [probe], every
         )
+
+
+def test_remove_forgets_only_those_blocks_of_that_slot() -> None:
+    index = MemoryPrefixIndex(100)
+    keys = np.arange(1, 9, dtype=np.uint64)
+    index.record(0, keys)
+    index.record(1, keys)
+    index.remove(0, keys[4:6])
+    index.remove(0, np.array([999], dtype=np.uint64))  # unknown: no-op
+    assert index.match(keys, np.array([0, 1])).tolist() == [4, 8]
+    assert len(index) == 14
+    index.remove(1, keys)
+    assert index.match(keys, np.array([1])).tolist() == [0]
