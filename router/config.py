@@ -154,7 +154,9 @@ class ExtProcConfig(_Strict):
     port: Annotated[int, Field(ge=0, lt=65536)] = 9002
     health_port: Annotated[int, Field(ge=0, lt=65536)] = 9003
     response_processing: bool = Field(
-        True, description="follow the response (status, usage); false: close the stream once routed"
+        True,
+        description="follow the response (status, usage); false: close the stream once routed, which "
+        "needs Envoy's response_header_mode SKIP and response_body_mode NONE (ignored otherwise)",
     )
     max_concurrent_streams: Annotated[int, Field(gt=0)] = 10000
     grace_s: NonNegative = Field(10.0, description="on shutdown, how long open streams may finish")

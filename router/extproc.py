@@ -104,6 +104,7 @@ class ExtProcStream:
         self.metrics = metrics
         self.later = later
         self.mode: int | None = None
+        self.response_mode: int = _Mode.NONE
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
         self.body = bytearray()
@@ -119,6 +120,7 @@ class ExtProcStream:
         kind = message.WhichOneof("request")
         if self.mode is None:
             self.mode = _body_mode(message)
+            self.response_mode = message.protocol_config.response_body_mode
         if kind == "request_headers":
             return self._on_request_headers(message)
         if kind == "request_body":
@@ -231,7 +233,9 @@ class ExtProcStream:
         return out
 
     def _after_routing(self, route: RouteRequest) -> None:
-        if self.settings.response_processing:
+        # Closing the stream early while Envoy streams the response to us in FULL_DUPLEX mode
+        # loses response bodies (seen with Envoy 1.40 under load): then we follow the response.
+        if self.settings.response_processing or self.response_mode == FULL_DUPLEX:
             return
         # Nothing more will tell us when this request ends: close now, let the charge lapse after
         # the predicted duration so the pool's view of load stays roughly right.
@@ -311,13 +315,15 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ProcessingResponse]:
+    ) -> None:
+        # context.read()/write() rather than iterating and yielding: no async-generator round trip
+        # per message, which is most of grpc.aio's per-stream cost here.
         loop = asyncio.get_running_loop()
         stream = ExtProcStream(self.settings, self.picker, self.metrics, loop.call_later)
         try:
-            async for message in request_iterator:
-                for response in stream.on_message(message):
-                    yield response
+            while (message := await context.read()) is not grpc.aio.EOF:
+                for response in stream.on_message(message):  # type: ignore[arg-type]
+                    await context.write(response)
                 if stream.finished:
                     return  # a clean close: Envoy goes on without us
         finally:

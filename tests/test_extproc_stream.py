@@ -257,3 +257,17 @@ def test_without_response_processing_the_stream_ends_after_routing_and_the_charg
     assert 0 < delay <= 600
     release()
     assert pool.outstanding == 0
+
+
+def test_without_response_processing_a_full_duplex_response_is_still_followed() -> None:
+    # Closing early while Envoy streams the response to the processor loses response bodies.
+    stream, pool = make_stream(response_processing=False, later=lambda delay, fn: None)
+    first = headers()
+    first.protocol_config.response_body_mode = Mode.FULL_DUPLEX_STREAMED
+    stream.on_message(first)
+    stream.on_message(body(BODY, eos=True))
+    assert not stream.finished and pool.outstanding == 1
+    end = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"{}", end_of_stream=True))
+    (echo,) = stream.on_message(end)
+    assert echo.response_body.response.body_mutation.streamed_response.body == b"{}"
+    assert pool.outstanding == 0

@@ -1,0 +1,543 @@
+"""vLLM KV events: golden wire bytes, tolerant decoding, the sequence logic, fuzz, and real ZMQ end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgpack
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvindex.events import (
+    END_SEQ,
+    Action,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Cleared,
+    EngineStream,
+    KVEventBatch,
+    KVEventConsumer,
+    MalformedEvent,
+    Removed,
+    Stored,
+    decode_batch,
+    decode_event,
+    parse_replay_frames,
+)
+from loadtests.kv_publisher import KVEventPublisher
+
+U64_MAX = (1 << 64) - 1
+
+
+class RecordingSink:
+    """Records every call in order and keeps the resulting per-engine block sets."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.blocks: dict[str, set[int]] = {}
+        self.known: dict[str, bool] = {}
+
+    def stored(self, engine: str, block_hashes: list[int], parent: int | None) -> None:
+        self.calls.append(("stored", engine, list(block_hashes), parent))
+        self.blocks.setdefault(engine, set()).update(block_hashes)
+
+    def removed(self, engine: str, block_hashes: list[int]) -> None:
+        self.calls.append(("removed", engine, list(block_hashes)))
+        self.blocks.setdefault(engine, set()).difference_update(block_hashes)
+
+    def cleared(self, engine: str) -> None:
+        self.calls.append(("cleared", engine))
+        self.blocks[engine] = set()
+
+    def covered(self, engine: str, known: bool) -> None:
+        self.calls.append(("covered", engine, known))
+        self.known[engine] = known
+
+    def kinds(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def eventually(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def stored(*hashes: int, parent: int | None = None, medium: str | None = "GPU") -> BlockStored:
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=list(range(16 * len(hashes))),
+        block_size=16,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def payload(*events: Any, ts: float = 1.0) -> bytes:
+    return msgspec.msgpack.encode(KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0))
+
+
+# --- golden bytes (§9.3 wire example) -----------------------------------------------------------
+
+
+def _s(text: str) -> bytes:
+    """fixstr (all keys/values here are < 32 bytes)."""
+    raw = text.encode()
+    assert len(raw) < 32
+    return bytes([0xA0 | len(raw)]) + raw
+
+
+# The two batches of the §9.3 wire example, written out by hand. msgspec writes a struct with
+# defaulted fields as a map16 (de 00 NN) whose count it patches afterwards, and a fixmap otherwise.
+GOLDEN_BATCH_0 = b"".join(
+    [
+        b"\x93",  # KVEventBatch: array of 3 (ts, events, data_parallel_rank)
+        b"\xcb\x3f\xf0\x00\x00\x00\x00\x00\x00",  # float64 1.0
+        b"\x91",  # events: array of 1
+        b"\xde\x00\x0a",  # map16, 10 entries
+        _s("type") + _s("BlockStored"),
+        _s("block_hashes") + b"\x92" + b"\xcf" + b"\xff" * 8 + b"\x07",  # [2**64 - 1, 7]
+        _s("parent_block_hash") + b"\xc0",
+        _s("token_ids") + b"\xdc\x00\x20" + bytes(range(32)),  # array16 of 32 positive fixints
+        _s("block_size") + b"\x10",
+        _s("lora_id") + b"\xc0",
+        _s("medium") + _s("GPU"),
+        _s("lora_name") + b"\xc0",
+        _s("extra_keys") + b"\x92\xc0\xc0",
+        _s("group_idx") + b"\x00",
+        b"\x00",  # data_parallel_rank 0
+    ]
+)
+GOLDEN_BATCH_1 = b"".join(
+    [
+        b"\x93",
+        b"\xcb\x40\x00\x00\x00\x00\x00\x00\x00",  # float64 2.0
+        b"\x92",
+        b"\x84",  # fixmap, 4 entries
+        _s("type") + _s("BlockRemoved"),
+        _s("block_hashes") + b"\x91\x07",
+        _s("medium") + _s("GPU"),
+        _s("group_idx") + b"\x00",
+        b"\x81" + _s("type") + _s("AllBlocksCleared"),
+        b"\x00",
+    ]
+)
+
+
+def test_encoding_matches_the_vllm_wire_example_byte_for_byte() -> None:
+    first = KVEventBatch(
+        ts=1.0,
+        events=[
+            BlockStored(
+                block_hashes=[U64_MAX, 7],
+                parent_block_hash=None,
+                token_ids=list(range(32)),
+                block_size=16,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                extra_keys=[None, None],
+                group_idx=0,
+            )
+        ],
+        data_parallel_rank=0,
+    )
+    second = KVEventBatch(
+        ts=2.0,
+        events=[BlockRemoved(block_hashes=[7], medium="GPU", group_idx=0), AllBlocksCleared()],
+        data_parallel_rank=0,
+    )
+    assert msgspec.msgpack.encode(first) == GOLDEN_BATCH_0
+    assert msgspec.msgpack.encode(second) == GOLDEN_BATCH_1
+
+
+def test_golden_bytes_decode() -> None:
+    first, second = decode_batch(GOLDEN_BATCH_0), decode_batch(GOLDEN_BATCH_1)
+    assert first.ts == 1.0 and first.data_parallel_rank == 0 and first.malformed == 0
+    assert first.events == [Stored([U64_MAX, 7], None, "GPU")]
+    assert second.events == [Removed([7], "GPU"), Cleared()]
+
+
+def test_end_marker_and_replay_frame_shapes() -> None:
+    assert END_SEQ == b"\xff" * 8
+    assert parse_replay_frames([b"", b"topic", (5).to_bytes(8, "big"), b"p"]) == (5, b"p")  # 0.33
+    assert parse_replay_frames([b"", (5).to_bytes(8, "big"), b"p"]) == (5, b"p")  # older vLLM
+    assert parse_replay_frames([b"", b"", END_SEQ, b""]) == (-1, b"")
+    assert parse_replay_frames([b"", b"xx", b"p"]) is None
+
+
+# --- tolerant decoding --------------------------------------------------------------------------
+
+
+def test_decodes_map_and_positional_shapes_alike() -> None:
+    as_map = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": 9,
+        "token_ids": list(range(32)),
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    positional = ["BlockStored", [1, 2], 9, list(range(32)), 16, None, "GPU", None]
+    for events in ([as_map], [positional]):
+        for batch in ([1.5, events, 0], [1.5, events]):  # with and without data_parallel_rank
+            assert decode_batch(msgpack.packb(batch)).events == [Stored([1, 2], 9, "GPU")]
+    assert decode_event(["BlockRemoved", [3], "GPU"]) == Removed([3], "GPU")
+    assert decode_event(["BlockRemoved", [3]]) == Removed([3], None)
+    assert decode_event(["AllBlocksCleared"]) == Cleared()
+    assert decode_event(["BlockStored", [1], None, [0] * 16, 16, None]) == Stored(
+        [1], None, None
+    )  # pre-medium
+
+
+def test_unknown_keys_and_trailing_elements_are_ignored() -> None:
+    event = {"type": "BlockRemoved", "medium": "GPU", "future_field": {"x": [1]}, "block_hashes": [4]}
+    assert decode_event(event) == Removed([4], "GPU")
+    positional = ["BlockStored", [1], None, [], 16, None, "GPU", None, [None], 0, "full_attention", 7, "new"]
+    assert decode_event(positional) == Stored([1], None, "GPU")
+
+
+def test_bin_hashes_become_the_event_int_form() -> None:
+    digest = bytes.fromhex("fe8fa5dda3210d0ca2031e37cbe3b001186773cd1c710beb2d45fcb51d434798")
+    event = {"type": "BlockStored", "block_hashes": [digest], "parent_block_hash": digest, "medium": None}
+    got = decode_event(event)
+    assert got == Stored([3262291359910021016], 3262291359910021016, None)  # §9.5 reference vector
+    assert decode_event({"type": "BlockRemoved", "block_hashes": [-1], "medium": None}) == Removed(
+        [U64_MAX], None
+    )
+
+
+def test_cpu_and_storage_tiers_are_counted_not_applied() -> None:
+    sink = RecordingSink()
+    stream = EngineStream("e", sink, has_replay=False)
+    body = payload(stored(1, medium="CPU"), BlockRemoved([2], "STORAGE"), stored(3, medium=None))
+    assert stream.on_batch(0, body) is Action.APPLIED
+    assert sink.calls == [("stored", "e", [3], None), ("covered", "e", True)]
+    assert stream.stats().non_gpu_events == 2 and stream.stats().events == 1
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb({"ts": 1}),
+        msgpack.packb([1.0]),
+        msgpack.packb(["x", []]),
+        msgpack.packb([1.0, {}]),
+        msgpack.packb([1.0, [], "rank"]),
+        msgpack.packb([1.0, [], 0]) + b"\x00",
+    ],
+)
+def test_malformed_payloads_raise_malformed_event(raw: bytes) -> None:
+    with pytest.raises(MalformedEvent):
+        decode_batch(raw)
+
+
+def test_a_malformed_event_skips_only_itself() -> None:
+    bad = [
+        {"type": "Nope"},
+        {"type": "BlockStored"},
+        ["BlockStored", "x", None],
+        {"type": "BlockRemoved", "block_hashes": [True]},
+    ]
+    batch = decode_batch(msgpack.packb([1.0, [*bad, ["BlockRemoved", [5], None]], 0]))
+    assert batch.malformed == 4 and batch.events == [Removed([5], None)]
+
+
+# --- the pure sequence logic --------------------------------------------------------------------
+
+
+def make_stream(*, has_replay: bool = True) -> tuple[EngineStream, RecordingSink, FakeClock]:
+    sink, clock = RecordingSink(), FakeClock()
+    return EngineStream("e", sink, has_replay=has_replay, rebuild_after_s=30.0, clock=clock), sink, clock
+
+
+def test_in_order_batches_apply() -> None:
+    stream, sink, _ = make_stream()
+    for seq in range(3):
+        assert stream.on_batch(seq, payload(stored(seq + 10))) is Action.APPLIED
+    assert sink.calls == [
+        ("stored", "e", [10], None),
+        ("covered", "e", True),
+        ("stored", "e", [11], None),
+        ("stored", "e", [12], None),
+    ]
+    assert stream.stats().last_seq == 2 and stream.stats().batches == 3
+
+
+def test_first_batch_after_zero_requests_replay_from_zero() -> None:
+    stream, sink, _ = make_stream()
+    assert stream.on_batch(2, payload(stored(12))) is Action.REPLAY
+    assert stream.replay_from == 0 and sink.calls == []
+    stream.on_replay([(s, payload(stored(10 + s))) for s in range(3)])
+    assert sink.calls == [
+        ("stored", "e", [10], None),
+        ("stored", "e", [11], None),
+        ("stored", "e", [12], None),
+        ("covered", "e", True),
+    ]
+
+
+def test_gap_is_filled_by_replay_in_order_and_live_duplicates_are_dropped() -> None:
+    stream, sink, _ = make_stream()
+    stream.on_batch(0, payload(stored(10)))
+    assert stream.on_batch(3, payload(stored(13))) is Action.REPLAY
+    assert stream.replay_from == 1
+    stream.on_replay([(s, payload(stored(10 + s))) for s in (1, 2, 3, 4)])
+    # The SUB queued 4 meanwhile: it is a duplicate of the replay, not a restart.
+    assert stream.on_batch(4, payload(stored(14))) is Action.DUPLICATE
+    assert stream.on_batch(5, payload(stored(15))) is Action.APPLIED
+    assert [c[2] for c in sink.calls if c[0] == "stored"] == [[10], [11], [12], [13], [14], [15]]
+    stats = stream.stats()
+    assert (stats.gaps, stats.replays, stats.duplicates, stats.purges, stats.restarts) == (1, 1, 1, 0, 0)
+
+
+def test_unrecoverable_gap_purges_then_covers_again_after_the_rebuild_time() -> None:
+    stream, sink, clock = make_stream()
+    stream.on_batch(0, payload(stored(10)))
+    assert stream.on_batch(5, payload(stored(15))) is Action.REPLAY
+    stream.on_replay([(s, payload(stored(10 + s))) for s in (3, 4, 5)])  # buffer no longer has 1..2
+    assert sink.calls[2:] == [
+        ("cleared", "e"),
+        ("covered", "e", False),
+        ("stored", "e", [13], None),
+        ("stored", "e", [14], None),
+        ("stored", "e", [15], None),
+    ]
+    clock.now += 29.0
+    stream.on_batch(6, payload(stored(16)))
+    assert sink.known["e"] is False
+    clock.now += 1.0
+    stream.tick()  # idle engine: the consumer's poll timeout drives the timer
+    assert sink.known["e"] is True and sink.calls[-1] == ("covered", "e", True)
+    assert stream.stats().purges == 1 and stream.stats().replay_failures == 1
+
+
+def test_replay_timeout_and_no_replay_socket_both_purge() -> None:
+    stream, sink, _ = make_stream()
+    stream.on_batch(0, payload(stored(10)))
+    assert stream.on_batch(2, payload(stored(12))) is Action.REPLAY
+    stream.on_replay(None)
+    assert sink.calls[2:] == [("cleared", "e"), ("covered", "e", False), ("stored", "e", [12], None)]
+
+    stream, sink, _ = make_stream(has_replay=False)
+    stream.on_batch(0, payload(stored(10)))
+    assert stream.on_batch(2, payload(stored(12))) is Action.APPLIED
+    assert sink.calls[2:] == [("cleared", "e"), ("covered", "e", False), ("stored", "e", [12], None)]
+
+
+def test_a_new_purge_restarts_the_rebuild_timer() -> None:
+    stream, sink, clock = make_stream(has_replay=False)
+    stream.on_batch(0, payload())
+    stream.on_batch(2, payload())
+    clock.now += 20.0
+    stream.on_batch(4, payload())
+    clock.now += 20.0
+    stream.tick()
+    assert sink.known["e"] is False
+    clock.now += 10.0
+    stream.tick()
+    assert sink.known["e"] is True
+
+
+def test_restart_to_zero_clears_once_and_stays_covered() -> None:
+    stream, sink, _ = make_stream()
+    for seq in range(5):
+        stream.on_batch(seq, payload(stored(10 + seq)))
+    sink.calls.clear()
+    assert stream.on_batch(0, payload(stored(99))) is Action.APPLIED
+    assert sink.calls == [("cleared", "e"), ("stored", "e", [99], None)]
+    assert sink.blocks["e"] == {99} and stream.stats().restarts == 1
+
+
+def test_restart_whose_first_batches_were_lost_replays_the_new_incarnation_from_zero() -> None:
+    stream, sink, _ = make_stream()
+    for seq in range(5):
+        stream.on_batch(seq, payload(stored(10 + seq)))
+    sink.calls.clear()
+    assert stream.on_batch(2, payload(stored(92))) is Action.REPLAY  # 2 <= 4, but not a replayed duplicate
+    assert stream.replay_from == 0
+    stream.on_replay(None)  # and the new engine has no buffer for us: purge must not clear twice
+    assert sink.calls == [("cleared", "e"), ("covered", "e", False), ("stored", "e", [92], None)]
+    assert stream.stats().restarts == 1
+
+
+def test_a_malformed_batch_is_counted_and_advances_the_sequence() -> None:
+    stream, sink, _ = make_stream()
+    stream.on_batch(0, b"\xc1garbage")
+    assert stream.on_batch(1, payload(stored(11))) is Action.APPLIED
+    assert stream.stats().malformed == 1 and sink.blocks["e"] == {11}
+
+
+# --- fuzz ---------------------------------------------------------------------------------------
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(1 << 63), max_value=U64_MAX)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=40)
+    | st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "type", "block_hashes", "medium"]),
+    lambda children: (
+        st.lists(children, max_size=8)
+        | st.dictionaries(
+            st.sampled_from(["type", "block_hashes", "parent_block_hash", "medium", "x"])
+            | st.text(max_size=5),
+            children,
+            max_size=6,
+        )
+    ),
+    max_leaves=40,
+)
+event_like = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"])},
+        optional={
+            "block_hashes": msgpack_values,
+            "parent_block_hash": msgpack_values,
+            "medium": msgpack_values,
+        },
+    ),
+    st.tuples(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]), msgpack_values).map(list),
+    msgpack_values,
+)
+fuzz_settings = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@fuzz_settings
+@given(st.binary(max_size=200))
+def test_fuzz_arbitrary_bytes_only_raise_malformed_event(raw: bytes) -> None:
+    with contextlib.suppress(MalformedEvent):
+        decode_batch(raw)
+
+
+@fuzz_settings
+@given(st.one_of(msgpack_values, st.tuples(st.floats(), st.lists(event_like, max_size=5)).map(list)))
+def test_fuzz_arbitrary_msgpack_only_raises_malformed_event(obj: Any) -> None:
+    raw = msgpack.packb(obj, use_bin_type=True)
+    with contextlib.suppress(MalformedEvent):
+        decode_batch(raw)
+    with contextlib.suppress(MalformedEvent):
+        decode_event(obj)
+
+
+@fuzz_settings
+@given(st.lists(st.tuples(st.integers(min_value=0, max_value=50), st.binary(max_size=60)), max_size=30))
+def test_fuzz_the_stream_never_dies(batches: list[tuple[int, bytes]]) -> None:
+    stream, _, _ = make_stream()
+    for seq, body in batches:
+        if stream.on_batch(seq, body) is Action.REPLAY:
+            stream.on_replay([(seq, body)] if seq % 2 else None)
+    assert stream.stats().batches == len(batches)
+
+
+# --- end to end over real ZMQ on 127.0.0.1 ------------------------------------------------------
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[KVEventPublisher]:
+    pub = KVEventPublisher(topic="kv@127.0.0.1@m")
+    await pub.start()
+    try:
+        yield pub
+    finally:
+        await pub.close()
+
+
+async def join(pub: KVEventPublisher, sink: RecordingSink, engine: str, probe: int) -> None:
+    """Beat the slow joiner: publish probe stores until one arrives (each seq is still replayable)."""
+
+    async def arrived() -> bool:
+        pub.publish([stored(probe)])
+        deadline = time.monotonic() + 0.05
+        while time.monotonic() < deadline:
+            if probe in sink.blocks.get(engine, set()):
+                return True
+            await asyncio.sleep(0.005)
+        return False
+
+    deadline = time.monotonic() + 10.0
+    while not await arrived():
+        assert time.monotonic() < deadline, "subscriber never joined"
+
+
+async def test_end_to_end_events_replay_and_restart(publisher: KVEventPublisher) -> None:
+    sink = RecordingSink()
+    consumer = KVEventConsumer(sink, replay_timeout_s=2.0, topic_prefix=b"kv@", tick_s=0.05)
+    consumer.add_engine("e0", publisher.endpoint, publisher.replay_endpoint)
+    await consumer.start()
+    try:
+        await join(publisher, sink, "e0", probe=1)
+        await eventually(lambda: sink.known.get("e0") is True, what="covered after the replay from 0")
+
+        publisher.publish([stored(100, 101), BlockRemoved([1], "GPU")])
+        publisher.drop_next(1)
+        publisher.publish([stored(102, parent=101)])  # lost on the wire, only in the replay buffer
+        last = publisher.publish([stored(103, parent=102), stored(7, medium="CPU")])
+        await eventually(lambda: consumer.stats()["e0"].last_seq == last, what="the gap to be replayed")
+        assert sink.blocks["e0"] == {100, 101, 102, 103}
+        stores = [c[2] for c in sink.calls if c[0] == "stored" and c[2][0] >= 100]
+        assert stores == [[100, 101], [102], [103]]  # the replay filled the gap in order
+        stats = consumer.stats()["e0"]
+        assert stats.gaps == 1 and stats.replays >= 1 and stats.purges == 0 and stats.non_gpu_events == 1
+
+        # Burn some seqs so the new incarnation's first seen seq (after its own slow join) is below ours.
+        for _ in range(200):
+            publisher.publish([])
+        await eventually(lambda: consumer.stats()["e0"].last_seq == publisher.next_seq - 1, what="catch-up")
+        endpoint, replay_endpoint = publisher.endpoint, publisher.replay_endpoint
+        await publisher.close()
+        restarted = KVEventPublisher(endpoint, replay_endpoint, topic="kv@127.0.0.1@m")
+        await restarted.start()
+        try:
+            await join(restarted, sink, "e0", probe=2)
+            assert sink.blocks["e0"] == {2}  # the old incarnation's entries are gone
+            assert sink.calls.count(("cleared", "e0")) == 1
+            assert consumer.stats()["e0"].restarts == 1 and sink.known["e0"] is True
+        finally:
+            await restarted.close()
+    finally:
+        await consumer.stop()
+        await consumer.stop()  # idempotent
+
+
+async def test_end_to_end_malformed_frames_are_counted_and_survived(publisher: KVEventPublisher) -> None:
+    sink = RecordingSink()
+    consumer = KVEventConsumer(sink, tick_s=0.05)
+    consumer.add_engine("e1", publisher.endpoint, None)
+    await consumer.start()
+    try:
+        await join(publisher, sink, "e1", probe=1)
+        publisher.send_raw([b"", b"short", b"x"])  # seq not 8 bytes
+        publisher.send_raw([b"", (999).to_bytes(8, "big")])  # two frames
+        publisher.send_raw([b"", b"a", b"b", b"c"])  # four frames
+        publisher.publish([stored(5)])
+        await eventually(lambda: 5 in sink.blocks.get("e1", set()), what="the next good batch")
+        assert consumer.stats()["e1"].malformed == 3 and consumer.stats()["e1"].restarts == 0
+        consumer.remove_engine("e1")
+        assert "e1" not in consumer.stats()
+    finally:
+        await consumer.stop()

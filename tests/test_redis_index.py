@@ -1,0 +1,396 @@
+"""SharedPrefixIndex against a real redis-server: two replicas sharing blocks, clears, TTL, outages."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis_server import RedisServer, available
+
+from kvindex.base import PrefixIndex
+from kvindex.memory import MemoryPrefixIndex
+from kvindex.redis_index import SharedPrefixIndex
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not available(), reason="redis-server binary not installed"),
+]
+
+LOGGER = "kvindex.redis_index"
+NAMES = ["e0", "e1", "e2", "e3"]
+# The same endpoints under different slot numbers on the two replicas (slots are per replica).
+A_SLOTS = {name: i for i, name in enumerate(NAMES)}
+B_SLOTS = {name: 20 - i for i, name in enumerate(NAMES)}
+
+
+def keys(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.uint64)
+
+
+def slots_of(table: dict[str, int], *names: str) -> np.ndarray:
+    return np.array([table[n] for n in names], dtype=np.int32)
+
+
+def client_for(server: RedisServer) -> aioredis.Redis:
+    # No client-side retries: the index bounds every call and its probe is the retry.
+    return aioredis.Redis(
+        host=server.host,
+        port=server.port,
+        socket_connect_timeout=0.5,
+        socket_timeout=0.5,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
+def make_index(client: aioredis.Redis, table: dict[str, int], **kwargs: float) -> SharedPrefixIndex:
+    by_slot = {slot: name for name, slot in table.items()}
+    options: dict[str, float] = {"flush_interval_s": 0.01, "probe_interval_s": 0.05, "lookup_timeout_s": 0.5}
+    options.update(kwargs)
+    return SharedPrefixIndex(
+        client,
+        MemoryPrefixIndex(4096, max_slots=64),
+        slot_names=by_slot.__getitem__,
+        slot_of=table.get,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+async def wait_for(condition: Callable[[], Awaitable[bool]], deadline_s: float = 10.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    srv = RedisServer(tmp_path)
+    srv.start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    srv.start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+async def clients(server: RedisServer) -> AsyncIterator[tuple[aioredis.Redis, aioredis.Redis]]:
+    a, b = client_for(server), client_for(server)
+    yield a, b
+    await a.aclose()
+    await b.aclose()
+
+
+@pytest.fixture
+async def pair(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> AsyncIterator[tuple[SharedPrefixIndex, SharedPrefixIndex]]:
+    a, b = make_index(clients[0], A_SLOTS), make_index(clients[1], B_SLOTS)
+    await a.start()
+    await b.start()
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+def test_satisfies_the_prefix_index_protocol() -> None:
+    index: PrefixIndex = make_index(aioredis.Redis(), A_SLOTS)
+    assert index.match(keys(1), slots_of(A_SLOTS, "e0")).tolist() == [0]
+
+
+async def test_block_recorded_by_one_replica_is_found_by_the_other(
+    pair: tuple[SharedPrefixIndex, SharedPrefixIndex],
+) -> None:
+    a, b = pair
+    prompt = keys(11, 12, 13, 14)
+    a.record(A_SLOTS["e1"], prompt[:3])
+    assert a.match(prompt, slots_of(A_SLOTS, "e0", "e1")).tolist() == [0, 3]  # mirror at once
+    assert await a.flush()
+    candidates = slots_of(B_SLOTS, "e0", "e1", "e2")
+    assert b.match(prompt, candidates).tolist() == [0, 0, 0]  # B has not asked Redis yet
+    assert (await b.lookup(prompt, candidates)).tolist() == [0, 3, 0]
+    assert b.match(prompt, candidates).tolist() == [0, 3, 0]  # learned into B's mirror
+
+
+async def test_the_background_task_flushes_without_being_asked(
+    pair: tuple[SharedPrefixIndex, SharedPrefixIndex],
+) -> None:
+    a, b = pair
+    a.record(A_SLOTS["e2"], keys(5, 6))
+
+    async def visible() -> bool:
+        return (await b.lookup(keys(5, 6), slots_of(B_SLOTS, "e2"))).tolist() == [2]
+
+    await wait_for(visible)
+    assert a.pending == 0
+
+
+async def test_a_gap_stops_the_match_inside_the_script(
+    pair: tuple[SharedPrefixIndex, SharedPrefixIndex],
+) -> None:
+    a, b = pair
+    prompt = keys(1, 2, 3, 4, 5)
+    a.record(A_SLOTS["e0"], keys(1, 2, 4, 5))  # block 3 missing
+    a.record(A_SLOTS["e1"], keys(2, 3, 4, 5))  # block 1 missing: nothing counts
+    a.record(A_SLOTS["e2"], prompt)
+    assert await a.flush()
+    got = await b.lookup(prompt, slots_of(B_SLOTS, "e0", "e1", "e2", "e3"))
+    assert got.tolist() == [2, 0, 5, 0]
+
+
+async def test_cleared_on_one_replica_hides_the_old_blocks_from_both(
+    pair: tuple[SharedPrefixIndex, SharedPrefixIndex],
+) -> None:
+    a, b = pair
+    prompt = keys(7, 8, 9)
+    a.record(A_SLOTS["e0"], prompt)
+    a.record(A_SLOTS["e1"], prompt)
+    assert await a.flush()
+    b_cands = slots_of(B_SLOTS, "e0", "e1")
+    assert (await b.lookup(prompt, b_cands)).tolist() == [3, 3]
+
+    b.cleared(B_SLOTS["e0"])
+    assert b.match(prompt, b_cands).tolist() == [0, 3]  # local at once
+    assert await b.flush()
+    assert (await a.lookup(prompt, slots_of(A_SLOTS, "e0", "e1"))).tolist() == [0, 3]
+    assert a.match(prompt, slots_of(A_SLOTS, "e0", "e1")).tolist() == [0, 3]  # A's mirror too
+    assert (await b.lookup(prompt, b_cands)).tolist() == [0, 3]
+
+    # New blocks after the clear count again, for both.
+    a.record(A_SLOTS["e0"], prompt[:1])
+    assert await a.flush()
+    assert (await b.lookup(prompt, b_cands)).tolist() == [1, 3]
+
+
+async def test_removed_drops_single_blocks_everywhere(
+    pair: tuple[SharedPrefixIndex, SharedPrefixIndex],
+) -> None:
+    a, b = pair
+    prompt = keys(31, 32, 33, 34)
+    a.stored(A_SLOTS["e3"], prompt)
+    assert await a.flush()
+    b_cand = slots_of(B_SLOTS, "e3")
+    assert (await b.lookup(prompt, b_cand)).tolist() == [4]
+    a.removed(A_SLOTS["e3"], keys(33))
+    assert a.match(prompt, slots_of(A_SLOTS, "e3")).tolist() == [2]
+    assert await a.flush()
+    assert (await b.lookup(prompt, b_cand)).tolist() == [2]
+    assert b.match(prompt, b_cand).tolist() == [2]  # B's mirror corrected by the lookup
+
+
+async def test_lookup_trusts_the_mirror_for_writes_not_flushed_yet(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    a = make_index(clients[0], A_SLOTS)  # not started: nothing flushes behind our back
+    prompt = keys(41, 42)
+    a.record(A_SLOTS["e0"], prompt)
+    assert (await a.lookup(prompt, slots_of(A_SLOTS, "e0"))).tolist() == [2]
+    assert a.fallback_lookups == 0
+
+
+async def test_ttl_expiry_removes_the_keys(clients: tuple[aioredis.Redis, aioredis.Redis]) -> None:
+    raw = clients[0]
+    a = make_index(raw, A_SLOTS, ttl_s=0.2)
+    b = make_index(clients[1], B_SLOTS, ttl_s=0.2)
+    a.record(A_SLOTS["e0"], keys(1, 2, 3))
+    assert await a.flush()
+    block_key = b"pdr:b:" + keys(1).astype(">u8").tobytes()
+    assert await raw.exists(block_key) == 1
+    assert await raw.pttl(block_key) > 0
+
+    async def empty() -> bool:
+        return await raw.dbsize() == 0
+
+    await wait_for(empty)  # every block key and the generation key are gone
+    assert (await b.lookup(keys(1, 2, 3), slots_of(B_SLOTS, "e0"))).tolist() == [0]
+
+
+async def test_write_queue_bound_drops_the_oldest_and_counts(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    a = make_index(clients[0], A_SLOTS, max_pending=8)
+    b = make_index(clients[1], B_SLOTS)
+    e0 = A_SLOTS["e0"]
+    a.record(e0, keys(1, 2, 3, 4))
+    a.record(e0, keys(5, 6, 7, 8))
+    a.record(e0, keys(9, 10, 11, 12))
+    assert a.dropped_writes == 4
+    assert a.pending == 8
+    assert await a.flush()
+    assert a.pending == 0
+    cand = slots_of(B_SLOTS, "e0")
+    assert (await b.lookup(keys(1, 2, 3, 4), cand)).tolist() == [0]  # the oldest write is lost
+    assert (await b.lookup(keys(5, 6, 7, 8, 9, 10, 11, 12), cand)).tolist() == [8]
+
+
+async def test_script_is_reloaded_after_script_flush(
+    pair: tuple[SharedPrefixIndex, SharedPrefixIndex],
+) -> None:
+    a, b = pair
+    a.record(A_SLOTS["e0"], keys(3, 4))
+    assert await a.flush()
+    assert (await b.lookup(keys(3, 4), slots_of(B_SLOTS, "e0"))).tolist() == [2]
+    await b._client.script_flush()
+    assert (await b.lookup(keys(3, 4), slots_of(B_SLOTS, "e0", "e1"))).tolist() == [2, 0]
+    a.record(A_SLOTS["e1"], keys(3))
+    assert await a.flush()  # the write script is reloaded as well
+    assert (await b.lookup(keys(3, 4), slots_of(B_SLOTS, "e0", "e1"))).tolist() == [2, 1]
+    assert b.redis_errors == 0 and b.healthy
+
+
+async def test_redis_outage_falls_back_to_the_mirror_then_resyncs(
+    server: RedisServer,
+    pair: tuple[SharedPrefixIndex, SharedPrefixIndex],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    a, b = pair
+    prompt = keys(21, 22, 23, 24)
+    a.record(A_SLOTS["e0"], prompt[:2])
+    assert await a.flush()
+    a_cands = slots_of(A_SLOTS, "e0", "e1")
+
+    server.kill()
+    a.record(A_SLOTS["e1"], prompt)  # written while Redis is gone: stays queued
+    for _ in range(20):
+        assert (await a.lookup(prompt, a_cands)).tolist() == [2, 4]
+    assert not a.healthy
+    assert a.fallback_lookups >= 19
+    assert a.redis_errors >= 1
+    warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "local-only" in warnings[0].getMessage()
+
+    b_cands = slots_of(B_SLOTS, "e0", "e1")
+    assert (await b.lookup(prompt, b_cands)).tolist() == [0, 0]  # B never learned: its mirror is empty
+    assert not b.healthy
+
+    server.restart()  # same port, empty: only the resync can bring the blocks back
+
+    async def both_healthy() -> bool:
+        return a.healthy and b.healthy
+
+    await wait_for(both_healthy)
+    assert a.resyncs == 1
+    assert (await b.lookup(prompt, b_cands)).tolist() == [2, 4]
+    assert b.match(prompt, b_cands).tolist() == [2, 4]
+    assert b.fallback_lookups == 1
+    infos = [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno == logging.INFO]
+    assert any("shared again" in m for m in infos)
+
+
+async def test_start_with_redis_down_is_local_only_until_it_comes_up(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path)  # port chosen, not started
+    client = client_for(srv)
+    a = make_index(client, A_SLOTS)
+    await a.start()
+    try:
+        assert not a.healthy
+        a.record(A_SLOTS["e0"], keys(1, 2))
+        assert (await a.lookup(keys(1, 2), slots_of(A_SLOTS, "e0"))).tolist() == [2]
+        srv.start()
+
+        async def healthy() -> bool:
+            return a.healthy
+
+        await wait_for(healthy)
+        assert await client.dbsize() >= 3  # two blocks and the generation key
+    finally:
+        await a.close()
+        await client.aclose()
+        srv.kill()
+
+
+def test_memory_index_accessors_used_for_resync_and_removal() -> None:
+    index = MemoryPrefixIndex(8)
+    index.record(0, keys(1, 2, 3))
+    index.record(1, keys(2))
+    assert index.slot_keys(0) == [3, 2, 1]  # least recent first
+    assert index.slot_keys(5) == []
+    assert index.discard(0, keys(2, 9)) == 1
+    assert index.match(keys(1, 2, 3), np.array([0, 1])).tolist() == [1, 0]
+    assert index.match(keys(2), np.array([0, 1])).tolist() == [0, 1]
+    assert len(index) == 3
+    assert index.discard(7, keys(1)) == 0
+
+
+# -- model check ---------------------------------------------------------------------------------
+
+UNIVERSE = 6  # block keys 1..6; prompts are orderings of a few of them
+_op = st.one_of(
+    st.tuples(
+        st.just("record"), st.integers(0, 1), st.sampled_from(NAMES), st.lists(st.integers(1, UNIVERSE))
+    ),
+    st.tuples(
+        st.just("removed"), st.integers(0, 1), st.sampled_from(NAMES), st.lists(st.integers(1, UNIVERSE))
+    ),
+    st.tuples(st.just("cleared"), st.integers(0, 1), st.sampled_from(NAMES), st.just([])),
+    st.tuples(
+        st.just("lookup"),
+        st.integers(0, 1),
+        st.just(""),
+        st.lists(st.integers(1, UNIVERSE), min_size=1, max_size=6),
+    ),
+)
+
+
+def reference(held: dict[str, set[int]], prompt: list[int]) -> list[int]:
+    out = []
+    for name in NAMES:
+        depth = 0
+        while depth < len(prompt) and prompt[depth] in held[name]:
+            depth += 1
+        out.append(depth)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, max_size=25))
+def test_lookup_equals_a_naive_reference(
+    module_server: RedisServer, ops: list[tuple[str, int, str, list[int]]]
+) -> None:
+    async def scenario() -> None:
+        raw = client_for(module_server)
+        await raw.flushdb()
+        clients = [client_for(module_server), client_for(module_server)]
+        tables = [A_SLOTS, B_SLOTS]
+        replicas = [make_index(c, t) for c, t in zip(clients, tables, strict=True)]  # no task: explicit flush
+        held: dict[str, set[int]] = {name: set() for name in NAMES}
+        try:
+            for kind, r, name, blocks in ops:
+                index, table = replicas[r], tables[r]
+                if kind == "record":
+                    index.record(table[name], keys(*blocks))
+                    held[name].update(blocks)
+                elif kind == "removed":
+                    index.removed(table[name], keys(*blocks))
+                    held[name].difference_update(blocks)
+                elif kind == "cleared":
+                    index.cleared(table[name])
+                    held[name].clear()
+                else:
+                    for other in replicas:
+                        assert await other.flush()
+                    got = await index.lookup(keys(*blocks), slots_of(table, *NAMES))
+                    assert got.tolist() == reference(held, blocks), (kind, r, blocks)
+            assert all(index.redis_errors == 0 for index in replicas)
+        finally:
+            for c in [raw, *clients]:
+                await c.aclose()
+
+    asyncio.run(scenario())
