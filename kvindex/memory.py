@@ -201,25 +201,6 @@ class MemoryPrefixIndex:
         lru = self._lru.get(slot)
         return [] if lru is None else list(lru)
 
-    def discard(self, slot: int, block_keys: np.ndarray) -> int:
-        """Forget these blocks for ``slot`` only (an engine evicted them); returns how many were held."""
-        lru = self._lru.get(slot)
-        if lru is None:
-            return 0
-        owners = self._owners
-        clear = ~self._bits[slot]
-        gone = 0
-        for key in block_keys.tolist():
-            if lru.pop(key, 0) is None:  # values are None, so a miss returns the default 0
-                gone += 1
-                mask = owners[key] & clear
-                if mask:
-                    owners[key] = mask
-                else:
-                    del owners[key]
-        self._entries -= gone
-        return gone
-
     def memory_bytes(self) -> int:
         """Estimated bytes held, from the per-entry costs measured in the module docstring."""
         return (

@@ -29,12 +29,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class KVEventsConfig(_Strict):
+    """Where an engine publishes vLLM KV events (``--kv-events-config``)."""
+
+    endpoint: str = Field(description="the engine's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557")
+    replay_endpoint: str | None = Field(None, description="its ZMQ ROUTER replay endpoint, if enabled")
+
+
 class EndpointConfig(_Strict):
     address: str = Field(description="ip:port of the engine's OpenAI server")
     role: Role = "prefill-decode"
     group: str | None = Field(None, description="TP/PP/LWS group; default: the endpoint is its own group")
     link: str = Field("default", description="topology label used by the link-cost scorer")
     name: str | None = Field(None, description="endpoint id; default: the address")
+    kv_events: KVEventsConfig | None = Field(None, description="precise mode: the engine's KV events")
 
     @field_validator("address")
     @classmethod
@@ -132,8 +140,28 @@ class ScrapeConfig(_Strict):
     eject_after_failures: Annotated[int, Field(ge=1)] = 3
 
 
+class PreciseConfig(_Strict):
+    """Precise prefix locality from the engines' own KV events (vLLM-exact block hashes)."""
+
+    tokenizer: str = Field(
+        description="path of the model's tokenizer.json (local file; nothing is downloaded)"
+    )
+    hash_algo: Literal["sha256", "sha256_cbor"] = Field(
+        "sha256", description="the engines' --prefix-caching-hash-algo"
+    )
+    python_hash_seed: str | None = Field(None, description="the engines' PYTHONHASHSEED, if set")
+    add_special_tokens: bool = True
+    rebuild_after_s: Positive = Field(
+        30.0, description="after a purge, how long events must flow before an engine counts as known again"
+    )
+    replay_timeout_s: Positive = 2.0
+
+
 class IndexConfig(_Strict):
     capacity_blocks_per_endpoint: Annotated[int, Field(gt=0)] = 65536
+    precise: PreciseConfig | None = Field(
+        None, description="enable precise mode (needs kv_events per endpoint)"
+    )
 
 
 class ProxyConfig(_Strict):

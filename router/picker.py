@@ -47,10 +47,19 @@ class RouteDecision:
 
 
 class Picker:
-    def __init__(self, config: PoolConfig, pool: Pool, index: PrefixIndex, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        pool: Pool,
+        index: PrefixIndex,
+        seed: int | None = None,
+        precise: PrefixIndex | None = None,
+    ) -> None:
+        """``index``: approximate (our own picks, text blocks); ``precise``: fed by KV events."""
         self.config = config
         self.pool = pool
         self.index = index
+        self.precise = precise
         self.block_tokens = config.limits.block_tokens
         self._rng = np.random.default_rng(seed)
         self._links_version = -1
@@ -114,7 +123,14 @@ class Picker:
         slots = pool.candidate_slots(now)
         if request.subset is not None:
             slots = np.intersect1d(slots, pool.slots_of(request.subset), assume_unique=True)
-        return self.candidates(slots, self.index.match(request.block_keys, slots))
+        cached = self.index.match(request.block_keys, slots)
+        if self.precise is not None and request.precise_keys is not None:
+            # Engines whose event stream is complete answer from what they reported; the others
+            # (no events, or a purge being rebuilt) from where we sent earlier prompts.
+            covered = pool.kv_covered[slots]
+            if covered.any():
+                cached = np.where(covered, self.precise.match(request.precise_keys, slots), cached)
+        return self.candidates(slots, cached)
 
     def pick(self, request: RouteRequest, now: float | None = None) -> RouteDecision:
         """Choose and reserve; raises ``NoCapacity`` or ``Shed``. Never awaits."""
@@ -170,9 +186,12 @@ class Picker:
         self.pool.observe_prompt(request.prompt_tokens)
         # Optimistic: the prompt's blocks will be on P, and on D once transferred. Recording is
         # the dearest step of a pick, so an event loop runs it right after the pick returns.
-        if p_slot is not None:
-            self.defer(self.index.record, p_slot, request.block_keys)
-        self.defer(self.index.record, d_slot, request.block_keys)
+        for slot in (d_slot,) if p_slot is None else (p_slot, d_slot):
+            self.defer(self.index.record, slot, request.block_keys)
+            # Events confirm (or evict) these later; until then a burst of one new prefix still
+            # finds where the first of it went.
+            if self.precise is not None and request.precise_keys is not None:
+                self.defer(self.precise.record, slot, request.precise_keys)
 
         n = self.config.picker.fallbacks
         column_best = noisy.min(axis=0)

@@ -116,6 +116,7 @@ _FEATURES: dict[str, tuple[type, float]] = {
     "can_decode": (np.bool_, False),
     "scraped": (np.bool_, False),
     "ejected": (np.bool_, False),
+    "kv_covered": (np.bool_, False),  # precise mode: the KV-event view of this engine is complete
 }
 
 
@@ -151,6 +152,7 @@ class Pool:
     can_decode: np.ndarray
     scraped: np.ndarray
     ejected: np.ndarray
+    kv_covered: np.ndarray
 
     def _allocate(self, capacity: int) -> None:
         old = len(self.by_slot)

@@ -105,6 +105,8 @@ class RouteRequest:
     stream: bool = False
     priority: int = 0
     subset: frozenset[str] | None = None
+    prompt: str = ""  # the rendered prompt text (precise mode tokenizes it); never logged
+    precise_keys: np.ndarray | None = None  # vLLM-exact block hashes, when the index is precise
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,4 +204,5 @@ def parse_request(
         request_id=request_id or uuid.uuid4().hex,
         stream=stream,
         priority=priority,
+        prompt=text,
     )

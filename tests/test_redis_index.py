@@ -316,17 +316,17 @@ async def test_start_with_redis_down_is_local_only_until_it_comes_up(tmp_path: P
         srv.kill()
 
 
-def test_memory_index_accessors_used_for_resync_and_removal() -> None:
+def test_memory_index_slot_keys_and_remove_as_used_here() -> None:
     index = MemoryPrefixIndex(8)
     index.record(0, keys(1, 2, 3))
     index.record(1, keys(2))
     assert index.slot_keys(0) == [3, 2, 1]  # least recent first
     assert index.slot_keys(5) == []
-    assert index.discard(0, keys(2, 9)) == 1
+    index.remove(0, keys(2, 9))
     assert index.match(keys(1, 2, 3), np.array([0, 1])).tolist() == [1, 0]
     assert index.match(keys(2), np.array([0, 1])).tolist() == [0, 1]
     assert len(index) == 3
-    assert index.discard(7, keys(1)) == 0
+    index.remove(7, keys(1))  # unknown slot: no-op
 
 
 # -- model check ---------------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def reference(held: dict[str, set[int]], prompt: list[int]) -> list[int]:
     return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(_op, max_size=25))
 def test_lookup_equals_a_naive_reference(
     module_server: RedisServer, ops: list[tuple[str, int, str, list[int]]]
@@ -383,9 +383,11 @@ def test_lookup_equals_a_naive_reference(
                 elif kind == "cleared":
                     index.cleared(table[name])
                     held[name].clear()
+                if kind != "lookup":
+                    # Flushed at once so Redis sees the writes in the model's order: two replicas'
+                    # unflushed writes race by up to one flush interval, by design.
+                    assert await index.flush()
                 else:
-                    for other in replicas:
-                        assert await other.flush()
                     got = await index.lookup(keys(*blocks), slots_of(table, *NAMES))
                     assert got.tolist() == reference(held, blocks), (kind, r, blocks)
             assert all(index.redis_errors == 0 for index in replicas)

@@ -1,0 +1,700 @@
+"""The vLLM KV-event consumer: ZMQ SUB per engine, sequence tracking, replay, purge.
+
+Wire format (vLLM 0.33, ``vllm/distributed/kv_events.py``; see research/kv-routing.md §9):
+
+* live stream (engine PUB → our SUB): multipart ``[topic, seq (8 bytes big-endian), payload]``;
+  ``seq`` starts at 0 per publisher process and grows by one per batch;
+* ``payload`` is one msgpack ``KVEventBatch``: ``[ts, events, data_parallel_rank]``, each event a
+  tagged map (``{"type": "BlockStored", ...}``) or, from older vLLM and bridges, a positional
+  array (``["BlockStored", ...]``);
+* replay (our DEALER → engine ROUTER): send ``[b"", start_seq8]``; the engine answers one message
+  per buffered batch with seq ≥ start (``[b"", topic, seq8, payload]``, older ``[b"", seq8,
+  payload]``) and ends with seq = -1 (signed) and an empty payload.
+
+The structs below mirror vLLM's literally and are used for *encoding* (the test publisher, golden
+tests). Decoding is generic and tolerant instead: vLLM's own typed decoder rejects the legacy
+positional shape, and bridges add fields, so we select what routing needs by name or position.
+
+Only GPU-resident blocks (``medium`` None or ``"GPU"``) are reported to the sink: a CPU/STORAGE
+copy still has to be loaded back, so it is not a prefix hit in the engine's sense. They are counted.
+
+``kvindex`` knows nothing about the router: the consumer drives an ``EventSink`` named by engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+logger = logging.getLogger(__name__)
+
+# --- framing constants (vLLM 0.33) -------------------------------------------------------------
+
+SEQ_BYTES = 8
+END_SEQ = (-1).to_bytes(SEQ_BYTES, "big", signed=True)  # replay end marker
+LIVE_FRAMES = 3  # [topic, seq, payload]
+GPU_MEDIA = frozenset({None, "GPU"})
+HASH_MASK = (1 << 64) - 1
+MAX_HASH_BIN = 64  # sha256 digests are 32 bytes, xxh3_128 16; anything longer is not a block hash
+
+# --- defaults for the bounds (each overridable on the consumer) ---------------------------------
+
+DEFAULT_RCVHWM = 10_000  # queued live batches per engine before ZMQ drops (then we see a gap)
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20  # a vLLM step's batch is at most a few MB
+DEFAULT_MAX_REPLAY_BATCHES = 20_000  # 2 × vLLM's default buffer_steps
+DEFAULT_TICK_S = 1.0  # how often an idle stream re-checks its rebuild timer
+
+
+def seq_bytes(seq: int) -> bytes:
+    """The 8-byte big-endian unsigned seq frame."""
+    return seq.to_bytes(SEQ_BYTES, "big")
+
+
+# --- wire types: vLLM's msgspec Structs, literally (for encoding) --------------------------------
+
+ExternalBlockHash = bytes | int
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
+    """Base class for all KV cache-related events."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None  # Deprecated: use `lora_name`.
+    medium: str | None
+    lora_name: str | None
+    # One entry per block, untagged: lora name, [mm_identifier, offset], cache_salt, embeds digest.
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# --- tolerant decoding --------------------------------------------------------------------------
+
+
+class MalformedEvent(ValueError):
+    """A payload or event that does not have the KV-event shape; counted and skipped, never fatal."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    block_hashes: list[int]
+    parent: int | None
+    medium: str | None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.medium in GPU_MEDIA
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    block_hashes: list[int]
+    medium: str | None
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.medium in GPU_MEDIA
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """AllBlocksCleared has no tier: it is pod-wide."""
+
+    @property
+    def on_gpu(self) -> bool:
+        return True
+
+
+Event = Stored | Removed | Cleared
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedBatch:
+    ts: float
+    events: list[Event]
+    data_parallel_rank: int | None
+    malformed: int  # events in the batch that were skipped
+
+
+def _block_hash(value: object) -> int:
+    # bool is an int subclass but never a hash.
+    if type(value) is int:
+        # Non-Python publishers may send the same 64 bits as a signed int64; mask to the uint64 form.
+        if -(1 << 63) <= value <= HASH_MASK:
+            return value & HASH_MASK
+        raise MalformedEvent(f"block hash out of 64-bit range: {value}")
+    if isinstance(value, bytes) and 0 < len(value) <= MAX_HASH_BIN:
+        # vLLM's event int form is int.from_bytes(digest, "big") & (2**64 - 1): the last 8 bytes.
+        return int.from_bytes(value[-8:], "big")
+    raise MalformedEvent(f"block hash must be an int or bytes, got {type(value).__name__}")
+
+
+def _block_hashes(value: object) -> list[int]:
+    if not isinstance(value, list):
+        raise MalformedEvent(f"block_hashes must be an array, got {type(value).__name__}")
+    return [_block_hash(v) for v in value]
+
+
+def _medium(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise MalformedEvent(f"medium must be a string or null, got {type(value).__name__}")
+
+
+def decode_event(raw: object) -> Event:
+    """One event, as a tagged map (vLLM ≥ #42892) or a legacy positional array."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        if kind == "BlockStored":
+            if "block_hashes" not in raw:
+                raise MalformedEvent("BlockStored without block_hashes")
+            parent = raw.get("parent_block_hash")
+            return Stored(
+                block_hashes=_block_hashes(raw["block_hashes"]),
+                parent=None if parent is None else _block_hash(parent),
+                medium=_medium(raw.get("medium")),
+            )
+        if kind == "BlockRemoved":
+            if "block_hashes" not in raw:
+                raise MalformedEvent("BlockRemoved without block_hashes")
+            return Removed(_block_hashes(raw["block_hashes"]), _medium(raw.get("medium")))
+        if kind == "AllBlocksCleared":
+            return Cleared()
+        raise MalformedEvent(f"unknown event type {kind!r}")
+    if isinstance(raw, list) and raw:
+        kind = raw[0]
+        # Positions: ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, ...];
+        # older publishers stop before medium, so everything after parent is optional.
+        if kind == "BlockStored" and len(raw) >= 3:
+            return Stored(
+                block_hashes=_block_hashes(raw[1]),
+                parent=None if raw[2] is None else _block_hash(raw[2]),
+                medium=_medium(raw[6]) if len(raw) > 6 else None,
+            )
+        if kind == "BlockRemoved" and len(raw) >= 2:
+            return Removed(_block_hashes(raw[1]), _medium(raw[2]) if len(raw) > 2 else None)
+        if kind == "AllBlocksCleared":
+            return Cleared()
+        raise MalformedEvent(f"unknown or short positional event {kind!r} (len {len(raw)})")
+    raise MalformedEvent(f"event must be a map or a non-empty array, got {type(raw).__name__}")
+
+
+def decode_batch(payload: bytes) -> DecodedBatch:
+    """Decode a ``KVEventBatch`` payload; malformed events are skipped and counted in the result.
+
+    Raises ``MalformedEvent`` (only) when the payload itself is not a batch.
+    """
+    try:
+        obj = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
+        raise MalformedEvent(f"not msgpack: {exc}") from None
+    # [ts, events] (old examples) or [ts, events, dp_rank] (what 0.33 always sends).
+    if not isinstance(obj, list) or len(obj) not in (2, 3):
+        raise MalformedEvent("batch must be an array [ts, events] or [ts, events, dp_rank]")
+    ts, raw_events = obj[0], obj[1]
+    dp_rank = obj[2] if len(obj) == 3 else None
+    if type(ts) not in (int, float):
+        raise MalformedEvent(f"batch ts must be a number, got {type(ts).__name__}")
+    if not isinstance(raw_events, list):
+        raise MalformedEvent(f"batch events must be an array, got {type(raw_events).__name__}")
+    if dp_rank is not None and type(dp_rank) is not int:
+        raise MalformedEvent(f"data_parallel_rank must be an int, got {type(dp_rank).__name__}")
+    events: list[Event] = []
+    malformed = 0
+    for raw in raw_events:
+        try:
+            events.append(decode_event(raw))
+        except MalformedEvent as exc:
+            malformed += 1
+            logger.debug("skipping malformed KV event: %s", exc)
+    return DecodedBatch(float(ts), events, dp_rank, malformed)
+
+
+# --- the sink and the per-engine sequence logic -------------------------------------------------
+
+
+class EventSink(Protocol):
+    """What the consumer drives; the router implements it over its index. Calls are synchronous,
+    on the consumer's event loop, in stream order per engine."""
+
+    def stored(self, engine: str, block_hashes: list[int], parent: int | None) -> None:
+        """``engine`` now holds these consecutive blocks (GPU), chained after ``parent``."""
+        ...
+
+    def removed(self, engine: str, block_hashes: list[int]) -> None:
+        """``engine`` evicted these blocks (GPU)."""
+        ...
+
+    def cleared(self, engine: str) -> None:
+        """Forget everything about ``engine`` (AllBlocksCleared, engine restart, or a purge)."""
+        ...
+
+    def covered(self, engine: str, known: bool) -> None:
+        """Whether the index's view of ``engine`` is complete (False after a purge until rebuilt)."""
+        ...
+
+
+class Action(enum.Enum):
+    """What ``EngineStream.on_batch`` did with a live batch."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    REPLAY = "replay"  # caller must fetch a replay from ``replay_from`` and call ``on_replay``
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    last_seq: int | None
+    covered: bool | None
+    batches: int  # live batches received (well-framed)
+    replayed_batches: int
+    events: int  # events applied to the sink (GPU tier)
+    non_gpu_events: int  # CPU/STORAGE tier events, counted and ignored
+    malformed: int  # bad frames, payloads and events
+    duplicates: int
+    gaps: int
+    replays: int
+    replay_failures: int
+    purges: int
+    restarts: int
+    errors: int  # unexpected exceptions (e.g. raised by the sink), logged and survived
+
+
+class EngineStream:
+    """One engine's stream state; pure and synchronous (the consumer task does the I/O).
+
+    Sequence rules:
+
+    * first batch ever (or of a new incarnation): seq 0 → apply, covered. seq > 0 means batches
+      were lost (ZMQ slow joiner, §9.4): with a replay socket, replay from 0; without one (or if
+      the replay does not start at 0) → purge.
+    * seq == last + 1 → apply.
+    * seq <= last: a PUB never repeats a seq, so a live duplicate can only be a batch we already
+      got by replay (the SUB queued it meanwhile). Inside that window → drop; anything else is a
+      new publisher incarnation (engine restart, whose first batches the slow joiner may have
+      eaten, so it is not required to be 0) → ``cleared`` once, then handled as a first batch.
+    * seq > last + 1 (gap) → replay from last + 1; no replay socket, a timeout, or a replay that
+      does not start at last + 1 → purge.
+
+    Purge = ``cleared`` + ``covered(False)``, then keep applying new batches. The cache the engine
+    held before the purge is unknown to us; after ``rebuild_after_s`` without another purge we
+    assume it has been evicted or re-announced by the traffic since (a heuristic: reused blocks are
+    not re-reported, so the index may under-count hits, never invent them) and report
+    ``covered(True)`` again.
+    """
+
+    def __init__(
+        self,
+        engine: str,
+        sink: EventSink,
+        *,
+        has_replay: bool,
+        rebuild_after_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine = engine
+        self._sink = sink
+        self._has_replay = has_replay
+        self._rebuild_after_s = rebuild_after_s
+        self._clock = clock
+        self._last: int | None = None
+        self._covered: bool | None = None
+        self._purged_at: float | None = None
+        self._dup_window: tuple[int, int] | None = None
+        self._pending: tuple[int, bytes] | None = None
+        self._clear_pending_restart = False  # a restart just cleared: a purge need not clear again
+        self.replay_from: int | None = None
+        self.batches = self.replayed_batches = self.events = self.non_gpu_events = 0
+        self.malformed = self.duplicates = self.gaps = self.replays = self.replay_failures = 0
+        self.purges = self.restarts = self.errors = 0
+
+    # -- public, driven by the consumer (or a test) --
+
+    def on_batch(self, seq: int, payload: bytes) -> Action:
+        """Handle one live batch. ``Action.REPLAY``: fetch from ``replay_from``, then ``on_replay``."""
+        if self._pending is not None:
+            raise RuntimeError("on_batch while a replay is outstanding; call on_replay first")
+        self.batches += 1
+        if self._last is not None and seq <= self._last:
+            window = self._dup_window
+            if window is not None and window[0] <= seq <= window[1]:
+                self.duplicates += 1
+                return Action.DUPLICATE
+            self.restarts += 1
+            logger.info(
+                "KV events from %s: seq %d after %d, engine restarted; clearing", self.engine, seq, self._last
+            )
+            self._clear()
+            self._clear_pending_restart = True
+            self._last = None
+            self._dup_window = None
+        if self._last is None:
+            if seq == 0:
+                self._apply(seq, payload)
+                self._set_covered(True)
+                return Action.APPLIED
+            if self._has_replay:
+                return self._request_replay(0, seq, payload)
+            self._purge(f"first seq {seq} > 0 and no replay socket")
+            self._apply(seq, payload)
+            return Action.APPLIED
+        if seq == self._last + 1:
+            if self._dup_window is not None and seq > self._dup_window[1]:
+                self._dup_window = None  # the SUB queue is FIFO: no more duplicates can follow
+            self._apply(seq, payload)
+            return Action.APPLIED
+        self.gaps += 1
+        if self._has_replay:
+            return self._request_replay(self._last + 1, seq, payload)
+        self._purge(f"gap {self._last + 1}..{seq - 1} and no replay socket")
+        self._apply(seq, payload)
+        return Action.APPLIED
+
+    def on_replay(self, batches: list[tuple[int, bytes]] | None) -> None:
+        """Apply a replay's batches (in seq order); ``None`` = failed or timed out."""
+        if self._pending is None or self.replay_from is None:
+            raise RuntimeError("on_replay without an outstanding replay")
+        start, (pending_seq, pending_payload) = self.replay_from, self._pending
+        self._pending = None
+        self.replay_from = None
+        first_ever = self._last is None
+        batches = [(s, p) for s, p in (batches or ()) if s >= start]
+        if not batches or batches[0][0] != start:
+            self.replay_failures += 1
+            got = "nothing" if not batches else f"from {batches[0][0]}"
+            self._purge(f"replay from {start} returned {got}")
+            first_ever = False  # the purge decided coverage
+            # Continue from whatever we did get, as a fresh start (no second purge for the same gap).
+            self._last = (batches[0][0] if batches else pending_seq) - 1
+        for seq, payload in batches:
+            self.replayed_batches += 1
+            self._feed_in_order(seq, payload)
+        self._feed_in_order(pending_seq, pending_payload)
+        if first_ever:
+            self._set_covered(True)
+        if self._last is not None:
+            self._dup_window = (start, self._last)
+
+    def tick(self) -> None:
+        """Re-check the rebuild timer (called by the consumer when the stream is idle)."""
+        self._maybe_rebuild()
+
+    def on_malformed_frame(self) -> None:
+        self.malformed += 1
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            last_seq=self._last,
+            covered=self._covered,
+            batches=self.batches,
+            replayed_batches=self.replayed_batches,
+            events=self.events,
+            non_gpu_events=self.non_gpu_events,
+            malformed=self.malformed,
+            duplicates=self.duplicates,
+            gaps=self.gaps,
+            replays=self.replays,
+            replay_failures=self.replay_failures,
+            purges=self.purges,
+            restarts=self.restarts,
+            errors=self.errors,
+        )
+
+    # -- internals --
+
+    def _request_replay(self, start: int, seq: int, payload: bytes) -> Action:
+        self.replays += 1
+        self.replay_from = start
+        self._pending = (seq, payload)
+        return Action.REPLAY
+
+    def _feed_in_order(self, seq: int, payload: bytes) -> None:
+        if self._last is not None and seq <= self._last:
+            return  # already applied (the pending batch is usually inside the replay)
+        if self._last is not None and seq != self._last + 1:
+            self.gaps += 1
+            self._purge(f"gap {self._last + 1}..{seq - 1} inside a replay")
+        self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self._last = seq
+        self._clear_pending_restart = False
+        try:
+            batch = decode_batch(payload)
+        except MalformedEvent as exc:
+            # Counted, not purged: a publisher that keeps sending garbage would otherwise purge forever.
+            self.malformed += 1
+            logger.debug("malformed KV batch %d from %s: %s", seq, self.engine, exc)
+            self._maybe_rebuild()
+            return
+        self.malformed += batch.malformed
+        for event in batch.events:
+            if not event.on_gpu:
+                self.non_gpu_events += 1
+                continue
+            self.events += 1
+            if isinstance(event, Stored):
+                self._sink.stored(self.engine, event.block_hashes, event.parent)
+            elif isinstance(event, Removed):
+                self._sink.removed(self.engine, event.block_hashes)
+            else:
+                self._sink.cleared(self.engine)
+        self._maybe_rebuild()
+
+    def _clear(self) -> None:
+        self._sink.cleared(self.engine)
+
+    def _purge(self, why: str) -> None:
+        self.purges += 1
+        logger.warning("KV events from %s: %s; purging the engine's index entries", self.engine, why)
+        if not self._clear_pending_restart:
+            self._clear()
+        self._clear_pending_restart = False
+        self._purged_at = self._clock()
+        self._set_covered(False)
+
+    def _set_covered(self, known: bool) -> None:
+        if known:
+            self._purged_at = None
+        if self._covered is not known:
+            self._covered = known
+            self._sink.covered(self.engine, known)
+
+    def _maybe_rebuild(self) -> None:
+        if self._purged_at is not None and self._clock() - self._purged_at >= self._rebuild_after_s:
+            logger.info(
+                "KV events from %s: consistent for %.0f s, covered again", self.engine, self._rebuild_after_s
+            )
+            self._set_covered(True)
+
+
+# --- the consumer: one asyncio task per engine --------------------------------------------------
+
+
+@dataclass
+class _Engine:
+    name: str
+    endpoint: str
+    replay_endpoint: str | None
+    stream: EngineStream
+    task: asyncio.Task[None] | None = None
+
+
+def parse_live_frames(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """``[topic, seq8, payload]`` → (seq, payload), or None if the framing is wrong."""
+    if len(frames) != LIVE_FRAMES or len(frames[1]) != SEQ_BYTES:
+        return None
+    return int.from_bytes(frames[1], "big"), frames[2]
+
+
+def parse_replay_frames(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """A replay reply → (seq, payload); seq -1 marks the end. The LAST two frames are (seq, payload),
+    so 0.33's ``[b"", topic, seq, payload]`` and older ``[b"", seq, payload]`` both parse."""
+    if len(frames) < 2 or len(frames[-2]) != SEQ_BYTES:
+        return None
+    return int.from_bytes(frames[-2], "big", signed=True), frames[-1]
+
+
+class KVEventConsumer:
+    """Subscribes to each engine's KV-event PUB and drives an ``EventSink``.
+
+    The consumer owns its ``zmq.asyncio.Context`` (created in ``start``, terminated in ``stop``).
+    Engines may be added and removed before or after ``start``.
+    """
+
+    def __init__(
+        self,
+        sink: EventSink,
+        *,
+        replay_timeout_s: float = 2.0,
+        rebuild_after_s: float = 30.0,
+        topic_prefix: bytes = b"",
+        rcvhwm: int = DEFAULT_RCVHWM,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_replay_batches: int = DEFAULT_MAX_REPLAY_BATCHES,
+        tick_s: float = DEFAULT_TICK_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._sink = sink
+        self._replay_timeout_s = replay_timeout_s
+        self._rebuild_after_s = rebuild_after_s
+        self._topic_prefix = topic_prefix
+        self._rcvhwm = rcvhwm
+        self._max_message_bytes = max_message_bytes
+        self._max_replay_batches = max_replay_batches
+        self._tick_s = tick_s
+        self._clock = clock
+        self._engines: dict[str, _Engine] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._retiring: set[asyncio.Task[None]] = set()
+
+    @property
+    def running(self) -> bool:
+        return self._ctx is not None
+
+    def add_engine(self, name: str, endpoint: str, replay_endpoint: str | None = None) -> None:
+        if name in self._engines:
+            raise ValueError(f"engine {name!r} is already subscribed")
+        stream = EngineStream(
+            name,
+            self._sink,
+            has_replay=replay_endpoint is not None,
+            rebuild_after_s=self._rebuild_after_s,
+            clock=self._clock,
+        )
+        engine = _Engine(name, endpoint, replay_endpoint, stream)
+        self._engines[name] = engine
+        if self._ctx is not None:
+            self._spawn(engine)
+
+    def remove_engine(self, name: str) -> None:
+        """Stop following ``name`` (its socket closes as its task ends). The sink is not told: the
+        router removes the endpoint itself."""
+        engine = self._engines.pop(name, None)
+        if engine is not None and engine.task is not None:
+            # stop() awaits it: the context cannot terminate while its socket is still open.
+            self._retiring.add(engine.task)
+            engine.task.add_done_callback(self._retiring.discard)
+            engine.task.cancel()
+
+    def stats(self) -> dict[str, EngineStats]:
+        return {name: engine.stream.stats() for name, engine in self._engines.items()}
+
+    async def start(self) -> None:
+        if self._ctx is not None:
+            return
+        self._ctx = zmq.asyncio.Context()
+        for engine in self._engines.values():
+            self._spawn(engine)
+
+    async def stop(self) -> None:
+        ctx, self._ctx = self._ctx, None
+        if ctx is None:
+            return
+        tasks = [*(e.task for e in self._engines.values() if e.task is not None), *self._retiring]
+        for engine in self._engines.values():
+            engine.task = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # Every socket is closed with linger 0 in its task's finally, so term() does not block.
+        ctx.term()
+
+    def _spawn(self, engine: _Engine) -> None:
+        engine.task = asyncio.create_task(self._run(engine), name=f"kv-events:{engine.name}")
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        assert self._ctx is not None
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
+        return sock
+
+    async def _run(self, engine: _Engine) -> None:
+        stream = engine.stream
+        sub = self._socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, self._topic_prefix)
+            sub.connect(engine.endpoint)
+            logger.info("KV events: subscribed to %s at %s", engine.name, engine.endpoint)
+            while True:
+                # poll-then-recv instead of wait_for(recv): a cancelled recv could lose a message part.
+                if not await sub.poll(int(self._tick_s * 1000), zmq.POLLIN):
+                    stream.tick()
+                    continue
+                frames = await sub.recv_multipart()
+                try:
+                    await self._handle(engine, frames)
+                except Exception:
+                    # The sink is someone else's code; one bad call must not end the subscription.
+                    stream.errors += 1
+                    logger.exception("KV events from %s: error while applying a batch", engine.name)
+        finally:
+            sub.close(linger=0)
+
+    async def _handle(self, engine: _Engine, frames: list[bytes]) -> None:
+        stream = engine.stream
+        parsed = parse_live_frames(frames)
+        if parsed is None:
+            stream.on_malformed_frame()
+            logger.debug("KV events from %s: malformed frames (%d parts)", engine.name, len(frames))
+            return
+        seq, payload = parsed
+        if stream.on_batch(seq, payload) is Action.REPLAY:
+            assert stream.replay_from is not None
+            batches = await self._fetch_replay(engine, stream.replay_from)
+            stream.on_replay(batches)
+
+    async def _fetch_replay(self, engine: _Engine, start: int) -> list[tuple[int, bytes]] | None:
+        """Replay from ``start`` through a fresh DEALER (REQ can read only one reply, §9.4); a fresh
+        socket per replay so that late replies to a timed-out request cannot mix in."""
+        assert engine.replay_endpoint is not None
+        dealer = self._socket(zmq.DEALER)
+        batches: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(engine.replay_endpoint)
+            await dealer.send_multipart([b"", seq_bytes(start)])
+            async with asyncio.timeout(self._replay_timeout_s):
+                while len(batches) < self._max_replay_batches:
+                    parsed = parse_replay_frames(await dealer.recv_multipart())
+                    if parsed is None:
+                        engine.stream.on_malformed_frame()
+                        continue
+                    seq, payload = parsed
+                    if seq == -1 or not payload:
+                        break
+                    batches.append((seq, payload))
+        except TimeoutError:
+            logger.warning(
+                "KV events from %s: replay from %d timed out after %d batches",
+                engine.name,
+                start,
+                len(batches),
+            )
+            return None
+        finally:
+            dealer.close(linger=0)
+        batches.sort(key=lambda b: b[0])
+        return batches
