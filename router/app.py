@@ -16,10 +16,14 @@ from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import aiohttp
+import numpy as np
 from aiohttp import web
 
 from kvindex.base import PrefixIndex
+from kvindex.events import KVEventConsumer
 from kvindex.memory import MemoryPrefixIndex
+from kvindex.tokenize import PromptTokenizer
+from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
 from router.config import PoolConfig
 from router.extproc import HealthState, start_grpc
 from router.picker import Picker
@@ -50,6 +54,21 @@ class App:
             self.pool.add(endpoint)
         self.index = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
         self.picker = picker_factory(config, self.pool, self.index, seed)
+        # Precise mode: a second index fed by the engines' KV events, keyed by vLLM's own block
+        # hashes of the tokenized prompt; the approximate one still covers engines without events.
+        self.precise_index: MemoryPrefixIndex | None = None
+        self.tokenizer: PromptTokenizer | None = None
+        self.kv_events: KVEventConsumer | None = None
+        precise = config.index.precise
+        if precise is not None:
+            self.precise_index = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
+            hasher = VllmBlockHasher(
+                HashAlgo(precise.hash_algo), config.limits.block_tokens, precise.python_hash_seed
+            )
+            self.tokenizer = PromptTokenizer(
+                precise.tokenizer, hasher, add_special_tokens=precise.add_special_tokens
+            )
+            self.picker.precise = self.precise_index
         self.metrics = RouterMetrics(self.pool, pool_name)
         self.ready = False
         self.proxy_port: int | None = None
@@ -74,6 +93,9 @@ class App:
         await self.scrape_once()
         scrape_task = asyncio.create_task(self._scrape_loop(), name="scrape-loop")
         stack.push_async_callback(_cancel, scrape_task)
+        if self.tokenizer is not None:
+            stack.callback(self.tokenizer.close)
+            await self._start_kv_events()
 
         if cfg.proxy.enabled:
             await self._start_proxy(session)
@@ -85,10 +107,26 @@ class App:
         if self.health is not None:
             await self.health.set_ready(True)
 
+    async def _start_kv_events(self) -> None:
+        precise = self.config.index.precise
+        assert precise is not None and self.precise_index is not None
+        sink = IndexEventSink(self.pool, self.precise_index)
+        consumer = KVEventConsumer(
+            sink, replay_timeout_s=precise.replay_timeout_s, rebuild_after_s=precise.rebuild_after_s
+        )
+        for endpoint in self.config.endpoints:
+            if endpoint.kv_events is not None:
+                consumer.add_engine(
+                    endpoint.id, endpoint.kv_events.endpoint, endpoint.kv_events.replay_endpoint
+                )
+        await consumer.start()
+        self._stack.push_async_callback(consumer.stop)
+        self.kv_events = consumer
+
     async def _start_proxy(self, session: aiohttp.ClientSession) -> None:
         cfg = self.config
         exchange = TwoLegExchange(session, cfg.proxy.connect_timeout_s, cfg.proxy.request_timeout_s)
-        proxy = Proxy(cfg, self.pool, self.picker, exchange, self.metrics, lambda: self.ready)
+        proxy = Proxy(cfg, self.pool, self.picker, exchange, self.metrics, lambda: self.ready, self.tokenizer)
         runner = web.AppRunner(
             proxy.app(),
             handler_cancellation=True,
@@ -111,7 +149,7 @@ class App:
         cfg = self.config.extproc
         self.health = HealthState()
         server, health_server, self.extproc_port, self.health_port = await start_grpc(
-            self.config, self.picker, self.metrics, self.health
+            self.config, self.picker, self.metrics, self.health, self.tokenizer
         )
         # Reverse order on stop: the ext_proc server drains open streams, then health goes.
         self._stack.push_async_callback(health_server.stop, None)
@@ -171,6 +209,34 @@ class App:
                 await self.scrape_once()
             except Exception:  # a bug here must not stop scraping forever
                 log.exception("scrape round failed")
+
+
+class IndexEventSink:
+    """Applies one engine's KV events to the precise index and its coverage to the pool."""
+
+    def __init__(self, pool: Pool, index: MemoryPrefixIndex) -> None:
+        self.pool = pool
+        self.index = index
+
+    def _slot(self, engine: str) -> int | None:
+        endpoint = self.pool.endpoints.get(engine)
+        return None if endpoint is None else endpoint.slot
+
+    def stored(self, engine: str, block_hashes: list[int], parent: int | None) -> None:
+        if (slot := self._slot(engine)) is not None:
+            self.index.record(slot, np.array(block_hashes, dtype=np.uint64))
+
+    def removed(self, engine: str, block_hashes: list[int]) -> None:
+        if (slot := self._slot(engine)) is not None:
+            self.index.remove(slot, block_hashes)
+
+    def cleared(self, engine: str) -> None:
+        if (slot := self._slot(engine)) is not None:
+            self.index.drop_slot(slot)
+
+    def covered(self, engine: str, known: bool) -> None:
+        if (slot := self._slot(engine)) is not None:
+            self.pool.kv_covered[slot] = known
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

@@ -37,6 +37,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvindex.tokenize import PromptTokenizer
 from router.config import PoolConfig
 from router.picker import Picker, RouteDecision
 from router.request import (
@@ -105,6 +106,8 @@ class ExtProcStream:
         self.later = later
         self.mode: int | None = None
         self.response_mode: int = _Mode.NONE
+        self.precise_keys: np.ndarray | None = None
+        self.parsed: RouteRequest | Rejection | None = None  # set early when tokenizing off the loop
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
         self.body = bytearray()
@@ -136,6 +139,35 @@ class ExtProcStream:
         log.warning("ext_proc: ignoring unexpected message %r", kind)
         return []
 
+    def prompt_if_complete(self, message: pb.ProcessingRequest) -> str | None:
+        """The prompt text if ``message`` completes a parseable request body (else None).
+
+        Lets the servicer tokenize off the loop before the synchronous ``on_message`` routes;
+        anything wrong with the body is left for ``on_message`` to reject.
+        """
+        kind = message.WhichOneof("request")
+        if self.decision is not None or self.finished:
+            return None
+        if kind == "request_body" and message.request_body.end_of_stream:
+            raw = bytes(self.body) + message.request_body.body
+        elif kind == "request_trailers":
+            raw = bytes(self.body)
+        else:
+            return None
+        self.parsed = self._parse(raw)
+        return self.parsed.prompt if isinstance(self.parsed, RouteRequest) else None
+
+    def _parse(self, raw: bytes) -> RouteRequest | Rejection:
+        try:
+            return parse_request(
+                raw,
+                self.settings.limits,
+                request_id=self.headers.get("x-request-id"),
+                priority=_priority(self.headers),
+            )
+        except Rejection as rejection:
+            return rejection
+
     def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         self.headers = {
             h.key.lower(): h.raw_value.decode("utf-8", "replace") or h.value
@@ -166,12 +198,10 @@ class ExtProcStream:
         if self.decision is not None or self.finished:
             return []
         try:
-            route = parse_request(
-                bytes(self.body),
-                self.settings.limits,
-                request_id=self.headers.get("x-request-id"),
-                priority=_priority(self.headers),
-            )
+            parsed = self.parsed if self.parsed is not None else self._parse(bytes(self.body))
+            if isinstance(parsed, Rejection):
+                raise parsed
+            route = parsed
             if self.settings.strict_model and route.model != self.settings.model:
                 raise UnknownModel(
                     f"model {route.model!r} is not served here; this pool serves {self.settings.model!r}"
@@ -179,6 +209,7 @@ class ExtProcStream:
             if "kv_transfer_params" in route.body:
                 raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
             route.subset = self.subset
+            route.precise_keys = self.precise_keys
             self.decision = self.picker.pick(route)
         except Rejection as rejection:
             return self._reject(rejection)
@@ -308,10 +339,17 @@ class ExtProcStream:
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """The gRPC servicer: pumps a stream's messages through an ``ExtProcStream``."""
 
-    def __init__(self, settings: ExtProcSettings, picker: Picker, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        settings: ExtProcSettings,
+        picker: Picker,
+        metrics: RouterMetrics,
+        tokenizer: PromptTokenizer | None = None,
+    ) -> None:
         self.settings = settings
         self.picker = picker
         self.metrics = metrics
+        self.tokenizer = tokenizer
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -322,6 +360,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         stream = ExtProcStream(self.settings, self.picker, self.metrics, loop.call_later)
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
+                if self.tokenizer is not None and (prompt := stream.prompt_if_complete(message)) is not None:  # type: ignore[arg-type]
+                    # Long prompts are tokenized off the loop; the pick itself stays synchronous.
+                    stream.precise_keys = await self.tokenizer.block_keys(prompt)
                 for response in stream.on_message(message):  # type: ignore[arg-type]
                     await context.write(response)
                 if stream.finished:
@@ -449,13 +490,17 @@ class HealthState:
 
 
 async def start_grpc(
-    config: PoolConfig, picker: Picker, metrics: RouterMetrics, health_state: HealthState
+    config: PoolConfig,
+    picker: Picker,
+    metrics: RouterMetrics,
+    health_state: HealthState,
+    tokenizer: PromptTokenizer | None = None,
 ) -> tuple[grpc.aio.Server, grpc.aio.Server, int, int]:
     """Start the ext_proc server and the health server; returns them and their bound ports."""
     cfg = config.extproc
     server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_concurrent_streams)
     pb_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(settings_from(config), picker, metrics), server
+        ExternalProcessor(settings_from(config), picker, metrics, tokenizer), server
     )
     # Health on the ext_proc port too: Envoy health-checks the cluster endpoint it connects to.
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
