@@ -8,6 +8,11 @@ hit shortens prefill, queued work delays the first token, a bigger batch slows e
 
 Time is simulated with ``asyncio.sleep`` per engine step; ``TimeModel.speed`` divides every step time
 so tests run the same shape much faster (KV transfer delays from ``LinkCost`` are not scaled).
+
+Precise mode (``EngineSpec.tokenizer``): the engine tokenizes prompts with a real ``tokenizer.json``
+and keys its prefix cache by vLLM's exact chained block hashes; with ``kv_events`` it also publishes
+vLLM-format KV events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``) on ZMQ, so the
+router's event-fed index can be exercised end to end.
 """
 
 from __future__ import annotations
@@ -26,13 +31,18 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from tokenizers import Tokenizer
 
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.hashing import estimate_tokens, text_block_keys
+from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
+from loadtests.kv_publisher import KVEventPublisher
 from router.request import BadRequest, max_tokens_of, prompt_text
 
 log = logging.getLogger(__name__)
 
 LinkCost = Callable[[str, str], tuple[float, float]]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 ROLES = frozenset({"prefill", "decode", "prefill-decode"})
 DEFAULT_LINK_COST: tuple[float, float] = (0.0005, 25e9)
@@ -69,7 +79,12 @@ class TimeModel:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One simulated engine: identity, role, topology label and capacity."""
+    """One simulated engine: identity, role, topology label and capacity.
+
+    ``tokenizer`` (a ``tokenizer.json`` path) switches to precise mode: prompt tokens and block keys
+    come from real token ids hashed as vLLM does (``hash_algo``, ``python_hash_seed``). ``kv_events``
+    publishes vLLM KV events on 127.0.0.1 (``kv_events_port`` / ``kv_replay_port``, 0 = ephemeral).
+    """
 
     name: str
     role: str
@@ -81,6 +96,12 @@ class EngineSpec:
     chars_per_token: float = 4.0
     time: TimeModel = TimeModel()
     kv_bytes_per_token: int = 131072
+    tokenizer: str | None = None
+    hash_algo: str = "sha256"
+    python_hash_seed: str | None = None
+    kv_events: bool = False
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -89,6 +110,7 @@ class EngineSpec:
             raise ValueError("EngineSpec.block_tokens and num_gpu_blocks must be >= 1")
         if self.chars_per_token <= 0:
             raise ValueError(f"EngineSpec.chars_per_token must be > 0, got {self.chars_per_token}")
+        HashAlgo.parse(self.hash_algo)  # fail at config time, not on the first request
 
 
 @dataclass
@@ -122,6 +144,7 @@ class _Request:
     max_tokens: int
     out: asyncio.Queue[str | None]
     arrival: float
+    token_ids: list[int] | None = None  # precise mode only: BlockStored carries the blocks' tokens
     remote: SimEngine | None = None
     state: str = "waiting"  # waiting | transfer | running | done
     target: int = 0  # tokens that must be computed before the next token can be sampled
@@ -174,6 +197,16 @@ class SimEngine:
         self._ttft_sum = 0.0
         self._block_id_seq = 0
         self._block_chars = max(1, round(spec.block_tokens * spec.chars_per_token))
+        self._tokenizer: Tokenizer | None = None
+        self._hasher: VllmBlockHasher | None = None
+        if spec.tokenizer is not None:
+            self._tokenizer = Tokenizer.from_file(spec.tokenizer)
+            self._hasher = VllmBlockHasher(
+                HashAlgo.parse(spec.hash_algo), spec.block_tokens, spec.python_hash_seed
+            )
+        self._publisher: KVEventPublisher | None = None
+        self._kv_pending: list[KVEvent] = []
+        self._kv_ports = (spec.kv_events_port, spec.kv_replay_port)
 
     # -- state readable by tests -------------------------------------------------------------
 
@@ -194,6 +227,37 @@ class SimEngine:
     def cached_blocks(self) -> int:
         return len(self._cache)
 
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """The KV-event PUB endpoint (``tcp://127.0.0.1:port``); None unless ``kv_events`` and running."""
+        return self._publisher.endpoint if self._publisher is not None else None
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        """The KV-event replay ROUTER endpoint; None unless ``kv_events`` and running."""
+        return self._publisher.replay_endpoint if self._publisher is not None else None
+
+    @property
+    def kv_ports(self) -> tuple[int, int]:
+        """(PUB, replay) ports the KV-event publisher bound; kept after a kill so revive reuses them."""
+        return self._kv_ports
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache and publish ``AllBlocksCleared``, like vLLM's ``BlockPool``.
+
+        As in vLLM, refused (False, nothing published) while any request holds blocks: their cached
+        blocks cannot be forgotten while in use.
+        """
+        if self._held:
+            log.warning(
+                "sim engine %s: prefix cache reset refused, %d blocks in use", self.spec.name, self._held
+            )
+            return False
+        self._cache.clear()
+        self._cached_and_referenced = 0
+        self._queue_kv_event(AllBlocksCleared())
+        return True
+
     def set_stall(self, seconds: float) -> None:
         """Fault injection: delay the start of every response (including /metrics) by ``seconds``."""
         self._stall = max(0.0, seconds)
@@ -208,6 +272,7 @@ class SimEngine:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.on_response_prepare.append(self._echo_request_id)
         # aiohttp already sets TCP_NODELAY on every accepted connection (BaseProtocol.connection_made),
         # so each SSE chunk leaves as its own segment without Nagle delay.
@@ -218,7 +283,16 @@ class SimEngine:
         await runner.setup()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        publisher: KVEventPublisher | None = None
         try:
+            if self.spec.kv_events:
+                # Fixed ports on revive: the router's consumer keeps its SUB connected to the same
+                # endpoint and must notice the restart by the new incarnation's seq starting at 0.
+                publisher = KVEventPublisher(
+                    endpoint=f"tcp://127.0.0.1:{self.spec.kv_events_port}",
+                    replay_endpoint=f"tcp://127.0.0.1:{self.spec.kv_replay_port}",
+                )
+                await publisher.start()
             # SO_REUSEADDR lets a revived engine bind the port its killed predecessor left in TIME_WAIT.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, self.spec.port))
@@ -227,10 +301,16 @@ class SimEngine:
             await site.start()
         except BaseException:
             sock.close()
+            if publisher is not None:
+                await publisher.close()
             await runner.cleanup()
             raise
         self.port = sock.getsockname()[1]
         self._runner = runner
+        self._publisher = publisher
+        if publisher is not None:
+            assert publisher.replay_endpoint is not None
+            self._kv_ports = (_port_of(publisher.endpoint), _port_of(publisher.replay_endpoint))
         self._loop_task = asyncio.create_task(self._batch_loop(), name=f"simengine-{self.spec.name}")
         self._loop_task.add_done_callback(self._loop_done)
         self.alive = True
@@ -269,6 +349,11 @@ class SimEngine:
         self._held = 0
         self._refs.clear()
         self._cached_and_referenced = 0
+        # A crash loses the events of the step in progress, as a killed vLLM would.
+        self._kv_pending.clear()
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            await publisher.close()
         await runner.cleanup()
         log.info("sim engine %s stopped", self.spec.name)
 
@@ -320,6 +405,12 @@ class SimEngine:
         }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        # vLLM answers 200 either way; a sim-only 409 lets tests tell a refused reset apart.
+        if self.reset_prefix_cache():
+            return web.Response(status=200)
+        return _error(409, "cannot reset prefix cache: some blocks are still in use")
+
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(
             body=self.metrics_text().encode(),
@@ -352,7 +443,10 @@ class SimEngine:
             return _error(400, f"engine {self.spec.name} is decode-only: cannot serve do_remote_decode")
         if remote_prefill and role == "prefill":
             return _error(400, f"engine {self.spec.name} is prefill-only: cannot serve do_remote_prefill")
-        prompt_tokens = estimate_tokens(text, self.spec.chars_per_token)
+        token_ids, block_keys = self._tokenize(text)
+        prompt_tokens = (
+            len(token_ids) if token_ids is not None else estimate_tokens(text, self.spec.chars_per_token)
+        )
         if prompt_tokens == 0:
             return _error(400, "prompt is empty")
         max_len = self.spec.num_gpu_blocks * self.spec.block_tokens
@@ -382,10 +476,11 @@ class SimEngine:
         req = _Request(
             rid=rid,
             prompt_tokens=prompt_tokens,
-            block_keys=text_block_keys(text, self._block_chars).tolist(),
+            block_keys=block_keys,
             max_tokens=max_tokens,
             out=asyncio.Queue(maxsize=max_tokens + 1),  # every token plus the end marker, never more
             arrival=time.monotonic(),
+            token_ids=token_ids,
             remote=remote,
             target=prompt_tokens,
         )
@@ -401,6 +496,15 @@ class SimEngine:
         finally:
             if req.state != "done":
                 self._drop(req)
+
+    def _tokenize(self, text: str) -> tuple[list[int] | None, list[int]]:
+        """(token ids or None, full-block keys): vLLM-exact in precise mode, else the text estimate."""
+        if self._tokenizer is None or self._hasher is None:
+            return None, text_block_keys(text, self._block_chars).tolist()
+        # With special tokens, as vLLM's completions API tokenizes (e.g. a BOS). Chat prompts are the
+        # router's flattened text, not a chat template: fine as long as the router hashes the same text.
+        ids = self._tokenizer.encode(text, add_special_tokens=True).ids
+        return ids, self._hasher.keys(ids).tolist()
 
     def _parse(self, body: dict[str, Any], chat: bool) -> tuple[str, int, bool, bool, dict[str, Any] | None]:
         if chat and "messages" not in body:
@@ -564,6 +668,9 @@ class SimEngine:
                 skipped += 1
             else:
                 del cache[key]
+                if self._publisher is not None:
+                    # One hash per event, as vLLM's GPU block pool emits evictions.
+                    self._queue_kv_event(BlockRemoved(block_hashes=[key], medium="GPU"))
 
     def _reference(self, keys: list[int]) -> int:
         """Reference a request's full prompt blocks; returns how many were not in use before."""
@@ -612,14 +719,55 @@ class SimEngine:
             hits += 1
         return hits
 
-    def _cache_insert(self, keys: list[int]) -> None:
+    def _cache_insert(self, keys: list[int], token_ids: list[int] | None = None) -> None:
         cache, refs = self._cache, self._refs
-        for key in keys:
+        run_start: int | None = None  # first index of the current run of newly cached blocks
+        for i, key in enumerate(keys):
             if key not in cache:
                 self._cached_and_referenced += key in refs
+                if run_start is None:
+                    run_start = i
+            elif run_start is not None:
+                # A re-touched block is not a store: each run of new blocks is its own BlockStored,
+                # chained to the block before it.
+                self._stored(keys, run_start, i, token_ids)
+                run_start = None
             cache[key] = None
             cache.move_to_end(key)
+        if run_start is not None:
+            self._stored(keys, run_start, len(keys), token_ids)
         self._trim_cache()
+
+    def _stored(self, keys: list[int], start: int, end: int, token_ids: list[int] | None) -> None:
+        if self._publisher is None:
+            return
+        bt = self.spec.block_tokens
+        self._queue_kv_event(
+            BlockStored(
+                block_hashes=list(keys[start:end]),
+                parent_block_hash=keys[start - 1] if start else None,
+                token_ids=token_ids[start * bt : end * bt] if token_ids is not None else [],
+                block_size=bt,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        )
+
+    def _queue_kv_event(self, event: KVEvent) -> None:
+        # vLLM publishes one batch per engine step. Here a step's bookkeeping (admission, evictions,
+        # stores, frees) runs synchronously after its sleep, so everything queued in one turn of the
+        # event loop is that step's batch: flush on the next loop iteration.
+        if self._publisher is None:
+            return
+        if not self._kv_pending:
+            asyncio.get_running_loop().call_soon(self._flush_kv_events)
+        self._kv_pending.append(event)
+
+    def _flush_kv_events(self) -> None:
+        events, self._kv_pending = self._kv_pending, []
+        if events and self._publisher is not None:
+            self._publisher.publish(events)
 
     def _admit(self) -> None:
         spec = self.spec
@@ -671,7 +819,7 @@ class SimEngine:
         if req.state != "transfer":
             return
         self._transfer.discard(req)
-        self._cache_insert(req.block_keys)
+        self._cache_insert(req.block_keys, req.token_ids)
         # vLLM's decode side treats the transferred full blocks as computed and recomputes the tail.
         transferred = min(len(req.block_keys) * self.spec.block_tokens, req.prompt_tokens - 1)
         req.computed = max(req.computed, transferred)
@@ -774,7 +922,7 @@ class SimEngine:
                 req.computed += n
                 self.stats.prefill_tokens_computed += n
                 if req.computed >= req.target:
-                    self._cache_insert(req.block_keys)
+                    self._cache_insert(req.block_keys, req.token_ids)
                     self._emit(req, now)
             for req in decoding:
                 if req.state == "running":
@@ -791,7 +939,7 @@ class SimEngine:
         cache_labels = (
             f'block_size="{spec.block_tokens}",cache_dtype="auto",enable_prefix_caching="True",'
             f'engine="0",gpu_memory_utilization="0.9",model_name="{spec.model}",num_cpu_blocks="0",'
-            f'num_gpu_blocks="{spec.num_gpu_blocks}",prefix_caching_hash_algo="sha256"'
+            f'num_gpu_blocks="{spec.num_gpu_blocks}",prefix_caching_hash_algo="{spec.hash_algo}"'
         )
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
@@ -850,6 +998,10 @@ class SimEngine:
             f"{name}_sum{{{lbl}}} {self._ttft_sum!r}",
         ]
         return "\n".join(lines) + "\n"
+
+
+def _port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
 
 
 def _default_link_cost(link_a: str, link_b: str) -> tuple[float, float]:
@@ -938,7 +1090,10 @@ class SimCluster:
         """Start the engine again on the same port with an empty cache and fresh counters."""
         old = self._engines[name]
         await old.shutdown()
-        engine = SimEngine(replace(old.spec, port=old.port), self)
+        kv_ports = old.kv_ports
+        # Same HTTP and KV-event ports; the new publisher's seq restarts at 0 (a new incarnation).
+        spec = replace(old.spec, port=old.port, kv_events_port=kv_ports[0], kv_replay_port=kv_ports[1])
+        engine = SimEngine(spec, self)
         await engine.start(self._host)
         self._engines[name] = engine
 
