@@ -344,6 +344,7 @@ class EngineStream:
         self._dup_window: tuple[int, int] | None = None
         self._pending: tuple[int, bytes] | None = None
         self._clear_pending_restart = False  # a restart just cleared: a purge need not clear again
+        self._reconnected = False  # the SUB lost its connection since the last batch
         self.replay_from: int | None = None
         self.batches = self.replayed_batches = self.events = self.non_gpu_events = 0
         self.malformed = self.duplicates = self.gaps = self.replays = self.replay_failures = 0
@@ -351,12 +352,22 @@ class EngineStream:
 
     # -- public, driven by the consumer (or a test) --
 
+    def on_disconnect(self) -> None:
+        """The SUB lost its connection to the publisher: the next batch may come from a new process.
+
+        A restarted engine numbers its batches from 0 again, but a reconnecting subscriber can miss
+        the first ones (ZMQ's slow joiner) and see a seq *above* the old last one, which would look
+        like a gap. After a disconnect, anything but the next seq counts as a restart.
+        """
+        self._reconnected = True
+
     def on_batch(self, seq: int, payload: bytes) -> Action:
         """Handle one live batch. ``Action.REPLAY``: fetch from ``replay_from``, then ``on_replay``."""
         if self._pending is not None:
             raise RuntimeError("on_batch while a replay is outstanding; call on_replay first")
         self.batches += 1
-        if self._last is not None and seq <= self._last:
+        reconnected, self._reconnected = self._reconnected, False
+        if self._last is not None and (seq <= self._last or (reconnected and seq != self._last + 1)):
             window = self._dup_window
             if window is not None and window[0] <= seq <= window[1]:
                 self.duplicates += 1
@@ -635,14 +646,25 @@ class KVEventConsumer:
     async def _run(self, engine: _Engine) -> None:
         stream = engine.stream
         sub = self._socket(zmq.SUB)
+        monitor: zmq.asyncio.Socket | None = None
         try:
             sub.setsockopt(zmq.SUBSCRIBE, self._topic_prefix)
+            monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sub.connect(engine.endpoint)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             logger.info("KV events: subscribed to %s at %s", engine.name, engine.endpoint)
             while True:
                 # poll-then-recv instead of wait_for(recv): a cancelled recv could lose a message part.
-                if not await sub.poll(int(self._tick_s * 1000), zmq.POLLIN):
+                ready = dict(await poller.poll(int(self._tick_s * 1000)))
+                if not ready:
                     stream.tick()
+                    continue
+                if monitor in ready:
+                    await monitor.recv_multipart()  # only EVENT_DISCONNECTED is subscribed
+                    stream.on_disconnect()
+                if sub not in ready:
                     continue
                 frames = await sub.recv_multipart()
                 try:
@@ -652,6 +674,9 @@ class KVEventConsumer:
                     stream.errors += 1
                     logger.exception("KV events from %s: error while applying a batch", engine.name)
         finally:
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(linger=0)  # an open monitor socket would block the context's term()
             sub.close(linger=0)
 
     async def _handle(self, engine: _Engine, frames: list[bytes]) -> None:
