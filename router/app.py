@@ -12,7 +12,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 
 import aiohttp
@@ -22,13 +22,15 @@ from aiohttp import web
 from kvindex.base import PrefixIndex
 from kvindex.events import KVEventConsumer
 from kvindex.memory import MemoryPrefixIndex
+from kvindex.redis_index import SharedPrefixIndex
 from kvindex.tokenize import PromptTokenizer
 from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
-from router.config import PoolConfig
+from router.config import PoolConfig, RedisConfig
 from router.extproc import HealthState, start_grpc
 from router.picker import Picker
 from router.pool import Pool
 from router.proxy import Proxy, TwoLegExchange
+from router.request import RouteRequest
 from router.scrape import ScrapeError, Scraper
 from router.signals import RouterMetrics
 
@@ -52,7 +54,12 @@ class App:
         self.pool = Pool(config.scrape)
         for endpoint in config.endpoints:
             self.pool.add(endpoint)
-        self.index = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
+        local = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
+        # Several replicas share what each routed where through Redis; pick() reads a local mirror.
+        self.shared: SharedPrefixIndex | None = None
+        if config.index.redis is not None:
+            self.shared = self._shared_index(config.index.redis, local)
+        self.index: PrefixIndex = local if self.shared is None else self.shared
         self.picker = picker_factory(config, self.pool, self.index, seed)
         # Precise mode: a second index fed by the engines' KV events, keyed by vLLM's own block
         # hashes of the tokenized prompt; the approximate one still covers engines without events.
@@ -96,6 +103,9 @@ class App:
         if self.tokenizer is not None:
             stack.callback(self.tokenizer.close)
             await self._start_kv_events()
+        if self.shared is not None:
+            await self.shared.start()
+            stack.push_async_callback(self.shared.close)
 
         if cfg.proxy.enabled:
             await self._start_proxy(session)
@@ -106,6 +116,41 @@ class App:
         self.ready = True
         if self.health is not None:
             await self.health.set_ready(True)
+
+    def _shared_index(self, cfg: RedisConfig, local: MemoryPrefixIndex) -> SharedPrefixIndex:
+        from redis.asyncio import Redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # No client retries: every call has its own timeout and the index's probe does the retrying.
+        client = Redis.from_url(cfg.url, decode_responses=False, retry=Retry(NoBackoff(), 0))
+        pool = self.pool
+
+        def slot_of(name: str) -> int | None:
+            endpoint = pool.endpoints.get(name)
+            return None if endpoint is None else endpoint.slot
+
+        return SharedPrefixIndex(
+            client,
+            local,
+            namespace=cfg.namespace,
+            ttl_s=cfg.ttl_s,
+            lookup_timeout_s=cfg.lookup_timeout_ms / 1000.0,
+            slot_names=lambda slot: pool.by_slot[slot].id,  # type: ignore[union-attr]
+            slot_of=slot_of,
+        )
+
+    async def prepare(self, route: RouteRequest) -> None:
+        """The I/O a pick may need, done before it: tokenizing (precise) and the shared lookup."""
+        if self.tokenizer is not None:
+            route.precise_keys = await self.tokenizer.block_keys(route.prompt)
+        if self.shared is not None:
+            # Refreshes the local mirror with other replicas' entries for this prompt, in one round
+            # trip; on trouble it answers from the mirror itself.
+            await self.shared.lookup(route.block_keys, self.pool.candidate_slots())
+
+    def _prepare_hook(self) -> Callable[[RouteRequest], Awaitable[None]] | None:
+        return self.prepare if self.tokenizer is not None or self.shared is not None else None
 
     async def _start_kv_events(self) -> None:
         precise = self.config.index.precise
@@ -126,7 +171,9 @@ class App:
     async def _start_proxy(self, session: aiohttp.ClientSession) -> None:
         cfg = self.config
         exchange = TwoLegExchange(session, cfg.proxy.connect_timeout_s, cfg.proxy.request_timeout_s)
-        proxy = Proxy(cfg, self.pool, self.picker, exchange, self.metrics, lambda: self.ready, self.tokenizer)
+        proxy = Proxy(
+            cfg, self.pool, self.picker, exchange, self.metrics, lambda: self.ready, self._prepare_hook()
+        )
         runner = web.AppRunner(
             proxy.app(),
             handler_cancellation=True,
@@ -149,7 +196,7 @@ class App:
         cfg = self.config.extproc
         self.health = HealthState()
         server, health_server, self.extproc_port, self.health_port = await start_grpc(
-            self.config, self.picker, self.metrics, self.health, self.tokenizer
+            self.config, self.picker, self.metrics, self.health, self._prepare_hook()
         )
         # Reverse order on stop: the ext_proc server drains open streams, then health goes.
         self._stack.push_async_callback(health_server.stop, None)

@@ -157,8 +157,18 @@ class PreciseConfig(_Strict):
     replay_timeout_s: Positive = 2.0
 
 
+class RedisConfig(_Strict):
+    """Share the prefix index between router replicas through Redis (a local mirror serves pick())."""
+
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// URL")
+    namespace: str = "pdr"
+    ttl_s: Positive = Field(600.0, description="entries expire this long after their last write")
+    lookup_timeout_ms: Positive = Field(50.0, description="past this, a request routes on the local view")
+
+
 class IndexConfig(_Strict):
     capacity_blocks_per_endpoint: Annotated[int, Field(gt=0)] = 65536
+    redis: RedisConfig | None = Field(None, description="share the approximate index through Redis")
     precise: PreciseConfig | None = Field(
         None, description="enable precise mode (needs kv_events per endpoint)"
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,6 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvindex.tokenize import PromptTokenizer
 from router.config import PoolConfig
 from router.picker import Picker, RouteDecision
 from router.request import (
@@ -106,7 +105,6 @@ class ExtProcStream:
         self.later = later
         self.mode: int | None = None
         self.response_mode: int = _Mode.NONE
-        self.precise_keys: np.ndarray | None = None
         self.parsed: RouteRequest | Rejection | None = None  # set early when tokenizing off the loop
         self.headers: dict[str, str] = {}
         self.subset: frozenset[str] | None = None
@@ -209,7 +207,6 @@ class ExtProcStream:
             if "kv_transfer_params" in route.body:
                 raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
             route.subset = self.subset
-            route.precise_keys = self.precise_keys
             self.decision = self.picker.pick(route)
         except Rejection as rejection:
             return self._reject(rejection)
@@ -344,12 +341,12 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         settings: ExtProcSettings,
         picker: Picker,
         metrics: RouterMetrics,
-        tokenizer: PromptTokenizer | None = None,
+        prepare: Callable[[RouteRequest], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
         self.picker = picker
         self.metrics = metrics
-        self.tokenizer = tokenizer
+        self.prepare = prepare
 
     async def Process(
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -360,9 +357,10 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         stream = ExtProcStream(self.settings, self.picker, self.metrics, loop.call_later)
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
-                if self.tokenizer is not None and (prompt := stream.prompt_if_complete(message)) is not None:  # type: ignore[arg-type]
-                    # Long prompts are tokenized off the loop; the pick itself stays synchronous.
-                    stream.precise_keys = await self.tokenizer.block_keys(prompt)
+                if self.prepare is not None and stream.prompt_if_complete(message) is not None:  # type: ignore[arg-type]
+                    # Tokenizing and shared-index lookups happen here; the pick stays synchronous.
+                    assert isinstance(stream.parsed, RouteRequest)
+                    await self.prepare(stream.parsed)
                 for response in stream.on_message(message):  # type: ignore[arg-type]
                     await context.write(response)
                 if stream.finished:
@@ -494,13 +492,13 @@ async def start_grpc(
     picker: Picker,
     metrics: RouterMetrics,
     health_state: HealthState,
-    tokenizer: PromptTokenizer | None = None,
+    prepare: Callable[[RouteRequest], Awaitable[None]] | None = None,
 ) -> tuple[grpc.aio.Server, grpc.aio.Server, int, int]:
     """Start the ext_proc server and the health server; returns them and their bound ports."""
     cfg = config.extproc
     server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_concurrent_streams)
     pb_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(settings_from(config), picker, metrics, tokenizer), server
+        ExternalProcessor(settings_from(config), picker, metrics, prepare), server
     )
     # Health on the ext_proc port too: Envoy health-checks the cluster endpoint it connects to.
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)

@@ -18,7 +18,6 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from kvindex.tokenize import PromptTokenizer
 from router.config import PoolConfig
 from router.picker import Picker, RouteDecision
 from router.pool import Endpoint, Pool
@@ -205,7 +204,7 @@ class Proxy:
         exchange: TwoLegExchange,
         metrics: RouterMetrics,
         ready: Callable[[], bool],
-        tokenizer: PromptTokenizer | None = None,
+        prepare: Callable[[RouteRequest], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -214,7 +213,7 @@ class Proxy:
         self.metrics = metrics
         self.limits = config.request_limits()
         self.ready = ready
-        self.tokenizer = tokenizer
+        self.prepare = prepare  # the I/O a pick may need first (tokenizing, a shared-index lookup)
         self.debug_headers = config.proxy.debug_headers
 
     def app(self) -> web.Application:
@@ -286,8 +285,8 @@ class Proxy:
             )
         if "kv_transfer_params" in route.body:
             raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
-        if self.tokenizer is not None:
-            route.precise_keys = await self.tokenizer.block_keys(route.prompt)
+        if self.prepare is not None:
+            await self.prepare(route)
         return route
 
     async def _forward(
