@@ -204,8 +204,6 @@ class ExtProcStream:
                 raise UnknownModel(
                     f"model {route.model!r} is not served here; this pool serves {self.settings.model!r}"
                 )
-            if "kv_transfer_params" in route.body:
-                raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
             route.subset = self.subset
             self.decision = self.picker.pick(route)
         except Rejection as rejection:

@@ -283,8 +283,6 @@ class Proxy:
             raise UnknownModel(
                 f"model {route.model!r} is not served here; this pool serves {self.config.model!r}"
             )
-        if "kv_transfer_params" in route.body:
-            raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
         if self.prepare is not None:
             await self.prepare(route)
         return route

@@ -166,6 +166,22 @@ def max_tokens_of(body: dict[str, Any], default: int) -> int:
     return default
 
 
+def client_json(raw: bytes) -> dict[str, Any]:
+    """A client's body as a JSON object, with no field only the router may set."""
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    # A client-chosen remote_host would make an engine pull KV from a host of the client's choice.
+    if "kv_transfer_params" in body:
+        raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
+    return body
+
+
 def parse_request(
     raw: bytes,
     limits: RequestLimits,
@@ -176,14 +192,7 @@ def parse_request(
     """Validate and digest one completions/chat body. Raises a ``Rejection`` subclass."""
     if len(raw) > limits.max_body_bytes:
         raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
-    if not raw:
-        raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+    body = client_json(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("missing required field 'model'")

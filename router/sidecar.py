@@ -21,15 +21,13 @@ import uuid
 from collections.abc import Iterable
 from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 from yarl import URL
 
 from router.proxy import _HOP_HEADERS, INTERNAL_HEADERS, Leg, TwoLegExchange, UpstreamError, decode_body
-from router.request import COMPLETION_PATHS, BadRequest, BodyTooLarge, Rejection, UpstreamFailed
+from router.request import COMPLETION_PATHS, BodyTooLarge, Rejection, UpstreamFailed, client_json
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +193,8 @@ class Sidecar:
                 raise PrefillForbidden(f"prefill target {shown!r} is not allowed by this sidecar")
             address = format_host_port(*parsed)  # canonical, so nothing odd reaches the URL
         raw = await self._read_body(request)
-        body = _parse_body(raw)
+        # Checked on the local path too: a client-chosen remote_host would make the engine pull KV from it.
+        body = client_json(raw)
         headers = {
             k: v
             for k, v in request.headers.items()
@@ -298,21 +297,6 @@ class Sidecar:
                 return response
             await response.write_eof()
             return response
-
-
-def _parse_body(raw: bytes) -> dict[str, Any]:
-    if not raw:
-        raise BadRequest("request body is empty; expected a JSON object")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    # Checked on the local path too: a client-chosen remote_host would make the engine pull KV from it.
-    if "kv_transfer_params" in body:
-        raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
-    return body
 
 
 def _rejection_response(rejection: Rejection) -> web.Response:
