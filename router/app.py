@@ -32,7 +32,7 @@ from router.pool import Pool
 from router.proxy import Proxy, TwoLegExchange
 from router.request import RouteRequest
 from router.scrape import ScrapeError, Scraper
-from router.signals import RouterMetrics
+from router.signals import IndexCollector, RouterMetrics
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class App:
         if self.shared is not None:
             await self.shared.start()
             stack.push_async_callback(self.shared.close)
+        if self.kv_events is not None or self.shared is not None:
+            self.metrics.registry.register(IndexCollector(self.kv_events, self.shared, self.pool))
 
         if cfg.proxy.enabled:
             await self._start_proxy(session)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
@@ -150,3 +150,63 @@ def _gauge(metric: str, doc: str, value: float, **labels: str) -> GaugeMetricFam
     family = GaugeMetricFamily(metric, doc, labels=list(labels))
     family.add_metric(list(labels.values()), value)
     return family
+
+
+_KV_EVENT_COUNTERS = (
+    "batches",
+    "events",
+    "malformed",
+    "gaps",
+    "replays",
+    "replay_failures",
+    "purges",
+    "restarts",
+)
+
+
+class IndexCollector:
+    """KV-event streams and the Redis-shared index, read when Prometheus scrapes."""
+
+    def __init__(self, kv_events: Any | None, shared: Any | None, pool: Pool) -> None:
+        self.kv_events = kv_events
+        self.shared = shared
+        self.pool = pool
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self.kv_events is not None:
+            stats = self.kv_events.stats()
+            for name in _KV_EVENT_COUNTERS:
+                family = CounterMetricFamily(
+                    f"pd_router_kv_events_{name}",
+                    f"vLLM KV-event stream: {name.replace('_', ' ')}.",
+                    labels=["endpoint"],
+                )
+                for engine, engine_stats in stats.items():
+                    family.add_metric([engine], float(getattr(engine_stats, name)))
+                yield family
+            covered = GaugeMetricFamily(
+                "pd_router_endpoint_kv_covered",
+                "1 if the endpoint's KV-event view is complete.",
+                labels=["endpoint"],
+            )
+            for endpoint in self.pool.endpoints.values():
+                covered.add_metric([endpoint.id], float(self.pool.kv_covered[endpoint.slot]))
+            yield covered
+        if self.shared is not None:
+            yield _gauge(
+                "pd_router_shared_index_healthy",
+                "1 while the Redis-shared index is reachable; 0 = routing on the local view.",
+                float(self.shared.healthy),
+            )
+            for name, doc in (
+                ("redis_errors", "Failed Redis calls."),
+                ("dropped_writes", "Blocks dropped from the full write queue."),
+                ("fallback_lookups", "Lookups answered from the local mirror."),
+                ("resyncs", "Full mirror pushes after an outage."),
+            ):
+                family = CounterMetricFamily(f"pd_router_shared_index_{name}", doc)
+                family.add_metric([], float(getattr(self.shared, name)))
+                yield family

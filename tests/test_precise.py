@@ -141,3 +141,13 @@ def _text_keys(app, prompt: str) -> np.ndarray:
     return parse_request(
         f'{{"model": "sim-model", "prompt": "{prompt}"}}'.encode(), app.config.request_limits()
     ).block_keys
+
+
+async def test_kv_event_and_coverage_metrics_are_exported(tmp_path: Path) -> None:
+    tokenizer, specs = await _precise_gateway(tmp_path, ["e0"])
+    async with SimCluster(specs) as cluster, router_for(_sections(cluster, tokenizer)) as (app, base):
+        await _until_covered(app, cluster)
+        async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+        assert 'pd_router_endpoint_kv_covered{endpoint="e0"} 1.0' in text
+        assert 'pd_router_kv_events_batches_total{endpoint="e0"}' in text

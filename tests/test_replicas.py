@@ -43,7 +43,7 @@ async def test_a_replica_routes_on_what_the_other_replica_sent_where(redis: Redi
         sections = _sections(cluster, redis)
         async with router_for(sections) as (a, base_a), router_for(sections) as (_, base_b):
             first, _ = await _ask(http, base_a, PROMPT)
-            await eventually(lambda: a.shared.pending == 0, 5, "replica A flushed to Redis")
+            assert await a.shared.flush()  # replica A's writes are in Redis
             # B never routed this prompt: only Redis can tell it that `first` holds it.
             chosen, reason = await _ask(http, base_b, PROMPT + " question")
             assert chosen == first
@@ -70,3 +70,14 @@ async def test_redis_stopping_and_coming_back_fails_no_request(redis: RedisServe
         redis.restart()
         await eventually(lambda: app.shared.healthy, 10, "shared index back on Redis")
         await load(10, "after")
+
+
+async def test_shared_index_health_is_exported(redis: RedisServer) -> None:
+    specs = [EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20))]
+    async with (
+        SimCluster(specs) as cluster,
+        aiohttp.ClientSession() as http,
+        router_for(_sections(cluster, redis)) as (_, base),
+        http.get(f"{base}/metrics") as resp,
+    ):
+        assert "pd_router_shared_index_healthy 1.0" in await resp.text()
