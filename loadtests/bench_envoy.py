@@ -70,6 +70,7 @@ from loadtests.bench_proxy import (
     _run,
     _serve_until_term,
     _top,
+    run_profiled,
     start_child,
 )
 
@@ -134,18 +135,7 @@ def router_main(
 
             await _serve_until_term(started, conn)
 
-    profiler = None
-    if profile_path:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
-    try:
-        _run(serve())
-    finally:
-        if profiler is not None:
-            profiler.disable()
-            profiler.dump_stats(profile_path)
+    run_profiled(serve(), profile_path)
 
 
 # -- Envoy -----------------------------------------------------------------------------------------

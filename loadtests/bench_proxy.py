@@ -177,11 +177,16 @@ def proxy_main(conn: Connection, engine: str, cpu: int | None, profile_path: str
             port = app.proxy_port
             await _serve_until_term(lambda: _const(port), conn)
 
+    run_profiled(serve(), profile_path)
+
+
+def run_profiled(coro: Awaitable[None], profile_path: str) -> None:
+    """Run ``coro`` (uvloop when installed), under cProfile when ``profile_path`` is set."""
     profiler = cProfile.Profile() if profile_path else None
     if profiler is not None:
         profiler.enable()
     try:
-        _run(serve())
+        _run(coro)
     finally:
         if profiler is not None:
             profiler.disable()

@@ -9,7 +9,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import numpy as np
+import orjson
 
 from router.config import LinksConfig, PoolConfig, parse_config
 from router.pool import Pool
@@ -121,3 +123,13 @@ async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0, what
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
+    """The ``data:`` events of an SSE response: parsed JSON, or the string ``[DONE]``."""
+    events: list[dict | str] = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            payload = line[6:].strip()
+            events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+    return events

@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import orjson
 import pytest
-from helpers import eventually, router_on_sim
+from helpers import eventually, router_on_sim, sse_events
 
 from loadtests.simengine import EngineSpec
 from router.proxy import PREFILL_KV_TRANSFER_PARAMS
@@ -27,15 +26,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 40
 
 def completion(prompt: str = PROMPT, **extra: object) -> dict:
     return {"model": "sim-model", "prompt": prompt, "max_tokens": 8, **extra}
-
-
-async def sse_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
-    events: list[dict | str] = []
-    async for line in resp.content:
-        if line.startswith(b"data: "):
-            payload = line[6:].strip()
-            events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
-    return events
 
 
 async def test_pd_request_runs_prefill_leg_then_decode_leg_with_the_transfer_params() -> None:

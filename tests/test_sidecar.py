@@ -9,10 +9,9 @@ import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
-import orjson
 import pytest
 from aiohttp import web
-from helpers import eventually
+from helpers import eventually, sse_events
 from multidict import CIMultiDict
 
 from loadtests.simengine import EngineSpec, SimCluster, TimeModel
@@ -43,15 +42,6 @@ async def sidecar_on_sim(
 
 def completion(**extra: object) -> dict:
     return {"model": "sim-model", "prompt": PROMPT, "max_tokens": 8, **extra}
-
-
-async def sse_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
-    events: list[dict | str] = []
-    async for line in resp.content:
-        if line.startswith(b"data: "):
-            payload = line[6:].strip()
-            events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
-    return events
 
 
 def seen_count(cluster: SimCluster) -> int:
