@@ -18,8 +18,10 @@ from contextlib import AsyncExitStack
 import aiohttp
 import numpy as np
 from aiohttp import web
+from jinja2.exceptions import TemplateError
 
 from kvindex.base import PrefixIndex
+from kvindex.chat_template import ChatTemplate
 from kvindex.events import KVEventConsumer
 from kvindex.memory import MemoryPrefixIndex
 from kvindex.redis_index import SharedPrefixIndex
@@ -65,6 +67,8 @@ class App:
         # hashes of the tokenized prompt; the approximate one still covers engines without events.
         self.precise_index: MemoryPrefixIndex | None = None
         self.tokenizer: PromptTokenizer | None = None
+        self.chat_template: ChatTemplate | None = None
+        self.chat_tokenizer: PromptTokenizer | None = None
         self.kv_events: KVEventConsumer | None = None
         precise = config.index.precise
         if precise is not None:
@@ -75,6 +79,10 @@ class App:
             self.tokenizer = PromptTokenizer(
                 precise.tokenizer, hasher, add_special_tokens=precise.add_special_tokens
             )
+            if precise.chat_template is not None:
+                self.chat_template = ChatTemplate(precise.chat_template)
+                # The template writes BOS itself; vLLM tokenizes its output without adding any.
+                self.chat_tokenizer = PromptTokenizer(precise.tokenizer, hasher, add_special_tokens=False)
             self.picker.precise = self.precise_index
         self.metrics = RouterMetrics(self.pool, pool_name)
         self.ready = False
@@ -102,6 +110,8 @@ class App:
         stack.push_async_callback(_cancel, scrape_task)
         if self.tokenizer is not None:
             stack.callback(self.tokenizer.close)
+            if self.chat_tokenizer is not None:
+                stack.callback(self.chat_tokenizer.close)
             await self._start_kv_events()
         if self.shared is not None:
             await self.shared.start()
@@ -145,11 +155,25 @@ class App:
     async def prepare(self, route: RouteRequest) -> None:
         """The I/O a pick may need, done before it: tokenizing (precise) and the shared lookup."""
         if self.tokenizer is not None:
-            route.precise_keys = await self.tokenizer.block_keys(route.prompt)
+            route.precise_keys = await self._precise_keys(route)
         if self.shared is not None:
             # Refreshes the local mirror with other replicas' entries for this prompt, in one round
             # trip; on trouble it answers from the mirror itself.
             await self.shared.lookup(route.block_keys, self.pool.candidate_slots())
+
+    async def _precise_keys(self, route: RouteRequest) -> np.ndarray | None:
+        assert self.tokenizer is not None
+        messages = route.body.get("messages")
+        if messages is None:
+            return await self.tokenizer.block_keys(route.prompt)
+        if self.chat_template is None or self.chat_tokenizer is None:
+            return None  # our own rendering would not match the engine's tokens
+        try:
+            text = self.chat_template.render(messages)
+        except TemplateError as exc:
+            log.debug("chat template failed for request %s: %s", route.request_id, exc)
+            return None
+        return await self.chat_tokenizer.block_keys(text)
 
     def _prepare_hook(self) -> Callable[[RouteRequest], Awaitable[None]] | None:
         return self.prepare if self.tokenizer is not None or self.shared is not None else None

@@ -150,7 +150,14 @@ class PreciseConfig(_Strict):
         "sha256", description="the engines' --prefix-caching-hash-algo"
     )
     python_hash_seed: str | None = Field(None, description="the engines' PYTHONHASHSEED, if set")
-    add_special_tokens: bool = True
+    add_special_tokens: bool = Field(
+        True, description="as the engines' completions API (BOS for Llama-style models)"
+    )
+    chat_template: str | None = Field(
+        None,
+        description="tokenizer_config.json (or a .jinja file) whose chat template the engines apply to "
+        "chat requests; without it, chat prompts get no precise keys and use the approximate index",
+    )
     rebuild_after_s: Positive = Field(
         30.0, description="after a purge, how long events must flow before an engine counts as known again"
     )
