@@ -31,7 +31,7 @@ from router.config import PoolConfig, RedisConfig
 from router.extproc import HealthState, start_grpc
 from router.picker import Picker
 from router.pool import Pool
-from router.proxy import Proxy, TwoLegExchange
+from router.proxy import Proxy, TwoLegExchange, upstream_session
 from router.request import RouteRequest
 from router.scrape import ScrapeError, Scraper
 from router.signals import IndexCollector, RouterMetrics
@@ -98,12 +98,7 @@ class App:
         cfg = self.config
         stack = self._stack
         self.picker.defer = asyncio.get_running_loop().call_soon
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0)
-        # A proxy must not keep cookies: one client's Set-Cookie would ride along on others' requests.
-        client = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
-        )
-        session = await stack.enter_async_context(client)
+        session = await stack.enter_async_context(upstream_session())
         self._scraper = Scraper(session, cfg.scrape.timeout_ms / 1000.0)
         await self.scrape_once()
         scrape_task = asyncio.create_task(self._scrape_loop(), name="scrape-loop")

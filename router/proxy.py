@@ -188,6 +188,18 @@ class TwoLegExchange:
             return out
 
 
+def upstream_session() -> aiohttp.ClientSession:
+    """The client session for talking to engines, shared by the proxy, scraper and sidecar.
+
+    No cookie jar (one upstream's Set-Cookie must not ride along on other clients' requests), no
+    decompression (pass-through bodies keep their Content-Encoding), no connection cap.
+    """
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30.0)
+    return aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+    )
+
+
 def _sse_error(message: str, code: str) -> bytes:
     error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return b"data: " + orjson.dumps(error) + b"\n\n"

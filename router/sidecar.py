@@ -14,7 +14,6 @@ list permits nothing.
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
 import uuid
@@ -26,7 +25,15 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from router.proxy import _HOP_HEADERS, INTERNAL_HEADERS, Leg, TwoLegExchange, UpstreamError, decode_body
+from router.proxy import (
+    _HOP_HEADERS,
+    INTERNAL_HEADERS,
+    Leg,
+    TwoLegExchange,
+    UpstreamError,
+    decode_body,
+    upstream_session,
+)
 from router.request import COMPLETION_PATHS, BodyTooLarge, Rejection, UpstreamFailed, client_json
 
 log = logging.getLogger(__name__)
@@ -347,14 +354,7 @@ class SidecarServer:
 
     async def _start(self) -> None:
         stack = self._stack
-        # No cookies (one client's Set-Cookie must not ride on another's request) and no decompression
-        # (pass-through bodies keep their Content-Encoding): the same reasons as router/app.py.
-        client = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-        session = await stack.enter_async_context(client)
+        session = await stack.enter_async_context(upstream_session())
         exchange = TwoLegExchange(session, self.connect_timeout_s, self.request_timeout_s)
         sidecar = Sidecar(self.decode_address, exchange, session, self.allow, self.max_body_bytes)
         # handler_cancellation: a client that hangs up cancels the engine calls, which frees their KV.
@@ -381,32 +381,3 @@ class SidecarServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self._stack.aclose()
-
-
-async def run_sidecar(
-    decode_address: str,
-    host: str,
-    port: int,
-    allow: list[str],
-    *,
-    connect_timeout_s: float = 2.0,
-    request_timeout_s: float = 600.0,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-    ready: asyncio.Event | None = None,
-) -> None:
-    """Serve until cancelled; on cancellation stop accepting and let in-flight streams finish briefly."""
-    server = SidecarServer(
-        decode_address,
-        host,
-        port,
-        allow,
-        connect_timeout_s=connect_timeout_s,
-        request_timeout_s=request_timeout_s,
-        max_body_bytes=max_body_bytes,
-        drain_timeout_s=drain_timeout_s,
-    )
-    async with server:
-        if ready is not None:
-            ready.set()
-        await asyncio.Event().wait()

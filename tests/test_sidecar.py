@@ -16,7 +16,7 @@ from multidict import CIMultiDict
 
 from loadtests.simengine import EngineSpec, SimCluster, TimeModel
 from router.proxy import PREFILL_KV_TRANSFER_PARAMS
-from router.sidecar import PrefillAllowList, SidecarServer, first_prefiller, run_sidecar
+from router.sidecar import PrefillAllowList, SidecarServer, first_prefiller
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 40
 
@@ -297,7 +297,7 @@ async def test_client_disconnect_cancels_the_decode_leg() -> None:
 
 
 def free_port() -> int:
-    with socket.socket() as probe:  # run_sidecar does not report the port it bound, so choose one
+    with socket.socket() as probe:  # the serving task does not report the port it bound, so choose one
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
@@ -306,11 +306,17 @@ def free_port() -> int:
 async def running_sidecar(
     decode: str, port: int, drain_timeout_s: float
 ) -> AsyncIterator[asyncio.Task[None]]:
-    """``run_sidecar`` as a task, ready when entered; the caller cancels it, the exit awaits it."""
+    """A sidecar served by a task (as ``pd-router sidecar`` does until SIGTERM); cancelling the task
+    leaves the server's context, which drains in-flight streams."""
     ready = asyncio.Event()
-    task = asyncio.create_task(
-        run_sidecar(decode, "127.0.0.1", port, ["10.0.0.0/8"], drain_timeout_s=drain_timeout_s, ready=ready)
-    )
+    server = SidecarServer(decode, "127.0.0.1", port, ["10.0.0.0/8"], drain_timeout_s=drain_timeout_s)
+
+    async def serve() -> None:
+        async with server:
+            ready.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(serve())
     try:
         await asyncio.wait_for(ready.wait(), timeout=5.0)
         yield task
@@ -321,7 +327,7 @@ async def running_sidecar(
 
 
 @pytest.mark.integration
-async def test_cancelling_run_sidecar_lets_an_in_flight_stream_finish_then_stops_listening() -> None:
+async def test_stopping_the_sidecar_lets_an_in_flight_stream_finish_then_stops_listening() -> None:
     specs = [EngineSpec("d0", "decode", time=TimeModel(speed=1.0))]  # slow enough to be mid-stream
     port = free_port()
     base = f"http://127.0.0.1:{port}"
