@@ -29,7 +29,8 @@ def test_every_policy_picks_reserves_and_releases(name: str, endpoints: list[dic
     assert pool.outstanding == 8
     if endpoints is PD and name != "pd-router":
         assert all(d.prefill is not None for d in decisions)  # baselines always pair
-    assert len(Counter(d.decode.id for d in decisions)) >= 1
+    # Each policy spreads a burst (reservations count immediately) instead of herding on one pod.
+    assert len(Counter(d.decode.id for d in decisions)) >= 2
     for decision in decisions:
         decision.reservation.release()
     assert pool.outstanding == 0 and not pool.reserved_kv_tokens.any()
