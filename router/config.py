@@ -247,6 +247,7 @@ class PoolConfig(_Strict):
             default_max_tokens=self.limits.default_max_tokens,
             block_tokens=self.limits.block_tokens,
             chars_per_token=self.limits.chars_per_token,
+            served_model=self.model if self.strict_model else None,
         )
 
 

@@ -45,7 +45,6 @@ from router.request import (
     Rejection,
     RequestLimits,
     RouteRequest,
-    UnknownModel,
     parse_request,
 )
 from router.signals import RouterMetrics
@@ -58,8 +57,6 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
-OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
-PRIORITY_HEADER = "x-pd-router-priority"
 # Routing and control headers only the picker may set: a client's copy is always removed.
 OWNED_HEADERS = (
     DESTINATION,
@@ -81,7 +78,6 @@ BUFFERED = _Mode.BUFFERED
 @dataclass(frozen=True, slots=True)
 class ExtProcSettings:
     model: str
-    strict_model: bool
     limits: RequestLimits
     response_processing: bool
     # Without response processing the stream closes once routed; the reservation then lapses
@@ -157,12 +153,7 @@ class ExtProcStream:
 
     def _parse(self, raw: bytes) -> RouteRequest | Rejection:
         try:
-            return parse_request(
-                raw,
-                self.settings.limits,
-                request_id=self.headers.get("x-request-id"),
-                priority=_priority(self.headers),
-            )
+            return parse_request(raw, self.settings.limits, self.headers)
         except Rejection as rejection:
             return rejection
 
@@ -200,10 +191,6 @@ class ExtProcStream:
             if isinstance(parsed, Rejection):
                 raise parsed
             route = parsed
-            if self.settings.strict_model and route.model != self.settings.model:
-                raise UnknownModel(
-                    f"model {route.model!r} is not served here; this pool serves {self.settings.model!r}"
-                )
             route.subset = self.subset
             self.decision = self.picker.pick(route)
         except Rejection as rejection:
@@ -370,7 +357,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 def settings_from(config: PoolConfig) -> ExtProcSettings:
     return ExtProcSettings(
         model=config.model,
-        strict_model=config.strict_model,
         limits=config.request_limits(),
         response_processing=config.extproc.response_processing,
     )
@@ -451,22 +437,6 @@ def _status(headers: Any) -> int | None:
             value = header.raw_value.decode() or header.value
             return int(value) if value.isdigit() else None
     return None
-
-
-def _priority(headers: dict[str, str]) -> int:
-    value = headers.get(PRIORITY_HEADER)
-    if value is None:
-        for name in OBJECTIVE_HEADERS:
-            if name in headers:
-                value = headers[name]
-                break
-    if value is None:
-        return 0
-    try:
-        return int(value)
-    except ValueError:
-        # A named InferenceObjective: "sheddable" (or anything ending so) is dropped first.
-        return -1 if value.lower().endswith("sheddable") else 0
 
 
 class HealthState:

@@ -23,11 +23,9 @@ from router.picker import Picker, RouteDecision
 from router.pool import Endpoint, Pool
 from router.request import (
     COMPLETION_PATHS,
-    BadRequest,
     BodyTooLarge,
     Rejection,
     RouteRequest,
-    UnknownModel,
     UpstreamFailed,
     parse_request,
 )
@@ -35,7 +33,6 @@ from router.signals import RouterMetrics
 
 log = logging.getLogger(__name__)
 
-PRIORITY_HEADER = "x-pd-router-priority"
 # Headers that only the router may set; a client's copy is dropped before forwarding.
 INTERNAL_HEADERS = frozenset(
     {"x-gateway-destination-endpoint", "x-prefiller-host-port", "x-pd-router-decode", "x-pd-router-prefill"}
@@ -285,16 +282,7 @@ class Proxy:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise BodyTooLarge(f"request body is over the limit of {limit} bytes") from None
-        route = parse_request(
-            raw,
-            self.limits,
-            request_id=request.headers.get("x-request-id"),
-            priority=_priority(request.headers.get(PRIORITY_HEADER)),
-        )
-        if self.config.strict_model and route.model != self.config.model:
-            raise UnknownModel(
-                f"model {route.model!r} is not served here; this pool serves {self.config.model!r}"
-            )
+        route = parse_request(raw, self.limits, request.headers)
         if self.prepare is not None:
             await self.prepare(route)
         return route
@@ -376,15 +364,6 @@ class Proxy:
             response.headers["x-pd-router-reason"] = decision.reason
         await response.prepare(request)
         return response
-
-
-def _priority(value: str | None) -> int:
-    if value is None:
-        return 0
-    try:
-        return int(value)
-    except ValueError:
-        raise BadRequest(f"header {PRIORITY_HEADER} must be an integer, got {value!r}") from None
 
 
 def _dumps(value: Any) -> str:

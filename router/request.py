@@ -8,6 +8,7 @@ same answer whichever way a request arrived.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -116,6 +117,33 @@ class RequestLimits:
     default_max_tokens: int
     block_tokens: int
     chars_per_token: float
+    served_model: str | None = None  # strict single-model pool: any other model name is a 404
+
+
+PRIORITY_HEADER = "x-pd-router-priority"
+OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
+
+
+def priority_of(headers: Mapping[str, str]) -> int:
+    """Priority from ``x-pd-router-priority`` (an integer) or an objective header; < 0 is sheddable.
+
+    An objective header naming an InferenceObjective rather than a number counts as sheddable when
+    its name ends so (e.g. ``batch-sheddable``), else as the default priority 0.
+    """
+    value = headers.get(PRIORITY_HEADER)
+    if value is not None:
+        try:
+            return int(value)
+        except ValueError:
+            raise BadRequest(f"header {PRIORITY_HEADER} must be an integer, got {value!r}") from None
+    for name in OBJECTIVE_HEADERS:
+        objective = headers.get(name)
+        if objective is not None:
+            try:
+                return int(objective)
+            except ValueError:
+                return -1 if objective.lower().endswith("sheddable") else 0
+    return 0
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -185,17 +213,19 @@ def client_json(raw: bytes) -> dict[str, Any]:
 def parse_request(
     raw: bytes,
     limits: RequestLimits,
-    *,
-    request_id: str | None = None,
-    priority: int = 0,
+    headers: Mapping[str, str] | None = None,
 ) -> RouteRequest:
-    """Validate and digest one completions/chat body. Raises a ``Rejection`` subclass."""
+    """Validate and digest one completions/chat body (with its request headers, lower-case keys
+    or case-insensitive). Raises a ``Rejection`` subclass."""
+    headers = headers or {}
     if len(raw) > limits.max_body_bytes:
         raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
     body = client_json(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("missing required field 'model'")
+    if limits.served_model is not None and model != limits.served_model:
+        raise UnknownModel(f"model {model!r} is not served here; this pool serves {limits.served_model!r}")
     text = prompt_text(body)
     prompt_tokens = estimate_tokens(text, limits.chars_per_token)
     if prompt_tokens > limits.max_prompt_tokens:
@@ -210,8 +240,8 @@ def parse_request(
         max_tokens=max_tokens_of(body, limits.default_max_tokens),
         block_keys=text_block_keys(text, block_chars),
         body=body,
-        request_id=request_id or uuid.uuid4().hex,
+        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
         stream=stream,
-        priority=priority,
+        priority=priority_of(headers),
         prompt=text,
     )
