@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,13 +117,21 @@ async def router_for(sections: dict[str, Any]) -> AsyncIterator[tuple[Any, str]]
         yield app, f"http://127.0.0.1:{app.proxy_port}"
 
 
-async def eventually(predicate: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> None:
-    """Poll ``predicate`` on the event loop until it holds or the deadline passes."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
+async def eventually(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout_s: float = 10.0, what: str = "condition"
+) -> None:
+    """Poll ``predicate`` (sync or async) on the event loop until it holds or the deadline passes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.005)
 
 
 async def sse_events(resp: aiohttp.ClientResponse) -> list[dict | str]:

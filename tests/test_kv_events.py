@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
 import msgspec
 import pytest
+from helpers import eventually
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -70,14 +71,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-async def eventually(cond: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def stored(*hashes: int, parent: int | None = None, medium: str | None = "GPU") -> BlockStored:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+from helpers import eventually
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio.retry import Retry
@@ -63,13 +63,6 @@ def make_index(client: aioredis.Redis, table: dict[str, int], **kwargs: float) -
         slot_of=table.get,
         **options,  # type: ignore[arg-type]
     )
-
-
-async def wait_for(condition: Callable[[], Awaitable[bool]], deadline_s: float = 10.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -136,7 +129,7 @@ async def test_the_background_task_flushes_without_being_asked(
     async def visible() -> bool:
         return (await b.lookup(keys(5, 6), slots_of(B_SLOTS, "e2"))).tolist() == [2]
 
-    await wait_for(visible)
+    await eventually(visible)
     assert a.pending == 0
 
 
@@ -216,7 +209,7 @@ async def test_ttl_expiry_removes_the_keys(clients: tuple[aioredis.Redis, aiored
     async def empty() -> bool:
         return await raw.dbsize() == 0
 
-    await wait_for(empty)  # every block key and the generation key are gone
+    await eventually(empty)  # every block key and the generation key are gone
     assert (await b.lookup(keys(1, 2, 3), slots_of(B_SLOTS, "e0"))).tolist() == [0]
 
 
@@ -285,7 +278,7 @@ async def test_redis_outage_falls_back_to_the_mirror_then_resyncs(
     async def both_healthy() -> bool:
         return a.healthy and b.healthy
 
-    await wait_for(both_healthy)
+    await eventually(both_healthy)
     assert a.resyncs == 1
     assert (await b.lookup(prompt, b_cands)).tolist() == [2, 4]
     assert b.match(prompt, b_cands).tolist() == [2, 4]
@@ -308,7 +301,7 @@ async def test_start_with_redis_down_is_local_only_until_it_comes_up(tmp_path: P
         async def healthy() -> bool:
             return a.healthy
 
-        await wait_for(healthy)
+        await eventually(healthy)
         assert await client.dbsize() >= 3  # two blocks and the generation key
     finally:
         await a.close()

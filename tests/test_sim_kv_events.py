@@ -13,6 +13,7 @@ import aiohttp
 import msgspec
 import orjson
 import pytest
+from helpers import eventually
 from tokenizers import Tokenizer
 
 from kvindex.events import BlockStored, KVEventBatch, KVEventConsumer
@@ -57,7 +58,7 @@ class RecordingSink:
         return [key for c in self.of("removed") for key in c[2]]
 
 
-async def eventually(predicate: Callable[[], bool], timeout: float) -> bool:
+async def arrives_within(predicate: Callable[[], bool], timeout: float) -> bool:
     """Poll ``predicate`` until it holds (True) or ``timeout`` seconds pass (False)."""
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -65,11 +66,6 @@ async def eventually(predicate: Callable[[], bool], timeout: float) -> bool:
             return False
         await asyncio.sleep(0.005)
     return True
-
-
-async def poll(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    if not await eventually(predicate, timeout):
-        raise AssertionError("condition not reached before the deadline")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +107,7 @@ class Harness:
         while True:
             assert time.monotonic() < deadline, "consumer never received a KV event"
             assert self.engine.reset_prefix_cache()
-            if await eventually(lambda: self.last_seq() is not None, 0.02):
+            if await arrives_within(lambda: self.last_seq() is not None, 0.02):
                 break
         await self.settle()
         self.sink.calls.clear()
@@ -120,8 +116,8 @@ class Harness:
         """Wait until the consumer has applied every batch the engine published."""
         publisher = self.engine._publisher
         assert publisher is not None
-        await poll(lambda: self.engine._kv_pending == [])
-        await poll(lambda: self.last_seq() == publisher.next_seq - 1)
+        await eventually(lambda: self.engine._kv_pending == [])
+        await eventually(lambda: self.last_seq() == publisher.next_seq - 1)
 
 
 async def make_harness(
@@ -281,7 +277,7 @@ async def test_kill_and_revive_is_seen_as_a_restart(harness: Harness, tokenizer_
     # mistaken for a gap.
     for _ in range(100):
         assert engine.reset_prefix_cache()
-        await poll(lambda: engine._kv_pending == [])
+        await eventually(lambda: engine._kv_pending == [])
     await harness.settle()
     assert harness.consumer.stats()[ENGINE].restarts == 0
 
@@ -306,7 +302,7 @@ async def test_kill_and_revive_is_seen_as_a_restart(harness: Harness, tokenizer_
         assert time.monotonic() < deadline, "the consumer never noticed the restart"
         await harness.complete(" ".join(SENTENCES[start : start + 3]))
         start += 3
-        await eventually(lambda: harness.consumer.stats()[ENGINE].restarts > 0, 0.02)
+        await arrives_within(lambda: harness.consumer.stats()[ENGINE].restarts > 0, 0.02)
     assert publisher.next_seq < 100
     assert harness.consumer.stats()[ENGINE].restarts == 1
     assert ("cleared", ENGINE) in harness.sink.calls

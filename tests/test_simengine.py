@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+from helpers import eventually
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -22,14 +22,6 @@ FAST = TimeModel(speed=20.0)
 MODEL = "sim-model"
 # ~500 tokens at 4 chars/token: about 31 full 16-token blocks.
 LONG_PROMPT = "".join(f"The quick brown fox {i} jumps over the lazy dog. " for i in range(40))
-
-
-async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -226,7 +218,7 @@ async def test_requests_wait_when_kv_is_full(session: aiohttp.ClientSession) -> 
             seen_waiting.append(sample(text, "vllm:num_requests_waiting"))
             return seen_waiting[-1] > 0 and sample(text, "vllm:kv_cache_usage_perc") > 0.5
 
-        await wait_until(waiting_in_metrics)
+        await eventually(waiting_in_metrics)
         assert engine.kv_blocks_used <= spec.num_gpu_blocks
         assert engine.num_running < len(bodies)
         results = await asyncio.gather(*tasks)
@@ -362,11 +354,7 @@ async def test_decode_leg_waits_for_kv_while_holding_blocks(session: aiohttp.Cli
         assert sample(text, "vllm:num_requests_waiting") == 1
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await wait_until(lambda: _async(engine.kv_blocks_used == 0 and engine.num_waiting == 0))
-
-
-async def _async(value: bool) -> bool:
-    return value
+        await eventually(lambda: engine.kv_blocks_used == 0 and engine.num_waiting == 0)
 
 
 async def test_decode_leg_with_dead_remote_recomputes(
@@ -523,7 +511,7 @@ async def test_run_sim_serves_until_cancelled(caplog: pytest.LogCaptureFixture) 
     async def announced() -> bool:
         return any("sim engine solo role=prefill-decode" in r.getMessage() for r in caplog.records)
 
-    await wait_until(announced)
+    await eventually(announced)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert any("sim engine solo stopped" in r.getMessage() for r in caplog.records)
@@ -548,5 +536,5 @@ async def test_running_requests_share_prompt_blocks_like_vllm(session: aiohttp.C
         assert engine.kv_blocks_used - alone < 5 < alone
         one.close()
         two.close()
-        await wait_until(lambda: _async(engine.num_running == 0))
+        await eventually(lambda: engine.num_running == 0)
         assert engine.kv_blocks_used == 0
