@@ -122,7 +122,7 @@ class App:
             await self._start_metrics()
         self.ready = True
         if self.health is not None:
-            await self.health.set_ready(True)
+            self.health.set_ready(True)
 
     def _shared_index(self, cfg: RedisConfig, local: MemoryPrefixIndex) -> SharedPrefixIndex:
         from redis.asyncio import Redis
@@ -245,7 +245,7 @@ class App:
         """Not ready first (gateways stop sending), then listeners drain and loops stop, in reverse."""
         self.ready = False
         if self.health is not None:
-            await self.health.set_ready(False)
+            self.health.set_ready(False)
         await self._stack.aclose()
 
     async def __aenter__(self) -> App:

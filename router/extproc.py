@@ -2,8 +2,8 @@
 
 One gRPC stream per HTTP request. ``ExtProcStream`` is the per-stream state machine, pure and
 synchronous (``on_message`` returns the responses to send), so it is tested with hand-built
-``ProcessingRequest`` sequences; ``ExternalProcessor.Process`` only pumps messages through it and
-releases the reservation in one ``finally``.
+``ProcessingRequest`` sequences; ``ExtProcCall`` only pumps a call's messages through it and
+releases the reservation in one place. The gRPC transport is ``router.h2grpc`` (why: its docstring).
 
 What Envoy gets for a routed request (both, with the same single ``ip:port``):
 ``x-gateway-destination-endpoint`` in the header mutation and ``envoy.lb`` dynamic metadata, plus
@@ -23,21 +23,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
 from router.config import PoolConfig
+from router.h2grpc import INVALID_ARGUMENT, NOT_FOUND, Call, CallHandler, H2GrpcServer
 from router.picker import Picker, RouteDecision
 from router.request import (
     BadRequest,
@@ -318,40 +319,85 @@ class ExtProcStream:
         self.metrics.observe_request(self.outcome, time.perf_counter() - self.started)
 
 
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """The gRPC servicer: pumps a stream's messages through an ``ExtProcStream``."""
+class ExtProcCall:
+    """One ``Process`` call on the gRPC server: pumps its messages through an ``ExtProcStream``.
+
+    Messages are handled as they arrive, synchronously. When the body is complete and the app has
+    I/O to do before the pick (tokenizing, the shared-index lookup), the call pauses in a task and
+    queues what arrives meanwhile. The reservation is released in ``_close``, reached once.
+    """
 
     def __init__(
         self,
-        settings: ExtProcSettings,
-        picker: Picker,
-        metrics: RouterMetrics,
-        prepare: Callable[[RouteRequest], Awaitable[None]] | None = None,
+        call: Call,
+        stream: ExtProcStream,
+        prepare: Callable[[RouteRequest], Awaitable[None]] | None,
     ) -> None:
-        self.settings = settings
-        self.picker = picker
-        self.metrics = metrics
+        self.call = call
+        self.stream = stream
         self.prepare = prepare
+        self.paused: deque[pb.ProcessingRequest] | None = None  # messages held while preparing
+        self.task: asyncio.Task[None] | None = None
+        self.ended = False
+        self.closed = False
 
-    async def Process(
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> None:
-        # context.read()/write() rather than iterating and yielding: no async-generator round trip
-        # per message, which is most of grpc.aio's per-stream cost here.
-        loop = asyncio.get_running_loop()
-        stream = ExtProcStream(self.settings, self.picker, self.metrics, loop.call_later)
+    def on_message(self, data: bytes) -> None:
         try:
-            while (message := await context.read()) is not grpc.aio.EOF:
-                if self.prepare is not None and stream.prompt_if_complete(message) is not None:  # type: ignore[arg-type]
-                    # Tokenizing and shared-index lookups happen here; the pick stays synchronous.
-                    assert isinstance(stream.parsed, RouteRequest)
-                    await self.prepare(stream.parsed)
-                for response in stream.on_message(message):  # type: ignore[arg-type]
-                    await context.write(response)
-                if stream.finished:
-                    return  # a clean close: Envoy goes on without us
-        finally:
-            stream.close()
+            message = pb.ProcessingRequest.FromString(data)
+        except DecodeError:
+            log.warning("ext_proc: malformed ProcessingRequest (%d bytes); failing the stream", len(data))
+            self.call.finish(INVALID_ARGUMENT, "malformed ProcessingRequest")
+            self._close()
+            return
+        if self.paused is not None:
+            self.paused.append(message)
+        else:
+            self._handle(message)
+
+    def on_end(self) -> None:
+        self.ended = True
+        if self.paused is None:
+            self.call.finish()
+            self._close()
+
+    def on_cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self._close()
+
+    def _handle(self, message: pb.ProcessingRequest) -> None:
+        stream = self.stream
+        if self.prepare is not None and stream.prompt_if_complete(message) is not None:
+            self.paused = deque()
+            self.task = asyncio.get_running_loop().create_task(self._prepare_then(message))
+            return
+        for response in stream.on_message(message):
+            self.call.send(response.SerializeToString())
+        if stream.finished:
+            self.call.finish()  # a clean close: Envoy goes on without us
+            self._close()
+
+    async def _prepare_then(self, message: pb.ProcessingRequest) -> None:
+        assert self.prepare is not None and isinstance(self.stream.parsed, RouteRequest)
+        try:
+            await self.prepare(self.stream.parsed)
+        except Exception:  # the pick still works without precise keys or the shared lookup
+            log.exception("ext_proc: preparing request %s failed", self.stream.parsed.request_id)
+        held, self.paused = self.paused or deque(), None
+        if self.closed:
+            return
+        for response in self.stream.on_message(message):
+            self.call.send(response.SerializeToString())
+        while held and not self.stream.finished:
+            self._handle(held.popleft())
+        if self.stream.finished or self.ended:
+            self.call.finish()
+            self._close()
+
+    def _close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.stream.close()
 
 
 def settings_from(config: PoolConfig) -> ExtProcSettings:
@@ -440,19 +486,77 @@ def _status(headers: Any) -> int | None:
 
 
 class HealthState:
-    """gRPC health (``grpc.health.v1``) for the names gateways and probes ask about."""
+    """gRPC health (``grpc.health.v1``) for the names gateways and probes ask about.
+
+    ``Check`` answers from the table; ``Watch`` streams the current status, then every change.
+    """
 
     READY_NAMES = ("", "readiness", "inference-extension", "envoy.service.ext_proc.v3.ExternalProcessor")
 
     def __init__(self) -> None:
-        self.servicer = health.aio.HealthServicer()
+        self.statuses: dict[str, int] = {}
+        self.watchers: dict[str, set[Call]] = {}
 
-    async def set_ready(self, ready: bool) -> None:
+    def set_ready(self, ready: bool) -> None:
         serving = health_pb2.HealthCheckResponse.SERVING
-        status = serving if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.servicer.set("liveness", serving)
+        self._set("liveness", serving)
         for name in self.READY_NAMES:
-            await self.servicer.set(name, status)
+            self._set(name, serving if ready else health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def _set(self, name: str, status: int) -> None:
+        if self.statuses.get(name) == status:
+            return
+        self.statuses[name] = status
+        for call in self.watchers.get(name, ()):
+            call.send(_health_response(status))
+
+    def check(self, call: Call) -> CallHandler:
+        return _HealthCall(self, call, watch=False)
+
+    def watch(self, call: Call) -> CallHandler:
+        return _HealthCall(self, call, watch=True)
+
+
+def _health_response(status: int) -> bytes:
+    return health_pb2.HealthCheckResponse(status=status).SerializeToString()  # type: ignore[arg-type]
+
+
+class _HealthCall:
+    def __init__(self, state: HealthState, call: Call, *, watch: bool) -> None:
+        self.state = state
+        self.call = call
+        self.watch = watch
+        self.service: str | None = None
+
+    def on_message(self, data: bytes) -> None:
+        try:
+            self.service = health_pb2.HealthCheckRequest.FromString(data).service
+        except DecodeError:
+            self.call.finish(INVALID_ARGUMENT, "malformed HealthCheckRequest")
+            return
+        if self.watch:
+            unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            self.call.send(_health_response(self.state.statuses.get(self.service, unknown)))
+            self.state.watchers.setdefault(self.service, set()).add(self.call)
+
+    def on_end(self) -> None:
+        if self.watch:
+            return  # a watch lasts until the client cancels it
+        status = self.state.statuses.get(self.service) if self.service is not None else None
+        if status is None:
+            self.call.finish(NOT_FOUND, "unknown service")
+        else:
+            self.call.send(_health_response(status))
+            self.call.finish()
+
+    def on_cancel(self) -> None:
+        if self.service is not None:
+            self.state.watchers.get(self.service, set()).discard(self.call)
+
+
+PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+HEALTH_CHECK_METHOD = "/grpc.health.v1.Health/Check"
+HEALTH_WATCH_METHOD = "/grpc.health.v1.Health/Watch"
 
 
 async def start_grpc(
@@ -461,20 +565,27 @@ async def start_grpc(
     metrics: RouterMetrics,
     health_state: HealthState,
     prepare: Callable[[RouteRequest], Awaitable[None]] | None = None,
-) -> tuple[grpc.aio.Server, grpc.aio.Server, int, int]:
+) -> tuple[H2GrpcServer, H2GrpcServer, int, int]:
     """Start the ext_proc server and the health server; returns them and their bound ports."""
     cfg = config.extproc
-    server = grpc.aio.server(maximum_concurrent_rpcs=cfg.max_concurrent_streams)
-    pb_grpc.add_ExternalProcessorServicer_to_server(
-        ExternalProcessor(settings_from(config), picker, metrics, prepare), server
-    )
+    settings = settings_from(config)
+    loop = asyncio.get_running_loop()
+
+    def process(call: Call) -> CallHandler:
+        return ExtProcCall(call, ExtProcStream(settings, picker, metrics, loop.call_later), prepare)
+
+    health = {HEALTH_CHECK_METHOD: health_state.check, HEALTH_WATCH_METHOD: health_state.watch}
+    # A whole buffered body arrives as one message: the cap sits above the body limit, so an
+    # oversized body is our 413, not a gRPC error.
+    max_message = max(4 * 1024 * 1024, settings.limits.max_body_bytes + 64 * 1024)
     # Health on the ext_proc port too: Envoy health-checks the cluster endpoint it connects to.
-    health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    health_server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, health_server)
-    health_port = health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
-    await health_state.set_ready(False)
-    await server.start()
-    await health_server.start()
+    server = H2GrpcServer(
+        {PROCESS_METHOD: process, **health},
+        max_concurrent_streams=cfg.max_concurrent_streams,
+        max_message_bytes=max_message,
+    )
+    health_server = H2GrpcServer(health)
+    health_state.set_ready(False)
+    port = await server.start(cfg.host, cfg.port)
+    health_port = await health_server.start(cfg.host, cfg.health_port)
     return server, health_server, port, health_port

@@ -52,7 +52,7 @@ async def test_health_answers_every_name_on_both_ports_and_readiness_follows_the
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await status(port, "something-else")
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        await app.health.set_ready(False)  # what stop() does first
+        app.health.set_ready(False)  # what stop() does first
         assert await status(app.health_port, "readiness") == NOT_SERVING
         assert await status(app.health_port, "liveness") == SERVING
 
