@@ -57,6 +57,9 @@ RECV_STREAM_WINDOW = 1 << 24  # what we advertise per stream; bodies are capped 
 RECV_CONN_WINDOW = 1 << 30
 RECV_MAX_FRAME = 1 << 20  # fewer, larger frames from the peer: fewer parse rounds
 MAX_HEADER_BLOCK = 64 * 1024
+# grpc-message characters we send: percent-encoded (up to 12 bytes each) they still fit the 16 KiB
+# frame every peer accepts, and we never split a header block over CONTINUATION frames.
+MAX_STATUS_MESSAGE = 1000
 
 _FRAME_HEAD = struct.Struct(">IBI")  # (length << 8 | type), flags, stream id
 _SETTING = struct.Struct(">HI")
@@ -84,6 +87,10 @@ def _literal(name: str, value: str) -> bytes:
 
 
 _STATUS_200 = b"\x88"  # static table index 8 is ":status: 200"
+# "Dynamic table size update to 0" (RFC 7541 6.3), at the start of our first header block: a peer
+# whose SETTINGS_HEADER_TABLE_SIZE is under the default 4096 requires one (nghttp2 in Envoy fails
+# the connection otherwise), and at 0 no later SETTINGS can require another. We never index.
+_TABLE_SIZE_ZERO = b"\x20"
 RESPONSE_HEADERS = _STATUS_200 + _literal("content-type", "application/grpc")
 _OK_TRAILERS = _literal("grpc-status", "0")
 
@@ -93,7 +100,7 @@ def trailers_block(code: int, message: str = "") -> bytes:
         return _OK_TRAILERS
     block = _literal("grpc-status", str(code))
     if message:
-        block += _literal("grpc-message", quote(message, safe=" !#$&'()*+,/:;=?@[]~"))
+        block += _literal("grpc-message", quote(message[:MAX_STATUS_MESSAGE], safe=" !#$&'()*+,/:;=?@[]~"))
     return block
 
 
@@ -149,7 +156,7 @@ class Call:
             return
         if not self.headers_sent:
             self.headers_sent = True
-            self.conn.write_frame(HEADERS, END_HEADERS, self.stream_id, RESPONSE_HEADERS)
+            self.conn.write_headers(END_HEADERS, self.stream_id, RESPONSE_HEADERS)
         self.pending += _MESSAGE_HEAD.pack(0, len(message))
         self.pending += message
         self.conn.drain(self)
@@ -187,6 +194,7 @@ class Connection(asyncio.Protocol):
         self.peer_max_frame = 16_384
         self.send_window = DEFAULT_WINDOW
         self.recv_unacked = 0
+        self.table_size_sent = False  # see _TABLE_SIZE_ZERO
 
     # -- asyncio.Protocol ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -302,12 +310,16 @@ class Connection(asyncio.Protocol):
         call = self.calls.get(stream_id)
         if call is None or call.remote_closed:
             return  # a call we already finished or reset: late frames are dropped
-        if flags & PADDED:
-            payload = _unpad(payload)
-        call.recv_unacked += len(payload)
+        call.recv_unacked += len(payload)  # padding included here too, or the stream window leaks
         if call.recv_unacked >= RECV_STREAM_WINDOW // 2 and not flags & END_STREAM:
             self.write_frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(call.recv_unacked))
             call.recv_unacked = 0
+        if flags & PADDED:
+            payload = _unpad(payload)
+        if flags & END_STREAM:
+            # Set before the messages are handled: a call that its last message finishes is then
+            # closed on both sides, and needs no RST_STREAM after the trailers.
+            call.remote_closed = True
         buffer = call.recv_buffer
         buffer += payload
         while len(buffer) >= 5 and not call.finished:
@@ -361,8 +373,13 @@ class Connection(asyncio.Protocol):
             if flags & END_STREAM and not call.remote_closed:
                 self._remote_end(call)
             return
-        if stream_id % 2 == 0 or stream_id <= self.last_stream_id:
+        if stream_id % 2 == 0:
             raise _ConnectionError(PROTOCOL_ERROR, f"HEADERS opening stream {stream_id}")
+        if stream_id <= self.last_stream_id:
+            # A stream we finished or reset (refused, or done before the client half-closed): its
+            # trailers may have been in flight, and frames after our RST_STREAM are to be ignored
+            # (RFC 9113 5.1); like late DATA, they are dropped.
+            return
         self.last_stream_id = stream_id
         if self.going_away or len(self.calls) >= self.server.max_concurrent_streams:
             self.write_frame(RST_STREAM, 0, stream_id, _U32.pack(REFUSED_STREAM))
@@ -402,7 +419,7 @@ class Connection(asyncio.Protocol):
                 if not 16_384 <= value <= 16_777_215:
                     raise _ConnectionError(PROTOCOL_ERROR, "bad max frame size")
                 self.peer_max_frame = value
-            # Header table size: our encoder never indexes, so any size suits it.
+            # Header table size: our encoder never indexes, and zeroed the table (_TABLE_SIZE_ZERO).
         self.write_frame(SETTINGS, ACK, 0, b"")
         for call in list(self.calls.values()):
             self.drain(call)
@@ -410,11 +427,8 @@ class Connection(asyncio.Protocol):
     def _on_goaway(self, payload: bytes) -> None:
         if len(payload) < 8:
             raise _ConnectionError(FRAME_SIZE_ERROR, "bad GOAWAY")
-        last = _U32.unpack_from(payload)[0] & 0x7FFFFFFF
-        for stream_id in [s for s in self.calls if s > last]:
-            call = self.calls.pop(stream_id)
-            call.finished = True
-            self._cancel(call)
+        # Its last-stream-id counts streams *we* opened, and we open none: the calls in flight are
+        # the client's own and may still finish (one going away on an error closes the socket).
         self.going_away = True
         self._close_if_idle()
 
@@ -445,7 +459,11 @@ class Connection(asyncio.Protocol):
 
     def _remote_end(self, call: Call) -> None:
         call.remote_closed = True
-        if not call.finished:
+        if call.finished:
+            return
+        if call.recv_buffer:  # not a clean end: the last message was cut short
+            self._fail(call, INTERNAL, "stream ended inside a message")
+        else:
             self._dispatch(call, "on_end")
 
     def _fail(self, call: Call, code: int, message: str) -> None:
@@ -475,7 +493,7 @@ class Connection(asyncio.Protocol):
             self.send_window -= allowed
         self.blocked.discard(call)
         if call.trailers is not None:
-            self.write_frame(HEADERS, END_HEADERS | END_STREAM, call.stream_id, call.trailers)
+            self.write_headers(END_HEADERS | END_STREAM, call.stream_id, call.trailers)
             call.trailers = None
             if not call.remote_closed:
                 # Done before the client half-closed: ask it to stop sending, without error.
@@ -496,6 +514,12 @@ class Connection(asyncio.Protocol):
         if not self.flush_scheduled:
             self.flush_scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
+
+    def write_headers(self, flags: int, stream_id: int, block: bytes) -> None:
+        if not self.table_size_sent:
+            self.table_size_sent = True
+            block = _TABLE_SIZE_ZERO + block
+        self.write_frame(HEADERS, flags, stream_id, block)
 
     def flush(self) -> None:
         self.flush_scheduled = False
