@@ -203,7 +203,11 @@ class ExtProcConfig(_Strict):
         description="follow the response (status, usage); false: close the stream once routed, which "
         "needs Envoy's response_header_mode SKIP and response_body_mode NONE (ignored otherwise)",
     )
-    max_concurrent_streams: Annotated[int, Field(gt=0)] = 10000
+    max_concurrent_streams: Annotated[int, Field(gt=0)] = Field(
+        10000,
+        description="per gRPC connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS); Envoy opens one "
+        "connection per worker thread, and a stream over the cap is refused (REFUSED_STREAM)",
+    )
     grace_s: NonNegative = Field(10.0, description="on shutdown, how long open streams may finish")
 
 

@@ -1,6 +1,10 @@
-"""The ext_proc stream state machine, fed hand-built ProcessingRequest sequences (no gRPC, no Envoy)."""
+"""The ext_proc stream state machine and its call wrapper, fed hand-built ProcessingRequest
+sequences (no gRPC, no Envoy)."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import orjson
 import pytest
@@ -8,9 +12,10 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
-from helpers import DictIndex, Metrics, make_config, make_pool
+from helpers import DictIndex, Metrics, eventually, make_config, make_pool
 
-from router.extproc import MAX_CHUNK, OWNED_HEADERS, ExtProcStream, settings_from
+from router.extproc import MAX_CHUNK, OWNED_HEADERS, ExtProcCall, ExtProcStream, settings_from
+from router.h2grpc import INVALID_ARGUMENT
 from router.picker import Picker
 from router.signals import RouterMetrics
 
@@ -271,3 +276,93 @@ def test_without_response_processing_a_full_duplex_response_is_still_followed() 
     (echo,) = stream.on_message(end)
     assert echo.response_body.response.body_mutation.streamed_response.body == b"{}"
     assert pool.outstanding == 0
+
+
+# -- ExtProcCall: the stream on a gRPC call, with the app's prepare step --------------------------
+
+
+class FakeCall:
+    """What ``ExtProcCall`` needs of ``router.h2grpc.Call``: records what was sent and the status."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.ProcessingResponse] = []
+        self.status: tuple[int, str] | None = None
+
+    def send(self, message: bytes) -> None:
+        assert self.status is None, "sent after finish"
+        self.sent.append(pb.ProcessingResponse.FromString(message))
+
+    def finish(self, code: int = 0, message: str = "") -> None:
+        assert self.status is None, "finished twice"
+        self.status = (code, message)
+
+
+class GatedPrepare:
+    """A prepare step that waits until the test opens it, and records what it saw."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.gate = asyncio.Event()
+        self.seen: list[str] = []
+        self.fail = fail
+
+    async def __call__(self, route) -> None:
+        self.seen.append(route.request_id)
+        await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("tokenizer fell over")
+
+
+def make_call(prepare=None, **kwargs):
+    stream, pool = make_stream(**kwargs)
+    call = FakeCall()
+    return ExtProcCall(call, stream, prepare), call, pool
+
+
+async def test_call_waits_for_prepare_then_routes_and_finishes_at_half_close() -> None:
+    prepare = GatedPrepare()
+    handler, call, pool = make_call(prepare)
+    handler.on_message(headers().SerializeToString())
+    handler.on_message(body(BODY, eos=True).SerializeToString())
+    handler.on_end()  # Envoy half-closes while the prepare step still runs
+    await eventually(lambda: prepare.seen == ["r1"], what="the prepare step started")
+    assert call.sent == [] and call.status is None and pool.outstanding == 0  # no pick before it ends
+    prepare.gate.set()
+    await eventually(lambda: call.status is not None, what="the call finishes once routed")
+    assert set_headers(call.sent[0])["x-gateway-destination-endpoint"].startswith("10.0.1.")
+    assert streamed(call.sent)[0] == BODY
+    assert call.status == (0, "") and pool.outstanding == 0  # released at the end of the call
+
+
+async def test_call_cancelled_during_prepare_routes_nothing_and_charges_nothing() -> None:
+    prepare = GatedPrepare()
+    handler, call, pool = make_call(prepare)
+    handler.on_message(headers().SerializeToString())
+    handler.on_message(body(BODY, eos=True).SerializeToString())
+    task = handler.task
+    handler.on_cancel()  # Envoy reset the stream
+    prepare.gate.set()
+    assert task is not None
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert call.sent == [] and pool.outstanding == 0 and handler.stream.outcome == "no_route"
+
+
+async def test_a_failing_prepare_step_still_routes() -> None:
+    prepare = GatedPrepare(fail=True)
+    prepare.gate.set()
+    handler, call, pool = make_call(prepare)
+    handler.on_message(headers().SerializeToString())
+    handler.on_message(body(BODY, eos=True).SerializeToString())
+    await eventually(lambda: bool(call.sent), what="routed without the prepared keys")
+    assert "x-gateway-destination-endpoint" in set_headers(call.sent[0]) and pool.outstanding == 1
+    handler.on_end()
+    assert call.status == (0, "") and pool.outstanding == 0
+
+
+def test_a_malformed_message_fails_the_call_and_releases() -> None:
+    handler, call, pool = make_call()
+    handler.on_message(headers().SerializeToString())
+    handler.on_message(body(BODY, eos=True).SerializeToString())
+    assert pool.outstanding == 1
+    handler.on_message(b"\xff\xff\xff not a protobuf")
+    assert call.status is not None and call.status[0] == INVALID_ARGUMENT and pool.outstanding == 0
