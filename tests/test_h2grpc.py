@@ -51,7 +51,7 @@ from hypothesis import strategies as st
 
 from router import h2grpc
 from router.extproc import HEALTH_CHECK_METHOD, HEALTH_WATCH_METHOD, HealthState
-from router.h2grpc import FRAME_SIZE_ERROR, Call, Connection, H2GrpcServer
+from router.h2grpc import FRAME_SIZE_ERROR, Call, Connection, H2GrpcServer, HeaderDecoder
 
 ECHO = "/test.Echo/Bidi"  # echoes every message, finishes OK when the client half-closes
 HOLD = "/test.Echo/Hold"  # records messages; the test finishes the call itself
@@ -721,3 +721,28 @@ async def test_fuzzed_frames_never_raise_and_the_server_keeps_serving(env: Env) 
     client = await env.connect()
     await client.send(client.request(1, ECHO), frame(DATA, END_STREAM, 1, grpc_message(b"still here")))
     assert (await client.read_stream(1)).messages == [b"still here"]
+
+
+# -- the header-block cache --------------------------------------------------------------------------
+
+
+def test_a_repeated_block_is_decoded_once_and_a_table_change_invalidates_it() -> None:
+    encoder, decoder = hpack.Encoder(), HeaderDecoder()
+    first = encoder.encode([(":path", "/a"), ("x-a", "1")])  # inserts x-a: 1 into the table
+    assert decoder.decode(first) == {":path": "/a", "x-a": "1"} and not decoder.cache
+    index = encoder.encode([("x-a", "1")])  # now one byte: the dynamic-table index of x-a
+    assert decoder.decode(index) == {"x-a": "1"} and index in decoder.cache
+    assert decoder.decode(index) == {"x-a": "1"}  # served from the cache
+    decoder.decode(encoder.encode([("x-b", "2")]))  # an insertion: x-b takes x-a's index
+    assert index not in decoder.cache
+    assert decoder.decode(index) == {"x-b": "2"}
+
+
+def test_an_insertion_at_a_full_table_is_seen_even_when_it_keeps_the_size() -> None:
+    encoder, decoder = hpack.Encoder(), HeaderDecoder()
+    encoder.header_table_size = decoder.hpack.max_allowed_table_size = 64  # room for one entry
+    decoder.decode(encoder.encode([("x-a", "11")]))
+    index = encoder.encode([("x-a", "11")])
+    assert decoder.decode(index) == {"x-a": "11"} and index in decoder.cache
+    decoder.decode(encoder.encode([("x-a", "12")]))  # evicts x-a: 11, same length and entry size
+    assert decoder.decode(index) == {"x-a": "12"}
