@@ -38,7 +38,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from router.config import PoolConfig
-from router.h2grpc import INVALID_ARGUMENT, NOT_FOUND, Call, CallHandler, H2GrpcServer
+from router.h2grpc import INTERNAL, INVALID_ARGUMENT, NOT_FOUND, Call, CallHandler, H2GrpcServer
 from router.picker import Picker, RouteDecision
 from router.request import (
     BadRequest,
@@ -386,11 +386,17 @@ class ExtProcCall:
         held, self.paused = self.paused or deque(), None
         if self.closed:
             return
-        for response in self.stream.on_message(message):
-            self.call.send(response.SerializeToString())
-        while held and not self.stream.finished:
-            self._handle(held.popleft())
-        if self.stream.finished or self.ended:
+        try:
+            for response in self.stream.on_message(message):
+                self.call.send(response.SerializeToString())
+            while held and not self.closed:
+                self._handle(held.popleft())
+        except Exception:  # on the transport's own path its dispatcher does this; here we must
+            log.exception("ext_proc: routing request %s failed", self.stream.parsed.request_id)
+            self.call.finish(INTERNAL, "internal error")
+            self._close()
+            return
+        if not self.closed and (self.stream.finished or self.ended):
             self.call.finish()
             self._close()
 

@@ -15,7 +15,7 @@ from google.protobuf import struct_pb2
 from helpers import DictIndex, Metrics, eventually, make_config, make_pool
 
 from router.extproc import MAX_CHUNK, OWNED_HEADERS, ExtProcCall, ExtProcStream, settings_from
-from router.h2grpc import INVALID_ARGUMENT
+from router.h2grpc import INTERNAL, INVALID_ARGUMENT
 from router.picker import Picker
 from router.signals import RouterMetrics
 
@@ -366,3 +366,18 @@ def test_a_malformed_message_fails_the_call_and_releases() -> None:
     assert pool.outstanding == 1
     handler.on_message(b"\xff\xff\xff not a protobuf")
     assert call.status is not None and call.status[0] == INVALID_ARGUMENT and pool.outstanding == 0
+
+
+async def test_a_routing_bug_after_prepare_fails_the_call_instead_of_hanging_it(monkeypatch) -> None:
+    prepare = GatedPrepare()
+    prepare.gate.set()
+    handler, call, pool = make_call(prepare)
+
+    def broken(route):
+        raise RuntimeError("a bug in the picker")
+
+    monkeypatch.setattr(handler.stream.picker, "pick", broken)
+    handler.on_message(headers().SerializeToString())
+    handler.on_message(body(BODY, eos=True).SerializeToString())
+    await eventually(lambda: call.status is not None, what="the call is failed, not left open")
+    assert call.status[0] == INTERNAL and handler.closed and pool.outstanding == 0
