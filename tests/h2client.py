@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import hpack
 
+# The protocol's numbers written out again from RFC 9113 on purpose, not imported from the server:
+# a wrong constant there must not be mirrored here.
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS = 0x0, 0x1, 0x2, 0x3, 0x4

@@ -10,8 +10,12 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import grpc
 import pytest
 from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import eventually, router_for
 
 from loadtests.simengine import EngineSpec, SimCluster, TimeModel
@@ -102,6 +106,49 @@ async def test_serve_drains_in_flight_streams_on_sigterm(tmp_path: Path) -> None
                     await http.get(f"http://127.0.0.1:{port}/health")
             assert await asyncio.wait_for(proc.wait(), 20) == 0
             await eventually(lambda: cluster.engines["e0"].num_running == 0, what="engine idle")
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+
+async def test_serve_answers_ext_proc_and_health_in_a_real_process(tmp_path: Path) -> None:
+    """The gRPC listeners as ``pd-router serve`` runs them (uvloop when installed), then SIGTERM."""
+    async with SimCluster([EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20))]) as cluster:
+        grpc_port, health_port = _free_port(), _free_port()
+        config = tmp_path / "pool.yaml"
+        config.write_text(
+            f"model: sim-model\nendpoints:\n  - {{address: '{cluster.address('e0')}'}}\n"
+            "proxy: {enabled: false}\n"
+        )
+        args = ["--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port)]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.cli", "serve", "--config", str(config), *args,
+            stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        try:
+            assert proc.stderr is not None
+            while b"ext_proc listening" not in (line := await asyncio.wait_for(proc.stderr.readline(), 20)):
+                assert line, "pd-router serve exited before listening"
+            for port in (grpc_port, health_port):
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                    check = health_pb2_grpc.HealthStub(channel).Check
+                    answer = await check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+                    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            body = b'{"model": "sim-model", "prompt": "hello there"}'
+            messages = [
+                pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
+                pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+            ]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                process = pb_grpc.ExternalProcessorStub(channel).Process
+                responses = [r async for r in process(iter(messages), timeout=5)]
+            routing = responses[0].request_headers.response.header_mutation.set_headers
+            assert {h.header.key: h.header.raw_value.decode() for h in routing} == {
+                "x-gateway-destination-endpoint": cluster.address("e0")
+            }
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 20) == 0
         finally:
             if proc.returncode is None:
                 proc.kill()
