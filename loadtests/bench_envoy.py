@@ -72,6 +72,7 @@ from loadtests.bench_proxy import (
     _run,
     _serve_until_term,
     _top,
+    drive,
     run_profiled,
     start_child,
 )
@@ -293,47 +294,28 @@ BODY = orjson.dumps({"model": MODEL, "prompt": "Say hello in one word.", "max_to
 async def closed_loop(
     port: int, concurrency: int, requests: int, timeout_s: float, rate: float = 0.0
 ) -> tuple[Cell, int]:
-    """``bench_proxy.closed_loop`` for non-streaming requests, but a 200 without a body is a failure.
+    """``bench_proxy.drive`` with non-streaming requests, where a 200 without a body is a failure.
 
-    With ``rate`` > 0 the requests are paced instead: request i is due at ``i / rate`` seconds, sent
-    by the first of the ``concurrency`` connections free by then, and its latency counts from when
-    it was due (a request kept waiting for a free connection is charged for the wait).
     Returns the cell and how many of its errors were such empty answers (the connection stays usable).
     """
     cell = Cell()
-    remaining = requests
     empty = 0
-    conns = [await HttpConn.open(port) for _ in range(concurrency)]
-    begin = time.perf_counter()
 
-    async def worker(conn: HttpConn) -> None:
-        nonlocal remaining, empty
-        while remaining > 0:
-            remaining -= 1
-            t0 = time.perf_counter()
-            if rate > 0:
-                due = begin + (requests - remaining - 1) / rate
-                if due > t0:
-                    await asyncio.sleep(due - t0)
-                t0 = due
-            try:
-                times = await conn.post("/v1/completions", BODY)
-            except (RuntimeError, OSError, asyncio.IncompleteReadError):
-                cell.errors += 1
-                return
-            if times:
-                cell.latencies.append(times[-1] - t0)
-            else:
-                cell.errors += 1
-                empty += 1
+    async def one(conn: HttpConn, t0: float) -> bool:
+        nonlocal empty
+        try:
+            times = await conn.post("/v1/completions", BODY)
+        except (RuntimeError, OSError, asyncio.IncompleteReadError):
+            cell.errors += 1
+            return False
+        if times:
+            cell.latencies.append(times[-1] - t0)
+        else:
+            cell.errors += 1
+            empty += 1
+        return True
 
-    started = time.perf_counter()
-    try:
-        await asyncio.wait_for(asyncio.gather(*(worker(c) for c in conns)), timeout_s)
-    finally:
-        cell.wall_s = time.perf_counter() - started
-        for conn in conns:
-            await conn.close()
+    cell.wall_s = await drive(port, concurrency, requests, timeout_s, one, rate)
     return cell, empty
 
 

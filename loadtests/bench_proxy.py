@@ -295,6 +295,47 @@ class Cell:
         return data[min(len(data) - 1, int(q * len(data)))] if data else float("nan")
 
 
+async def drive(
+    port: int,
+    concurrency: int,
+    requests: int,
+    timeout_s: float,
+    one: Callable[[HttpConn, float], Awaitable[bool]],
+    rate: float = 0.0,
+) -> float:
+    """Run ``requests`` calls of ``one(conn, t0)`` over ``concurrency`` connections; the wall seconds.
+
+    Closed loop: each connection sends its next request when the last one is done. With ``rate``
+    > 0 the requests are paced instead: request i is due at ``i / rate`` seconds, sent by the first
+    connection free by then, and ``t0`` is when it was due (a request kept waiting for a free
+    connection is charged for the wait). ``one`` returns False when its connection is unusable.
+    """
+    remaining = requests
+    conns = [await HttpConn.open(port) for _ in range(concurrency)]
+    begin = time.perf_counter()
+
+    async def worker(conn: HttpConn) -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            t0 = time.perf_counter()
+            if rate > 0:
+                due = begin + (requests - remaining - 1) / rate
+                if due > t0:
+                    await asyncio.sleep(due - t0)
+                t0 = due
+            if not await one(conn, t0):
+                return
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(worker(c) for c in conns)), timeout_s)
+    finally:
+        wall_s = time.perf_counter() - begin
+        for conn in conns:
+            await conn.close()
+    return wall_s
+
+
 async def closed_loop(
     port: int, *, stream: bool, concurrency: int, requests: int, timeout_s: float, gap_ms: float = 0.0
 ) -> Cell:
@@ -304,29 +345,18 @@ async def closed_loop(
     )
     extra = f"{GAP_HEADER}: {gap_ms:g}\r\n" if gap_ms else ""
     cell = Cell()
-    remaining = requests
-    conns = [await HttpConn.open(port) for _ in range(concurrency)]
 
-    async def worker(conn: HttpConn) -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            t0 = time.perf_counter()
-            try:
-                times = await conn.post("/v1/completions", body, extra)
-            except (RuntimeError, OSError, asyncio.IncompleteReadError):
-                cell.errors += 1
-                return
-            cell.latencies.append(times[-1] - t0)
-            cell.gaps.extend(b - a for a, b in itertools.pairwise(times))
+    async def one(conn: HttpConn, t0: float) -> bool:
+        try:
+            times = await conn.post("/v1/completions", body, extra)
+        except (RuntimeError, OSError, asyncio.IncompleteReadError):
+            cell.errors += 1
+            return False
+        cell.latencies.append(times[-1] - t0)
+        cell.gaps.extend(b - a for a, b in itertools.pairwise(times))
+        return True
 
-    started = time.perf_counter()
-    try:
-        await asyncio.wait_for(asyncio.gather(*(worker(c) for c in conns)), timeout_s)
-    finally:
-        cell.wall_s = time.perf_counter() - started
-        for conn in conns:
-            await conn.close()
+    cell.wall_s = await drive(port, concurrency, requests, timeout_s, one)
     return cell
 
 
