@@ -365,9 +365,9 @@ class ExtProcCall:
             self.task.cancel()
         self._close()
 
-    def _handle(self, message: pb.ProcessingRequest) -> None:
+    def _handle(self, message: pb.ProcessingRequest, *, prepared: bool = False) -> None:
         stream = self.stream
-        if self.prepare is not None and stream.prompt_if_complete(message) is not None:
+        if not prepared and self.prepare is not None and stream.prompt_if_complete(message) is not None:
             self.paused = deque()
             self.task = asyncio.get_running_loop().create_task(self._prepare_then(message))
             return
@@ -384,11 +384,9 @@ class ExtProcCall:
         except Exception:  # the pick still works without precise keys or the shared lookup
             log.exception("ext_proc: preparing request %s failed", self.stream.parsed.request_id)
         held, self.paused = self.paused or deque(), None
-        if self.closed:
-            return
         try:
-            for response in self.stream.on_message(message):
-                self.call.send(response.SerializeToString())
+            if not self.closed:
+                self._handle(message, prepared=True)
             while held and not self.closed:
                 self._handle(held.popleft())
         except Exception:  # on the transport's own path its dispatcher does this; here we must
@@ -396,7 +394,7 @@ class ExtProcCall:
             self.call.finish(INTERNAL, "internal error")
             self._close()
             return
-        if not self.closed and (self.stream.finished or self.ended):
+        if self.ended and not self.closed:  # the half-close arrived while we were preparing
             self.call.finish()
             self._close()
 
