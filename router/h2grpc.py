@@ -215,11 +215,7 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.server.connections.discard(self)
-        calls, self.calls = self.calls, {}
-        self.blocked.clear()
-        for call in calls.values():
-            call.finished = True
-            self._cancel(call)
+        self._drop_all()
         self.server.connection_closed()
 
     def pause_writing(self) -> None:
@@ -280,11 +276,9 @@ class Connection(asyncio.Protocol):
         elif kind == RST_STREAM:
             if len(payload) != 4 or not stream_id:
                 raise _ConnectionError(FRAME_SIZE_ERROR if stream_id else PROTOCOL_ERROR, "bad RST_STREAM")
-            call = self.calls.pop(stream_id, None)
+            call = self.calls.get(stream_id)
             if call is not None:
-                self.blocked.discard(call)
-                call.finished = True
-                self._cancel(call)
+                self._drop(call)
         elif kind == SETTINGS:
             self._on_settings(flags, stream_id, payload)
         elif kind == PING:
@@ -471,6 +465,17 @@ class Connection(asyncio.Protocol):
         self._cancel(call)
         call.finish(code, message)
 
+    def _drop(self, call: Call) -> None:
+        """Forget a call that will not finish (reset, connection gone): nothing more is sent for it."""
+        self.calls.pop(call.stream_id, None)
+        self.blocked.discard(call)
+        call.finished = True
+        self._cancel(call)
+
+    def _drop_all(self) -> None:
+        for call in list(self.calls.values()):
+            self._drop(call)
+
     def _cancel(self, call: Call) -> None:
         if call.handler is not None:
             handler, call.handler = call.handler, None
@@ -541,10 +546,7 @@ class Connection(asyncio.Protocol):
 
     def abort_calls(self) -> None:
         """Shutdown after the grace period: cancel what is still open."""
-        for call in list(self.calls.values()):
-            call.finished = True
-            self._cancel(call)
-        self.calls.clear()
+        self._drop_all()
         self._close_if_idle()
 
     def _abort(self, code: int, reason: str) -> None:
