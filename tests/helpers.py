@@ -18,6 +18,16 @@ from router.config import LinksConfig, PoolConfig, parse_config
 from router.pool import Pool
 from router.request import RouteRequest
 
+# Two prefill and two decode pods on two racks (link labels "a" and "b").
+PD_TWO_RACKS = [
+    {"address": "10.0.0.1:8000", "role": "prefill", "name": "p0", "link": "a"},
+    {"address": "10.0.0.2:8000", "role": "prefill", "name": "p1", "link": "b"},
+    {"address": "10.0.0.3:8000", "role": "decode", "name": "d0", "link": "a"},
+    {"address": "10.0.0.4:8000", "role": "decode", "name": "d1", "link": "b"},
+]
+# Three pods that prefill and decode.
+SINGLE_PODS = [{"address": f"10.0.1.{i}:8000", "name": f"e{i}"} for i in range(3)]
+
 
 @dataclass(frozen=True)
 class Metrics:

@@ -12,7 +12,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
-from helpers import DictIndex, Metrics, eventually, make_config, make_pool
+from helpers import SINGLE_PODS, DictIndex, Metrics, eventually, make_config, make_pool
 
 from router.extproc import MAX_CHUNK, OWNED_HEADERS, ExtProcCall, ExtProcStream, settings_from
 from router.h2grpc import INTERNAL, INVALID_ARGUMENT
@@ -24,11 +24,12 @@ PD = [
     {"address": "10.0.0.1:8000", "role": "prefill", "name": "p0"},
     {"address": "10.0.0.3:8000", "role": "decode", "name": "d0"},
 ]
-SINGLE = [{"address": f"10.0.1.{i}:8000", "name": f"e{i}"} for i in range(3)]
 BODY = orjson.dumps({"model": "m", "prompt": "hello " * 400, "max_tokens": 8})
 
 
-def make_stream(endpoints=SINGLE, response_processing: bool = True, metrics=None, later=None, **sections):
+def make_stream(
+    endpoints=SINGLE_PODS, response_processing: bool = True, metrics=None, later=None, **sections
+):
     config = make_config(
         endpoints, extproc={"enabled": True, "response_processing": response_processing}, **sections
     )
@@ -92,7 +93,7 @@ def test_full_duplex_defers_headers_until_the_body_is_complete_and_reassembles_c
     first = out[0]
     assert first.HasField("request_headers") and first.request_headers.response.clear_route_cache
     destination = set_headers(first)["x-gateway-destination-endpoint"]
-    assert destination in {e["address"] for e in SINGLE}
+    assert destination in {e["address"] for e in SINGLE_PODS}
     lb = first.dynamic_metadata.fields["envoy.lb"].struct_value.fields
     assert lb["x-gateway-destination-endpoint"].string_value == destination
     removed = set(first.request_headers.response.header_mutation.remove_headers)
@@ -198,7 +199,7 @@ def test_subset_hint_restricts_the_pick_and_an_empty_match_is_503() -> None:
 
 
 def test_sheddable_request_is_429_when_saturated() -> None:
-    saturated = {e["name"]: Metrics(waiting=500) for e in SINGLE}
+    saturated = {e["name"]: Metrics(waiting=500) for e in SINGLE_PODS}
     stream, _ = make_stream(metrics=saturated)
     stream.on_message(headers({"x-gateway-inference-objective": "batch-sheddable"}))
     (out,) = stream.on_message(body(BODY, eos=True))

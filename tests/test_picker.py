@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from helpers import DictIndex, Metrics, make_config, make_pool, make_request
+from helpers import PD_TWO_RACKS, DictIndex, Metrics, make_config, make_pool, make_request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,12 +14,6 @@ from router.picker import Picker
 from router.request import NoCapacity, Shed
 
 NOW = 100.0
-PD = [
-    {"address": "10.0.0.1:8000", "role": "prefill", "name": "p0", "link": "a"},
-    {"address": "10.0.0.2:8000", "role": "prefill", "name": "p1", "link": "b"},
-    {"address": "10.0.0.3:8000", "role": "decode", "name": "d0", "link": "a"},
-    {"address": "10.0.0.4:8000", "role": "decode", "name": "d1", "link": "b"},
-]
 SLOW_CROSS_LINK = {
     "same": {"latency_ms": 0.1, "bandwidth_gbytes_per_s": 50},
     "default": {"latency_ms": 5, "bandwidth_gbytes_per_s": 1},
@@ -40,7 +34,7 @@ def test_joint_choice_beats_best_prefill_and_best_decode_chosen_separately() -> 
         "d0": Metrics(running=8),
         "d1": Metrics(running=2),
     }
-    picker = picker_for(PD, metrics, links=SLOW_CROSS_LINK, picker={"allow_local_prefill": False})
+    picker = picker_for(PD_TWO_RACKS, metrics, links=SLOW_CROSS_LINK, picker={"allow_local_prefill": False})
     decision = picker.pick(make_request(2000), now=NOW)
     pair = (decision.prefill.id, decision.decode.id)
     assert pair in {("p0", "d0"), ("p1", "d1")}
@@ -51,7 +45,7 @@ def test_joint_choice_beats_best_prefill_and_best_decode_chosen_separately() -> 
 def test_no_prefill_leg_when_the_decode_pod_already_holds_most_of_the_prompt() -> None:
     index = DictIndex()
     keys = list(range(1, 64))  # 63 blocks = 1008 tokens of a 1024-token prompt
-    picker = picker_for(PD, index=index)
+    picker = picker_for(PD_TWO_RACKS, index=index)
     index.record(picker.pool.endpoints["d0"].slot, np.array(keys, dtype=np.uint64))
     decision = picker.pick(make_request(1024, keys), now=NOW)
     assert decision.prefill is None
@@ -62,7 +56,7 @@ def test_no_prefill_leg_when_the_decode_pod_already_holds_most_of_the_prompt() -
 
 def test_long_uncached_prompt_uses_a_prefill_pod_when_decode_pods_are_busy() -> None:
     metrics = {"d0": Metrics(running=40), "d1": Metrics(running=40)}
-    decision = picker_for(PD, metrics).pick(make_request(8000), now=NOW)
+    decision = picker_for(PD_TWO_RACKS, metrics).pick(make_request(8000), now=NOW)
     assert decision.prefill is not None
     assert decision.kind == "pd-pair"
 
@@ -70,7 +64,7 @@ def test_long_uncached_prompt_uses_a_prefill_pod_when_decode_pods_are_busy() -> 
 def test_prefix_locality_prefers_the_prefill_pod_holding_the_prompt() -> None:
     index = DictIndex()
     keys = list(range(1, 200))
-    picker = picker_for(PD, index=index, picker={"allow_local_prefill": False})
+    picker = picker_for(PD_TWO_RACKS, index=index, picker={"allow_local_prefill": False})
     index.record(picker.pool.endpoints["p1"].slot, np.array(keys, dtype=np.uint64))
     decision = picker.pick(make_request(3200, keys), now=NOW)
     assert decision.prefill.id == "p1"
@@ -81,7 +75,9 @@ def test_fairness_cap_drops_locality_credit_on_an_overloaded_pod() -> None:
     index = DictIndex()
     keys = list(range(1, 200))
     # p1 holds the prompt but has 60k queued tokens (3 s at 20k tok/s), over the 1 s skew cap.
-    picker = picker_for(PD, {"p1": Metrics(waiting=0)}, index=index, picker={"allow_local_prefill": False})
+    picker = picker_for(
+        PD_TWO_RACKS, {"p1": Metrics(waiting=0)}, index=index, picker={"allow_local_prefill": False}
+    )
     picker.pool.queued_prefill_tokens[picker.pool.endpoints["p1"].slot] = 60000
     index.record(picker.pool.endpoints["p1"].slot, np.array(keys, dtype=np.uint64))
     decision = picker.pick(make_request(3200, keys), now=NOW)
@@ -93,7 +89,7 @@ def test_full_decode_pod_is_avoided_and_a_request_no_pod_can_hold_is_no_capacity
         "d0": Metrics(kv_usage=0.99, num_gpu_blocks=100),
         "d1": Metrics(kv_usage=0.1, num_gpu_blocks=100),
     }
-    picker = picker_for(PD, metrics)
+    picker = picker_for(PD_TWO_RACKS, metrics)
     assert picker.pick(make_request(500), now=NOW).decode.id == "d1"
     with pytest.raises(NoCapacity) as err:
         picker.pick(make_request(1590), now=NOW)  # 1590 + 16 > 1600 tokens of capacity
@@ -103,7 +99,7 @@ def test_full_decode_pod_is_avoided_and_a_request_no_pod_can_hold_is_no_capacity
 def test_kv_reservation_counts_only_blocks_the_decode_pod_does_not_hold() -> None:
     index = DictIndex()
     keys = list(range(1, 51))  # 800 tokens
-    picker = picker_for(PD, index=index)
+    picker = picker_for(PD_TWO_RACKS, index=index)
     d0 = picker.pool.endpoints["d0"]
     index.record(d0.slot, np.array(keys, dtype=np.uint64))
     decision = picker.pick(make_request(1000, keys, max_tokens=100), now=NOW)
@@ -158,7 +154,7 @@ def test_ties_spread_instead_of_herding() -> None:
 
 
 def test_stale_and_ejected_endpoints_leave_and_come_back() -> None:
-    picker = picker_for(PD)
+    picker = picker_for(PD_TWO_RACKS)
     pool = picker.pool
     d0 = pool.endpoints["d0"]
     stale_at = NOW + pool.stale_after_s + 0.1
@@ -173,7 +169,7 @@ def test_stale_and_ejected_endpoints_leave_and_come_back() -> None:
 
 
 def test_subset_hint_restricts_candidates() -> None:
-    picker = picker_for(PD)
+    picker = picker_for(PD_TWO_RACKS)
     request = make_request(100, subset=frozenset({"10.0.0.4:8000", "10.0.0.1:8000"}))
     decision = picker.pick(request, now=NOW)
     assert decision.decode.id == "d1" and (decision.prefill is None or decision.prefill.id == "p0")
@@ -183,7 +179,7 @@ def test_subset_hint_restricts_candidates() -> None:
 
 def test_sheddable_requests_are_shed_when_saturated_and_others_are_not() -> None:
     metrics = {name: Metrics(waiting=200) for name in ("p0", "p1", "d0", "d1")}
-    picker = picker_for(PD, metrics)
+    picker = picker_for(PD_TWO_RACKS, metrics)
     with pytest.raises(Shed):
         picker.pick(make_request(4000, priority=-1), now=NOW)
     assert picker.pick(make_request(4000, priority=0), now=NOW)
@@ -192,7 +188,7 @@ def test_sheddable_requests_are_shed_when_saturated_and_others_are_not() -> None
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 4000), st.integers(0, 3)), min_size=1, max_size=40))
 def test_reservations_always_return_to_zero(requests: list[tuple[int, int]]) -> None:
-    picker = picker_for(PD)
+    picker = picker_for(PD_TWO_RACKS)
     pool = picker.pool
     decisions = [picker.pick(make_request(tokens), now=NOW) for tokens, _ in requests]
     for decision, (_, path) in zip(decisions, requests, strict=True):

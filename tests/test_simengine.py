@@ -15,6 +15,7 @@ from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.simengine import EngineSpec, SimCluster, SimEngine, TimeModel, run_sim
+from router.proxy import PREFILL_KV_TRANSFER_PARAMS
 
 pytestmark = pytest.mark.integration
 
@@ -273,14 +274,8 @@ async def test_metrics_exposition_parses_with_vllm_names(
 
 
 def remote_decode_params() -> dict[str, Any]:
-    return {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    """What a router sends with the prefill leg (vLLM's NIXL request shape)."""
+    return dict(PREFILL_KV_TRANSFER_PARAMS)
 
 
 def p_data_params(data: dict[str, Any]) -> dict[str, Any]:
