@@ -37,8 +37,6 @@ import argparse
 import asyncio
 import contextlib
 import copy
-import functools
-import importlib.util
 import logging
 import os
 import statistics
@@ -76,13 +74,13 @@ from loadtests.bench_proxy import (
     run_profiled,
     start_child,
 )
+from loadtests.from_tests import tests_module
 
 MODES = ("full-duplex", "buffered")
 PATHS = ("direct", "extproc", "ep-norsp")  # ep-norsp: extproc.response_processing = false
 # (concurrency, paced rate): closed loops at 1, 16, 64, and 16 connections paced at the target rate
 # (the added latency while routing the target load, rather than at saturation).
 LOADS = ((1, 0.0), (16, 0.0), (64, 0.0), (16, 1500.0))
-GATEWAY = Path(__file__).resolve().parent.parent / "tests" / "gateway.py"
 TARGET_RPS = 1500.0
 TARGET_ADDED_P99_MS = 5.0
 
@@ -146,14 +144,9 @@ def router_main(
 # -- Envoy -----------------------------------------------------------------------------------------
 
 
-@functools.cache
 def gateway() -> ModuleType:
-    """``tests/gateway.py`` (renders the example configs; Envoy readiness), loaded from its path."""
-    spec = importlib.util.spec_from_file_location("pd_router_tests_gateway", GATEWAY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """``tests/gateway.py``: renders the example configs, finds the Envoy binary, waits for readiness."""
+    return tests_module("gateway")
 
 
 def _hcm(config: dict[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib.util
 import multiprocessing as mp
 import random
 import statistics
@@ -47,7 +46,6 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from types import ModuleType
 from typing import Any, cast
 
 import msgspec
@@ -59,11 +57,11 @@ from redis.backoff import NoBackoff
 from kvindex.events import BlockRemoved, BlockStored, KVEventBatch, KVEventConsumer, decode_batch
 from kvindex.memory import MemoryPrefixIndex
 from kvindex.redis_index import SharedPrefixIndex
+from loadtests.from_tests import tests_module
 from router.app import IndexEventSink
 from router.config import parse_config
 from router.pool import Pool
 
-REDIS_SERVER_PY = Path(__file__).resolve().parent.parent / "tests" / "redis_server.py"
 BLOCK_SIZE = 16
 REMOVE_SHARE = 0.25
 TOKENS = [[(7 * i + 13) % 151_000 for i in range(BLOCK_SIZE * n)] for n in range(17)]
@@ -396,21 +394,13 @@ def decode_cost(args: argparse.Namespace) -> tuple[float, int, int, int]:
     return statistics.median(times) / len(payloads) * 1e6, len(payloads), events, blocks
 
 
-def redis_server_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pd_router_tests_redis_server", REDIS_SERVER_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 async def main(args: argparse.Namespace) -> None:
     us_per_batch, n_dec, dec_events, dec_blocks = decode_cost(args)
     results: dict[str, list[RunResult]] = {m: [] for m in args.modes}
     with tempfile.TemporaryDirectory() as workdir:
         server = None
         if "redis" in args.modes:
-            server = redis_server_module().RedisServer(Path(workdir))
+            server = tests_module("redis_server").RedisServer(Path(workdir))
             server.start()
         try:
             for run in range(args.runs):  # interleaved, so drift hits every mode alike
