@@ -7,14 +7,16 @@ client. It prints what the router chose and why, then exits (``--keep`` keeps se
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 
-from loadtests.client import Result, Summary, run_workload
-from loadtests.cluster import engine_model_for, link_cost_from
-from loadtests.simengine import EngineSpec, SimCluster, TimeModel
-from loadtests.workloads import shared_prefix
+from loadtests.sim.cluster import engine_model_for, link_cost_from
+from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from loadtests.workloads.client import Result, Summary, run_workload
+from loadtests.workloads.generate import shared_prefix
 from router.app import App
+from router.cli import run
 from router.config import LinksConfig, PoolConfig, parse_config
 
 DEMO_LINKS = {
@@ -120,3 +122,17 @@ async def run_demo(requests: int = 120, keep: bool = False, port: int = 0, seed:
                 sys.stdout.flush()
                 await asyncio.Event().wait()
             return 0 if len(summary.ok) == len(summary.results) else 1
+
+
+def command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``pd-router demo`` (joins the CLI through the ``pd_router.commands`` entry points)."""
+    demo = sub.add_parser("demo", help="simulated 2 prefill + 2 decode cluster, proxy and a workload")
+    demo.add_argument("--requests", type=int, default=120)
+    demo.add_argument("--port", type=int, default=0, help="proxy port (0: any free port)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--keep", action="store_true", help="keep serving after the run, for curl")
+    demo.set_defaults(run=_run_demo, default_log_level="warning")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    return run(run_demo(requests=args.requests, keep=args.keep, port=args.port, seed=args.seed))

@@ -1,7 +1,10 @@
-"""``pd-router``: serve, demo, sim, check-config.
+"""``pd-router``: serve, check-config, sidecar — plus the commands other packages add.
 
-The composition root: it builds the configuration, wires the ``App`` and owns signal handling.
-``demo`` and ``sim`` import ``loadtests`` lazily (the simulator is not part of the service).
+The composition root's entry: it builds the configuration, wires the ``App`` and owns signal
+handling. ``demo`` and ``sim`` live with the simulator in ``loadtests`` and join through the
+``pd_router.commands`` entry-point group (see ``pyproject.toml``), so the service never imports
+the simulator: an entry point is a function that adds its sub-command to the parser and sets
+``run`` (args -> exit code).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import signal
 import sys
 import time
 from collections.abc import Coroutine, Sequence
+from importlib.metadata import entry_points
 from typing import Any
 
 import orjson
@@ -55,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the proxy for a pool described in a YAML file")
-    _config_args(serve)
+    config_args(serve)
     serve.add_argument("--host", help="proxy listen address (overrides proxy.host)")
     serve.add_argument("--port", type=int, help="proxy listen port (overrides proxy.port)")
     # The Gateway API Inference Extension's flag names, so charts and habits carry over.
@@ -64,18 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", type=int, help="serve /metrics on this port (enables metrics)")
 
     check = sub.add_parser("check-config", help="validate a configuration file and exit")
-    _config_args(check)
-
-    demo = sub.add_parser("demo", help="simulated 2 prefill + 2 decode cluster, proxy and a workload")
-    demo.add_argument("--requests", type=int, default=120)
-    demo.add_argument("--port", type=int, default=0, help="proxy port (0: any free port)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--keep", action="store_true", help="keep serving after the run, for curl")
-
-    sim = sub.add_parser("sim", help="serve simulated vLLM engines for every endpoint of a config")
-    _config_args(sim)
-    sim.add_argument("--speed", type=float, default=1.0, help="time-model speed-up (2 = twice as fast)")
-    sim.add_argument("--num-gpu-blocks", type=int, default=2048)
+    config_args(check)
 
     sidecar = sub.add_parser("sidecar", help="decode-side P/D proxy for Envoy/InferencePool deployments")
     sidecar.add_argument("--decode", required=True, metavar="IP:PORT", help="the local decode engine")
@@ -92,10 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     sidecar.add_argument("--request-timeout-s", type=float, default=600.0)
     sidecar.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     sidecar.add_argument("--drain-timeout-s", type=float, default=5.0)
+    for entry in entry_points(group="pd_router.commands"):
+        entry.load()(sub)
     return parser
 
 
-def _config_args(parser: argparse.ArgumentParser) -> None:
+def config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="pool YAML file")
     parser.add_argument(
         "--set",
@@ -108,39 +103,36 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    setup_logging(args.log_level or ("warning" if args.command == "demo" else "info"))
+    setup_logging(args.log_level or getattr(args, "default_log_level", "info"))
+    if hasattr(args, "run"):  # a command from the pd_router.commands entry points
+        return int(args.run(args))
+    if args.command == "sidecar":
+        return _run_sidecar(args)
     try:
-        if args.command == "demo":
-            from loadtests.demo import run_demo
-
-            return _run(run_demo(requests=args.requests, keep=args.keep, port=args.port, seed=args.seed))
-        if args.command == "sidecar":
-            return _run_sidecar(args)
-        overrides = list(args.set)
-        if getattr(args, "host", None):
-            overrides.append(f"proxy.host={args.host}")
-        if getattr(args, "port", None) is not None:
-            overrides.append(f"proxy.port={args.port}")
-        if getattr(args, "grpc_port", None) is not None:
-            overrides += ["extproc.enabled=true", f"extproc.port={args.grpc_port}"]
-        if getattr(args, "grpc_health_port", None) is not None:
-            overrides.append(f"extproc.health_port={args.grpc_health_port}")
-        if getattr(args, "metrics_port", None) is not None:
-            overrides += ["metrics.enabled=true", f"metrics.port={args.metrics_port}"]
-        config = load_config(args.config, overrides)
+        config = config_from(args)
     except ConfigError as exc:
         print(f"pd-router: invalid configuration: {exc}", file=sys.stderr)
         return 2
     if args.command == "check-config":
         print(f"{args.config}: ok ({len(config.endpoints)} endpoints, model {config.model!r})")
         return 0
-    if args.command == "sim":
-        from loadtests.cluster import link_cost_from, specs_from
-        from loadtests.simengine import TimeModel, run_sim
+    return run(serve(config))
 
-        specs = specs_from(config, TimeModel(speed=args.speed), num_gpu_blocks=args.num_gpu_blocks)
-        return _run(run_sim(specs, link_cost_from(config.links)))
-    return _run(serve(config))
+
+def config_from(args: argparse.Namespace) -> PoolConfig:
+    """The ``--config`` file with ``--set`` and the listener flags applied; raises ``ConfigError``."""
+    overrides = list(args.set)
+    if getattr(args, "host", None):
+        overrides.append(f"proxy.host={args.host}")
+    if getattr(args, "port", None) is not None:
+        overrides.append(f"proxy.port={args.port}")
+    if getattr(args, "grpc_port", None) is not None:
+        overrides += ["extproc.enabled=true", f"extproc.port={args.grpc_port}"]
+    if getattr(args, "grpc_health_port", None) is not None:
+        overrides.append(f"extproc.health_port={args.grpc_health_port}")
+    if getattr(args, "metrics_port", None) is not None:
+        overrides += ["metrics.enabled=true", f"metrics.port={args.metrics_port}"]
+    return load_config(args.config, overrides)
 
 
 async def serve(config: PoolConfig) -> int:
@@ -151,7 +143,7 @@ async def serve(config: PoolConfig) -> int:
 
 
 def _run_sidecar(args: argparse.Namespace) -> int:
-    from router.sidecar import SidecarServer
+    from router.sidecar.server.server import SidecarServer
 
     try:
         server = SidecarServer(
@@ -167,7 +159,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pd-router sidecar: {exc}", file=sys.stderr)
         return 2
-    return _run(until_signal(server))
+    return run(until_signal(server))
 
 
 async def until_signal(server: Any) -> int:
@@ -184,7 +176,7 @@ async def until_signal(server: Any) -> int:
     return 0
 
 
-def _run(coro: Coroutine[Any, Any, int | None]) -> int:
+def run(coro: Coroutine[Any, Any, int | None]) -> int:
     try:
         import uvloop
     except ImportError:

@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from router.request import RequestLimits
+from router.types import RequestLimits
+from scorers.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
 
 Role = Literal["prefill", "decode", "prefill-decode"]
 Positive = Annotated[float, Field(gt=0)]
@@ -99,16 +100,6 @@ class LinksConfig(_Strict):
     pairs: list[LinkPairConfig] = []
 
 
-class WeightsConfig(_Strict):
-    """Multipliers on each term of the predicted cost (see DESIGN.md "Scoring in one unit")."""
-
-    prefix: Annotated[float, Field(ge=0, le=1)] = 1.0
-    queue: NonNegative = 1.0
-    kv: NonNegative = 1.0
-    link: NonNegative = 1.0
-    load: NonNegative = 1.0
-
-
 class PickerConfig(_Strict):
     max_wait_skew_ms: NonNegative = Field(
         1000.0,
@@ -116,8 +107,8 @@ class PickerConfig(_Strict):
     )
     kv_soft_threshold: Annotated[float, Field(gt=0, lt=1)] = 0.85
     allow_local_prefill: bool = True
-    local_prefill_interference: NonNegative = Field(
-        1.0, description="how much a prefill on a decode pod slows that pod's running decodes"
+    policy: Literal["joint", "round-robin", "least-loaded", "independent"] = Field(
+        "joint", description="how the pair is chosen; the others are baselines, for comparison"
     )
     fallbacks: Annotated[int, Field(ge=0, le=16)] = 2
     shed_ttft_factor: Positive = Field(
@@ -226,7 +217,11 @@ class PoolConfig(_Strict):
     slo: SLOConfig = SLOConfig()
     engine: EngineModelConfig = EngineModelConfig()
     links: LinksConfig = LinksConfig()
-    weights: WeightsConfig = WeightsConfig()
+    weights: dict[str, NonNegative] = Field(
+        default_factory=dict,
+        description="multiplier per cost term (scorers/<name>.py; 0 turns one off), plus prefix "
+        "(locality trust, 0..1) and link; unset ones are 1",
+    )
     picker: PickerConfig = PickerConfig()
     limits: LimitsConfig = LimitsConfig()
     scrape: ScrapeConfig = ScrapeConfig()
@@ -234,6 +229,27 @@ class PoolConfig(_Strict):
     proxy: ProxyConfig = ProxyConfig()
     extproc: ExtProcConfig = ExtProcConfig()
     metrics: MetricsConfig = MetricsConfig()
+
+    @field_validator("weights")
+    @classmethod
+    def _known_terms(cls, weights: dict[str, float]) -> dict[str, float]:
+        if weights.get("prefix", 1.0) > 1.0:
+            raise ValueError("prefix: must be in [0, 1] (the share of a cached prefix that counts)")
+        for name in weights:
+            if name not in MODEL_WEIGHTS and name not in DEFAULT_WEIGHTS:
+                try:
+                    load_term(name)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        return weights
+
+    def weight(self, name: str) -> float:
+        return self.weights.get(name, 1.0)
+
+    def term_weights(self) -> dict[str, float]:
+        """Every cost term and its weight: the built-ins (default 1), then any others configured."""
+        merged = {**DEFAULT_WEIGHTS, **self.weights}
+        return {name: w for name, w in merged.items() if name not in MODEL_WEIGHTS}
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> PoolConfig:

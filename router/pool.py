@@ -16,9 +16,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from router.features import CANDIDATE, FEATURES, SCRAPED
+from scorers.base import Candidates
+
 if TYPE_CHECKING:
-    from router.config import EndpointConfig, ScrapeConfig
-    from router.scrape import EngineMetrics
+    from router.config import EndpointConfig
+    from router.types import EngineMetrics
 
 log = logging.getLogger(__name__)
 
@@ -98,36 +101,15 @@ class Reservation:
             self.pool.outstanding -= 1
 
 
-# name -> (dtype, value of an empty slot). Scraped gauges start as NaN: unknown is never zero.
-_FEATURES: dict[str, tuple[type, float]] = {
-    "running": (np.float64, np.nan),
-    "waiting": (np.float64, np.nan),
-    "kv_usage": (np.float64, np.nan),
-    "kv_capacity_tokens": (np.float64, np.nan),
-    "queued_prefill_tokens": (np.float64, 0.0),
-    "reserved_kv_tokens": (np.float64, 0.0),
-    "last_scrape_ok": (np.float64, -np.inf),
-    "queued_prefill_requests": (np.int64, 0),
-    "inflight_requests": (np.int64, 0),
-    "link_index": (np.int64, 0),
-    "in_use": (np.bool_, False),
-    "admitted": (np.bool_, False),
-    "can_prefill": (np.bool_, False),
-    "can_decode": (np.bool_, False),
-    "scraped": (np.bool_, False),
-    "ejected": (np.bool_, False),
-    "kv_covered": (np.bool_, False),  # precise mode: the KV-event view of this engine is complete
-}
-
-
 class Pool:
     """All endpoints of one InferencePool, their groups and feature arrays."""
 
-    def __init__(self, scrape: ScrapeConfig, capacity: int = 64) -> None:
-        self.stale_after_s = scrape.stale_after_ms / 1000.0
-        self.eject_after_failures = scrape.eject_after_failures
+    def __init__(self, stale_after_s: float = 2.5, eject_after_failures: int = 3, capacity: int = 64) -> None:
+        self.stale_after_s = stale_after_s
+        self.eject_after_failures = eject_after_failures
         self.endpoints: dict[str, Endpoint] = {}
         self.by_slot: list[Endpoint | None] = []
+        self.slot_by_address: dict[str, int] = {}
         self.groups: dict[str, Group] = {}
         self.links: dict[str, int] = {}
         self.outstanding = 0
@@ -135,32 +117,17 @@ class Pool:
         self._free_slots: list[int] = []
         self._allocate(capacity)
 
-    # -- arrays -------------------------------------------------------------------------------
-    running: np.ndarray
-    waiting: np.ndarray
-    kv_usage: np.ndarray
-    kv_capacity_tokens: np.ndarray
-    queued_prefill_tokens: np.ndarray
-    reserved_kv_tokens: np.ndarray
-    last_scrape_ok: np.ndarray
-    queued_prefill_requests: np.ndarray
-    inflight_requests: np.ndarray
-    link_index: np.ndarray
-    in_use: np.ndarray
-    admitted: np.ndarray
-    can_prefill: np.ndarray
-    can_decode: np.ndarray
-    scraped: np.ndarray
-    ejected: np.ndarray
-    kv_covered: np.ndarray
+    # One array per declared feature (router/features.py), set by _allocate: pool.running, ...
+    def __getattr__(self, name: str) -> np.ndarray:
+        raise AttributeError(f"no pool feature {name!r}; features are declared in router/features.py")
 
     def _allocate(self, capacity: int) -> None:
         old = len(self.by_slot)
-        for name, (dtype, empty) in _FEATURES.items():
-            fresh = np.full(capacity, empty, dtype=dtype)
+        for feature in FEATURES:
+            fresh = np.full(capacity, feature.empty, dtype=feature.dtype)
             if old:
-                fresh[:old] = getattr(self, name)
-            setattr(self, name, fresh)
+                fresh[:old] = getattr(self, feature.name)
+            setattr(self, feature.name, fresh)
         self.by_slot.extend([None] * (capacity - old))
         self._free_slots.extend(range(capacity - 1, old - 1, -1))
 
@@ -181,6 +148,7 @@ class Pool:
         )
         self.endpoints[endpoint.id] = endpoint
         self.by_slot[slot] = endpoint
+        self.slot_by_address[endpoint.address] = slot
         group = self.groups.setdefault(endpoint.group, Group(endpoint.group))
         group.members.append(endpoint)
         self.in_use[slot] = True
@@ -198,8 +166,10 @@ class Pool:
         if not group.members:
             del self.groups[endpoint.group]
         self.by_slot[slot] = None
-        for name, (_, empty) in _FEATURES.items():
-            getattr(self, name)[slot] = empty
+        if self.slot_by_address.get(endpoint.address) == slot:
+            del self.slot_by_address[endpoint.address]
+        for feature in FEATURES:
+            getattr(self, feature.name)[slot] = feature.empty
         self._free_slots.append(slot)
         return endpoint
 
@@ -213,8 +183,12 @@ class Pool:
 
     def slots_of(self, addresses: frozenset[str]) -> np.ndarray:
         """Slots of the endpoints at these ``ip:port`` addresses (unknown addresses are skipped)."""
-        found = [ep.slot for ep in self.endpoints.values() if ep.address in addresses]
+        found = [slot for address in addresses if (slot := self.slot_by_address.get(address)) is not None]
         return np.array(sorted(found), dtype=np.int64)
+
+    def candidates(self, slots: np.ndarray) -> Candidates:
+        """Every candidate feature of these slots, gathered for the scorers."""
+        return Candidates(slots, **{name: getattr(self, name)[slots] for name in CANDIDATE})
 
     def observe_prompt(self, prompt_tokens: int) -> None:
         # Slow EWMA: a stand-in size for waiting requests that did not come through us.
@@ -242,11 +216,8 @@ class Pool:
         self.scraped[slot] = True
         self.ejected[slot] = False
         self.last_scrape_ok[slot] = now
-        self.running[slot] = _or_nan(metrics.running)
-        self.waiting[slot] = _or_nan(metrics.waiting)
-        self.kv_usage[slot] = _or_nan(metrics.kv_usage)
-        if metrics.block_size and metrics.num_gpu_blocks:
-            self.kv_capacity_tokens[slot] = float(metrics.block_size * metrics.num_gpu_blocks)
+        for name in SCRAPED:
+            getattr(self, name)[slot] = _or_nan(getattr(metrics, name))
 
     def eject(self, endpoint: Endpoint, reason: str) -> None:
         """Take an endpoint out of the candidates now (connect refused); the next good scrape returns it."""

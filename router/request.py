@@ -1,123 +1,23 @@
-"""OpenAI request body → ``RouteRequest``; size limits; the typed rejections and their statuses.
+"""OpenAI request body (and headers) → ``RouteRequest``, with the size limits enforced.
 
-Both adapters (proxy, ext_proc) parse through ``parse_request`` and map a ``Rejection`` to a
-response through ``Rejection.status``/``Rejection.body()`` only, so the same mistake gets the
-same answer whichever way a request arrived.
+The one parser for every adapter: the proxy, the ext_proc picker (through ``router.flow``) and the
+sidecar's body check all reject the same mistakes with the same ``router.rejections`` answer.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import orjson
 
 from kvindex.hashing import estimate_tokens, text_block_keys
-
-
-class Rejection(Exception):
-    """A request we will not route; ``status`` says what the client should do next."""
-
-    status: ClassVar[int] = 500
-    error_type: ClassVar[str] = "server_error"
-    code: ClassVar[str] = "internal_error"
-
-    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-    def body(self) -> bytes:
-        """OpenAI-style error JSON."""
-        return orjson.dumps(
-            {"error": {"message": self.message, "type": self.error_type, "param": None, "code": self.code}}
-        )
-
-    def headers(self) -> dict[str, str]:
-        headers = {"x-pd-router-reject": self.code}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
-        return headers
-
-
-class BadRequest(Rejection):
-    """Malformed body or missing/invalid field: fix the request (400)."""
-
-    status = 400
-    error_type = "invalid_request_error"
-    code = "bad_request"
-
-
-class BodyTooLarge(BadRequest):
-    """Body or prompt over the configured limit (413)."""
-
-    status = 413
-    code = "too_large"
-
-
-class UnknownModel(Rejection):
-    """The pool does not serve this model (404)."""
-
-    status = 404
-    error_type = "invalid_request_error"
-    code = "model_not_found"
-
-
-class Shed(Rejection):
-    """Sheddable request while the pool is saturated: retry later (429)."""
-
-    status = 429
-    error_type = "rate_limit_error"
-    code = "shed"
-
-
-class NoCapacity(Rejection):
-    """No admitted, fresh endpoint can take this request now: retry after ``Retry-After`` (503)."""
-
-    status = 503
-    error_type = "service_unavailable"
-    code = "no_capacity"
-
-
-class UpstreamFailed(Rejection):
-    """Every engine tried for this request failed (502)."""
-
-    status = 502
-    error_type = "server_error"
-    code = "upstream_failed"
-
+from router.rejections import BadRequest, BodyTooLarge, UnknownModel
+from router.types import RequestLimits, RouteRequest
 
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-
-
-@dataclass(slots=True)
-class RouteRequest:
-    """What the picker needs to know about one request; limits already enforced."""
-
-    model: str
-    prompt_tokens: int
-    max_tokens: int
-    block_keys: np.ndarray
-    body: dict[str, Any]
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    stream: bool = False
-    priority: int = 0
-    subset: frozenset[str] | None = None
-    prompt: str = ""  # the rendered prompt text (precise mode tokenizes it); never logged
-    precise_keys: np.ndarray | None = None  # vLLM-exact block hashes, when the index is precise
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    max_body_bytes: int
-    max_prompt_tokens: int
-    default_max_tokens: int
-    block_tokens: int
-    chars_per_token: float
-    served_model: str | None = None  # strict single-model pool: any other model name is a 404
 
 
 PRIORITY_HEADER = "x-pd-router-priority"
@@ -244,4 +144,23 @@ def parse_request(
         stream=stream,
         priority=priority_of(headers),
         prompt=text,
+    )
+
+
+_NO_BLOCKS = np.empty(0, dtype=np.uint64)
+
+
+def headers_only_request(
+    model: str, headers: Mapping[str, str], subset: frozenset[str] | None
+) -> RouteRequest:
+    """A request without a body (``GET /v1/models``): any one pod answers it, no prompt to score."""
+    return RouteRequest(
+        model=model,
+        prompt_tokens=1,
+        max_tokens=1,
+        block_keys=_NO_BLOCKS,
+        body={},
+        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+        subset=subset,
+        prefill_leg=False,
     )

@@ -1,41 +1,50 @@
-"""What every scorer reads: candidate feature arrays, the request, the engine speed model.
+"""What every scorer reads, and the two extension points that live in the pure layer.
 
-Contract for every scorer function: inputs are aligned arrays of shape ``(k,)`` (one entry per
-candidate), outputs are float64 arrays of shape ``(k,)`` (or ``(kp, kd)`` for pair scorers) in
-**seconds** unless the docstring says otherwise, never NaN. Features that were never scraped are
-NaN here; each scorer decides explicitly what unknown means (usually: the pool's worst known
-value), because treating unknown as idle herds traffic onto pods nobody has measured.
+``Candidates`` holds one aligned ``(k,)`` array per feature the pool declares
+(``router/features.py``): ``cand.running``, ``cand.kv_usage``, … plus ``slots`` and
+``cached_blocks``. Scraped features that were never measured are NaN here; each scorer decides
+explicitly what unknown means (usually the pool's worst known value), because treating unknown as
+idle herds traffic onto pods nobody has measured.
+
+``View`` adds what one pick derives once from them (cached and uncached tokens, queue wait,
+prefill time, batch, KV use, TPOT) so that cost terms stay one-liners over shared quantities.
+
+Contracts (``CostTerm``, ``PairPicker``) are stated here and enforced once by their runner
+(``scorers.cost.pair_costs``, ``router.picker.Picker``), not by each implementation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import numpy as np
 
 
-@dataclass(slots=True)
 class Candidates:
     """Features of k candidate endpoints, gathered from the pool for one pick."""
 
     slots: np.ndarray
-    running: np.ndarray  # scraped; NaN = unknown
-    waiting: np.ndarray  # scraped; NaN = unknown
-    kv_usage: np.ndarray  # scraped, 0..1; NaN = unknown
-    kv_capacity_tokens: np.ndarray  # scraped block_size * num_gpu_blocks; NaN = unknown
-    queued_prefill_tokens: np.ndarray  # our reservations: uncached prompt tokens not yet prefilled
-    reserved_kv_tokens: np.ndarray  # our reservations: prompt + max_tokens of requests in flight
-    inflight_requests: np.ndarray  # our reservations: requests decoding here
-    link_index: np.ndarray  # index into the link table
-    decodes: np.ndarray  # bool: the pod runs decodes (a prefill there stalls them)
     cached_blocks: np.ndarray  # longest cached prefix of this prompt, in blocks
+
+    def __init__(
+        self, slots: np.ndarray, cached_blocks: np.ndarray | None = None, **features: np.ndarray
+    ) -> None:
+        self.slots = slots
+        self.cached_blocks = np.zeros(len(slots), dtype=np.int32) if cached_blocks is None else cached_blocks
+        # Plain instance attributes (not __getattr__): scorers read them at attribute speed.
+        vars(self).update(features)
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        # Only reached for a feature nobody declared: say which, instead of a bare AttributeError.
+        raise AttributeError(f"no candidate feature {name!r}; features are declared in router/features.py")
 
     def __len__(self) -> int:
         return len(self.slots)
 
     def take(self, index: np.ndarray) -> Candidates:
         """The subset at ``index`` (a mask or integer positions)."""
-        return Candidates(*(getattr(self, name)[index] for name in self.__slots__))
+        return Candidates(**{name: values[index] for name, values in vars(self).items()})
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +65,64 @@ class EngineModel:
     decode_s_per_seq: float
     decode_s_per_kv_token: float
     kv_bytes_per_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Objectives:
+    """The SLOs costs are measured against, and the thresholds terms share."""
+
+    ttft_slo_s: float
+    tpot_slo_s: float
+    kv_soft_threshold: float = 0.85  # KV use above this fraction starts to cost
+    max_wait_skew_s: float = 1.0  # locality credit only within this of the least queue wait
+    prefix_trust: float = 1.0  # how much of a cached prefix counts (0..1)
+
+
+@dataclass(slots=True)
+class View:
+    """One pick's candidates with the quantities every term shares, each computed once (``derive``).
+
+    All ``(k,)``: tokens for ``cached``/``uncached``/``used_kv``/``need_kv``, seconds for the rest.
+    """
+
+    cand: Candidates
+    ctx: RequestCtx
+    model: EngineModel
+    objectives: Objectives
+    cached: np.ndarray  # prompt tokens this candidate holds (longest cached prefix)
+    wait_s: np.ndarray  # queued prefill work ahead of this prompt
+    uncached: np.ndarray  # prompt tokens it would compute (locality credit after the fairness cap)
+    prefill_s: np.ndarray  # time to compute them
+    batch: np.ndarray  # decodes running there (scraped, or our in-flight when larger)
+    used_kv: np.ndarray  # KV tokens in use
+    need_kv: np.ndarray  # KV tokens this request would allocate there
+    tpot_s: np.ndarray  # time per output token with this request added
+
+    def __len__(self) -> int:
+        return len(self.cand)
+
+
+Side = Literal["prefill", "decode"]
+
+
+class CostTerm(Protocol):
+    """One additive term of a route's predicted cost, per candidate, in **seconds**.
+
+    ``side = "prefill"``: paid by the pod that computes the prompt (a pair's prefill pod, or the
+    decode pod itself when there is no prefill leg); part of the predicted TTFT.
+    ``side = "decode"``: paid by the decode pod whoever computed the prompt (slower tokens, KV
+    pressure), in seconds of TTFT-equivalent.
+
+    Contract, checked by the runner: ``seconds`` returns float64 of shape ``(k,)`` (one value per
+    candidate in ``view``), never NaN; ``+inf`` means the candidate cannot serve that side. Pure:
+    reads ``view`` only, never the pool, never awaits. The runner multiplies by the configured
+    weight (``weights.<name>``) and divides the sum by the TTFT SLO.
+    """
+
+    name: str
+    side: Side
+
+    def seconds(self, view: View) -> np.ndarray: ...
 
 
 def fill_unknown(values: np.ndarray, worst: float) -> np.ndarray:

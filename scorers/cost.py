@@ -1,32 +1,27 @@
-"""The weighting: every scorer's term combined into one cost matrix over (route, decode pod).
+"""The cost model: every term combined into one cost matrix over (route, decode pod), in seconds.
 
 Row 0 is "no prefill leg" (decode pod d computes the prompt itself). The other rows are prefill
-link classes: for a pair (P, D)::
+link classes. With ``route(X)`` the weighted sum of the prefill-side terms on pod X (by default
+``queue`` wait + ``prefill`` compute + ``interference`` stall) and ``column(D)`` the weighted sum of
+the decode-side terms on D (by default ``load`` and ``kv``), a pair (P, D) predicts::
 
-    ttft = w_queue * wait(P) + prefill(uncached on P) + stall(P) + w_link * transfer(link(P) -> D)
-           + 2 * step(D) + step_base + leg overhead
+    ttft = route(P) + w_link * transfer(link(P) -> D) + 2 * tpot(D) + step_base + leg overhead
 
-and for the local row::
+and the local row ``ttft = route(D)``. With continuous batching a request that reaches an engine
+mid-step waits about half a step before it joins; a pair reaches D twice (the decode leg, then the
+arrived KV) and its first token needs one more D step, hence ``2 * tpot(D)`` where the local route
+pays it inside its own wait and step. ``step_base`` is P's own engine step; the leg overhead the
+extra HTTP exchange and the second tokenisation of the prompt. Then::
 
-    ttft = w_queue * wait(D) + prefill(uncached on D) + stall(D)
-
-``stall(X) = interference * prefill(X) * batch(X)``: a prefill on a pod that also decodes (role
-``prefill-decode``, or D itself) stalls each of its running decodes for as long as it takes, and
-those user-seconds count against the choice; prefill-only pods have no decodes to stall. With
-continuous batching a request that reaches an engine mid-step waits about half a step before it
-joins; a pair reaches D twice (the decode leg, then the arrived KV) and its first token needs one
-more D step, hence ``2 * step(D)`` (predicted TPOT) where the local route pays it inside ``wait(D)``
-and its own step. ``step_base`` is P's own engine step; the leg overhead the extra HTTP exchange
-and the second tokenisation of the prompt.
-Then::
-
-    cost = ttft / ttft_slo + w_load * tpot(D) / tpot_slo + w_kv * kv_penalty(D)
+    cost = (ttft + column(D)) / ttft_slo
 
 The P×D matrix is reduced *exactly*: a pair's cost is ``a[P] + T[link(P), D] + c[D]``, so for each
 decode pod the best prefill pod of a link class is the class's cheapest ``a[P]`` (or its runner-up
 when the cheapest is that same pod). One row per class instead of one per pod keeps 512 endpoints
 at a (1 + classes) × 256 matrix. A decode pod the request could never fit on, and a pair without a
 distinct prefill pod, cost +inf. One argmin compares "skip the prefill leg" with every pair.
+
+``pair_costs`` is the runner of the cost terms and enforces their contract (``scorers.base.CostTerm``).
 """
 
 from __future__ import annotations
@@ -36,30 +31,57 @@ from dataclasses import dataclass
 import numpy as np
 
 from scorers import kv_headroom, link, load, prefix, queue
-from scorers.base import Candidates, EngineModel, RequestCtx
-from scorers.link import LinkTable
+from scorers.base import Candidates, CostTerm, EngineModel, Objectives, RequestCtx, View
+from scorers.link import LinkCosts, LinkTable
+
+
+class TermContractError(RuntimeError):
+    """A cost term broke its contract (wrong shape, NaN): a bug in that term, named here."""
 
 
 @dataclass(frozen=True, slots=True)
-class Weights:
-    prefix: float = 1.0
-    queue: float = 1.0
-    kv: float = 1.0
-    link: float = 1.0
-    load: float = 1.0
+class WeightedTerm:
+    term: CostTerm
+    weight: float
 
 
 @dataclass(frozen=True, slots=True)
-class CostParams:
-    ttft_slo_s: float
-    tpot_slo_s: float
-    max_wait_skew_s: float
-    kv_soft_threshold: float
-    allow_local_prefill: bool
-    local_prefill_interference: float
-    weights: Weights
+class CostModel:
+    """Everything a pick's costs depend on besides the candidates and the request."""
+
+    objectives: Objectives
     model: EngineModel
-    links: LinkTable
+    links: LinkCosts
+    terms: tuple[WeightedTerm, ...]
+    link_weight: float = 1.0
+    allow_local_prefill: bool = True
+
+
+def derive(cand: Candidates, ctx: RequestCtx, cm: CostModel) -> View:
+    """The quantities every term shares, computed once per pick."""
+    o, model = cm.objectives, cm.model
+    cached = prefix.cached_tokens(cand, ctx)
+    wait = queue.wait_s(cand, ctx, model)
+    uncached = prefix.uncached_tokens(
+        cached, ctx, prefix.fairness_trust(wait, o.prefix_trust, o.max_wait_skew_s)
+    )
+    batch = load.batch_size(cand)
+    used = kv_headroom.used_tokens(cand)
+    need = kv_headroom.need_tokens(cached, ctx)
+    return View(
+        cand=cand,
+        ctx=ctx,
+        model=model,
+        objectives=o,
+        cached=cached,
+        wait_s=wait,
+        uncached=uncached,
+        prefill_s=uncached / model.prefill_tokens_per_s,
+        batch=batch,
+        used_kv=used,
+        need_kv=need,
+        tpot_s=load.tpot_s(model, used + need, batch),
+    )
 
 
 @dataclass(slots=True)
@@ -70,6 +92,7 @@ class PairCosts:
     positions of the prefill-capable and decode-capable ones (a ``prefill-decode`` pod is in both).
     """
 
+    view: View
     cost: np.ndarray  # (1 + L, kd), +inf where infeasible
     ttft_s: np.ndarray  # (1 + L, kd)
     prefill_of: np.ndarray  # (1 + L, kd) candidate position of the pair's prefill pod; -1 = none
@@ -77,32 +100,42 @@ class PairCosts:
     decode: np.ndarray  # (kd,) candidate positions
     prefill_class: np.ndarray  # (kp,) row - 1 of each prefill pod's link class
     transfer_s: np.ndarray  # (L, kd)
-    route_s: np.ndarray  # (k,) w_queue * wait + prefill + stall, with this pod doing the prefill
-    wait_s: np.ndarray  # (k,)
-    prefill_s: np.ndarray  # (k,)
-    stall_s: np.ndarray  # (k,)
-    uncached: np.ndarray  # (k,)
-    tpot_s: np.ndarray  # (k,)
-    kv_penalty: np.ndarray  # (k,)
-    kv_need: np.ndarray  # (k,) new KV tokens the request would allocate there
+    after_transfer_s: np.ndarray  # (kd,) from the KV's arrival on D to the first token
+    route_s: np.ndarray  # (k,) weighted prefill-side terms, with this pod doing the prefill
+    column_s: np.ndarray  # (k,) weighted decode-side terms, with this pod decoding
+    terms: dict[str, np.ndarray]  # name -> (k,) weighted seconds
+    prefill_side: frozenset[str]  # names of the prefill-side terms
     link_weight: float
+    ttft_slo_s: float
 
-    def breakdown(self, row: int, col: int, prompt_tokens: int) -> dict[str, float]:
-        """The terms behind one cell, for debug headers, logs and the demo's "why"."""
+    def ttft(self, prefill: int, col: int) -> float:
+        """Predicted TTFT of prefill position ``prefill`` (-1: none) with decode column ``col``."""
         d = self.decode[col]
-        p = d if row == 0 else self.prefill_of[row, col]
-        return {
-            "cost": float(self.cost[row, col]),
-            "ttft_s": float(self.ttft_s[row, col]),
-            "tpot_s": float(self.tpot_s[d]),
-            "queue_wait_s": float(self.wait_s[p]),
-            "prefill_s": float(self.prefill_s[p]),
-            "transfer_s": 0.0 if row == 0 else float(self.transfer_s[row - 1, col]),
-            "interference_s": float(self.stall_s[p]),
-            "kv_penalty": float(self.kv_penalty[d]),
-            "cached_tokens": float(prompt_tokens - self.uncached[p]),
-            "uncached_tokens": float(self.uncached[p]),
+        if prefill < 0:
+            return float(self.route_s[d])
+        transfer = self.link_weight * self.transfer_s[self._row(prefill), col]
+        return float(self.route_s[prefill] + transfer + self.after_transfer_s[col])
+
+    def breakdown(self, prefill: int, col: int) -> dict[str, float]:
+        """The terms behind one choice, for debug headers, logs and the demo's "why"."""
+        d = self.decode[col]
+        p = d if prefill < 0 else prefill
+        ttft = self.ttft(prefill, col)
+        out = {
+            "cost": (ttft + float(self.column_s[d])) / self.ttft_slo_s,
+            "ttft_s": ttft,
+            "tpot_s": float(self.view.tpot_s[d]),
+            "transfer_s": 0.0 if prefill < 0 else float(self.transfer_s[self._row(prefill), col]),
+            "cached_tokens": float(self.view.ctx.prompt_tokens - self.view.uncached[p]),
+            "uncached_tokens": float(self.view.uncached[p]),
         }
+        for name, values in self.terms.items():
+            out[f"{name}_s"] = float(values[p if name in self.prefill_side else d])
+        return out
+
+    def _row(self, prefill: int) -> int:
+        """The transfer row (link class) of prefill position ``prefill``."""
+        return int(self.prefill_class[np.searchsorted(self.prefill, prefill)])
 
     def prefill_order(self, col: int, exclude: int) -> np.ndarray:
         """Candidate positions of prefill pods by pair cost with decode column ``col``, best first.
@@ -117,55 +150,62 @@ class PairCosts:
 
 
 def pair_costs(
-    cand: Candidates, is_prefill: np.ndarray, is_decode: np.ndarray, ctx: RequestCtx, params: CostParams
+    view: View, is_prefill: np.ndarray, is_decode: np.ndarray, cm: CostModel, links: LinkTable
 ) -> PairCosts:
-    """Every term once over all k candidates, then the (1 + L, kd) matrix from slices of them."""
-    w = params.weights
-    model = params.model
+    """Every term once over all k candidates, then the (1 + L, kd) matrix from slices of them.
 
-    # What it costs for each pod to compute this prompt: queue, uncached prefill, and the stall it
-    # inflicts on the pod's own running decodes (zero on prefill-only pods).
-    cached = prefix.cached_tokens(cand, ctx)
-    wait = queue.wait_s(cand, ctx, model)
-    uncached = prefix.uncached_tokens(
-        cached, ctx, prefix.fairness_trust(wait, w.prefix, params.max_wait_skew_s)
-    )
-    prefill_time = uncached / model.prefill_tokens_per_s
-    batch = load.batch_size(cand)
-    stall = params.local_prefill_interference * prefill_time * np.where(cand.decodes, batch, 0.0)
-    route = w.queue * wait + prefill_time + stall
-
-    # What it costs for each pod to decode it: TPOT with it added, KV headroom.
-    used = kv_headroom.used_tokens(cand)
-    need = kv_headroom.need_tokens(cached, ctx)
-    tpot = load.tpot_s(model, used + need, batch)
-    kv_pen = kv_headroom.penalty(cand, used, need, params.kv_soft_threshold)
-    column_all = w.load * tpot / params.tpot_slo_s + w.kv * kv_pen
-    column_all[~kv_headroom.fits(cand, need)] = np.inf
+    ``links``: ``cm.links`` laid over the pool's link labels (rebuilt only when labels change)."""
+    cand, ctx, model = view.cand, view.ctx, cm.model
+    k = len(cand)
+    route = np.zeros(k)
+    column = np.zeros(k)
+    values: dict[str, np.ndarray] = {}
+    prefill_side = []
+    for weighted in cm.terms:
+        term = weighted.term
+        seconds = term.seconds(view)
+        if not isinstance(seconds, np.ndarray) or seconds.shape != (k,) or np.isnan(seconds).any():
+            raise TermContractError(
+                f"cost term {term.name!r} must return {k} seconds without NaN, got "
+                f"{getattr(seconds, 'shape', type(seconds).__name__)}"
+            )
+        # inf * 0 is NaN: a zero-weighted term still filters where it says +inf.
+        if weighted.weight == 1.0:
+            weighted_s = seconds
+        else:
+            with np.errstate(invalid="ignore"):
+                weighted_s = np.where(np.isinf(seconds), seconds, seconds * weighted.weight)
+        values[term.name] = weighted_s
+        if term.side == "prefill":
+            route += weighted_s
+            prefill_side.append(term.name)
+        else:
+            column += weighted_s
 
     decode = np.flatnonzero(is_decode)
     prefill = np.flatnonzero(is_prefill)
     kd = len(decode)
-    column = column_all[decode]
-    d_tpot = tpot[decode]
+    d_tpot = view.tpot_s[decode]
 
     # Row 0: the decode pod prefills itself.
     local_ttft = route[decode]
-    if not params.allow_local_prefill and len(prefill):
+    if not cm.allow_local_prefill and len(prefill):
         local_ttft = np.full(kd, np.inf)
 
     # Pairs, reduced to the prefill pods' link classes.
     p_route = route[prefill]
     after_transfer = 2.0 * d_tpot + (model.decode_step_base_s + model.pd_leg_overhead_s)
     classes, p_class, best, second = _best_two_per_class(p_route, cand.link_index[prefill])
-    decode_bytes = link.transfer_bytes(cached[decode], ctx, model)
-    transfer = link.transfer_s(params.links, classes, cand.link_index[decode], decode_bytes)
+    decode_bytes = link.transfer_bytes(view.cached[decode], ctx, model)
+    transfer = link.transfer_s(links, classes, cand.link_index[decode], decode_bytes)
     # Where a class's cheapest prefill pod is the decode pod itself (a prefill-decode pod in both
     # sets), the pair uses the class's runner-up instead.
     same_pod = prefill[best][:, None] == decode[None, :]
     chosen = np.where(same_pod, second[:, None], best[:, None])
     with np.errstate(invalid="ignore"):
-        pair_ttft = np.where(chosen >= 0, p_route[chosen] + w.link * transfer + after_transfer, np.inf)
+        pair_ttft = np.where(
+            chosen >= 0, p_route[chosen] + cm.link_weight * transfer + after_transfer, np.inf
+        )
     chosen = np.where(chosen >= 0, prefill[chosen], -1)
 
     ttft = np.empty((1 + len(classes), kd))
@@ -173,23 +213,23 @@ def pair_costs(
     ttft[1:] = pair_ttft
     prefill_of = np.full((1 + len(classes), kd), -1)
     prefill_of[1:] = chosen
+    slo = cm.objectives.ttft_slo_s
     return PairCosts(
-        cost=ttft / params.ttft_slo_s + column,
+        view=view,
+        cost=(ttft + column[decode]) / slo,
         ttft_s=ttft,
         prefill_of=prefill_of,
         prefill=prefill,
         decode=decode,
         prefill_class=p_class,
         transfer_s=transfer,
+        after_transfer_s=after_transfer,
         route_s=route,
-        wait_s=wait,
-        prefill_s=prefill_time,
-        stall_s=stall,
-        uncached=uncached,
-        tpot_s=tpot,
-        kv_penalty=kv_pen,
-        kv_need=need,
-        link_weight=w.link,
+        column_s=column,
+        terms=values,
+        prefill_side=frozenset(prefill_side),
+        link_weight=cm.link_weight,
+        ttft_slo_s=slo,
     )
 
 

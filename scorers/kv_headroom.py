@@ -1,4 +1,4 @@
-"""KV headroom on the decode pod: a hard filter for the impossible, a penalty that grows past full.
+"""Term ``kv`` (decode side): a hard filter for the impossible, a penalty that grows past full.
 
 ``need = prompt_tokens - cached + max_tokens``: blocks the pod already holds for this prompt are
 shared, not allocated again (vLLM's prefix caching), so only the rest needs room.
@@ -6,16 +6,17 @@ shared, not allocated again (vLLM's prefix caching), so only the rest needs room
 they are newer). With ``frac = (used + need) / capacity`` the penalty is
 ``max(0, frac - soft) / (1 - soft)``: 0 below the soft threshold, 1 at exactly full, and growing
 beyond, because a pod that is full *now* queues the request until blocks free (that is a wait,
-not a refusal). Only a request that cannot fit in the pod's whole capacity is filtered out.
-Units: a fraction of one TTFT SLO (the weighting multiplies). Unknown usage is the pool's worst
-known usage; unknown capacity cannot be filtered and pays the worst known fraction.
+not a refusal). Only a request that cannot fit in the pod's whole capacity is filtered out
+(``+inf``). The term is the penalty in TTFT SLOs: ``penalty * ttft_slo`` seconds. Unknown usage is
+the pool's worst known usage; unknown capacity cannot be filtered and pays the worst known fraction.
+Consumes: ``kv_usage``, ``kv_capacity_tokens``, ``reserved_kv_tokens``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Candidates, RequestCtx, fill_unknown
+from scorers.base import Candidates, RequestCtx, Side, View, fill_unknown
 
 
 def used_tokens(cand: Candidates) -> np.ndarray:
@@ -37,3 +38,17 @@ def fits(cand: Candidates, need: np.ndarray) -> np.ndarray:
 def penalty(cand: Candidates, used: np.ndarray, need: np.ndarray, soft_threshold: float) -> np.ndarray:
     frac = fill_unknown((used + need) / cand.kv_capacity_tokens, worst=0.0)
     return np.maximum(0.0, frac - soft_threshold) / (1.0 - soft_threshold)
+
+
+class KVPressure:
+    name = "kv"
+    side: Side = "decode"
+
+    def seconds(self, view: View) -> np.ndarray:
+        o = view.objectives
+        pen = penalty(view.cand, view.used_kv, view.need_kv, o.kv_soft_threshold) * o.ttft_slo_s
+        return np.where(fits(view.cand, view.need_kv), pen, np.inf)
+
+
+def term() -> KVPressure:
+    return KVPressure()

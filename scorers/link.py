@@ -43,6 +43,18 @@ class LinkTable:
         return cls(latency, bandwidth)
 
 
+@dataclass(frozen=True, slots=True)
+class LinkCosts:
+    """The configured link costs, (latency_s, bytes_per_s) each; ``table`` lays them over labels."""
+
+    same: tuple[float, float]
+    default: tuple[float, float]
+    pairs: tuple[tuple[tuple[str, str], tuple[float, float]], ...] = ()
+
+    def table(self, labels: dict[str, int]) -> LinkTable:
+        return LinkTable.build(labels, same=self.same, default=self.default, pairs=dict(self.pairs))
+
+
 def transfer_bytes(cached: np.ndarray, ctx: RequestCtx, model: EngineModel) -> np.ndarray:
     """Bytes to send to each decode pod (``cached``: ``prefix.cached_tokens`` of the decode pods)."""
     return (ctx.prompt_tokens - cached) * float(model.kv_bytes_per_token)

@@ -1,15 +1,17 @@
-"""In-flight load on the decode pod: the predicted time per output token with this request added.
+"""Term ``load`` (decode side): the predicted time per output token with this request added.
 
 ``tpot = step_base + per_seq * (batch + 1) + per_kv_token * (used_kv + need)`` where
 ``batch = max(scraped running, our in-flight requests)`` (scrapes lag behind our own picks; other
-replicas only show in scrapes). Unknown ``running`` is the pool's worst known. Units: seconds.
+replicas only show in scrapes). Unknown ``running`` is the pool's worst known. The term is TPOT
+measured against its SLO, in seconds of TTFT: ``tpot / tpot_slo * ttft_slo``.
+Consumes: ``running``, ``inflight_requests``, KV use (``scorers/kv_headroom.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Candidates, EngineModel, fill_unknown
+from scorers.base import Candidates, EngineModel, Side, View, fill_unknown
 
 
 def batch_size(cand: Candidates) -> np.ndarray:
@@ -23,3 +25,16 @@ def tpot_s(model: EngineModel, kv_tokens: np.ndarray, batch: np.ndarray) -> np.n
         + model.decode_s_per_seq * (batch + 1.0)
         + model.decode_s_per_kv_token * kv_tokens
     )
+
+
+class DecodeLoad:
+    name = "load"
+    side: Side = "decode"
+
+    def seconds(self, view: View) -> np.ndarray:
+        o = view.objectives
+        return view.tpot_s * (o.ttft_slo_s / o.tpot_slo_s)
+
+
+def term() -> DecodeLoad:
+    return DecodeLoad()

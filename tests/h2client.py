@@ -1,6 +1,6 @@
 """A tiny raw HTTP/2 client for protocol tests: frames built by hand, headers through ``hpack``.
 
-It speaks just enough to drive ``router.h2grpc`` frame by frame: the test decides every frame
+It speaks just enough to drive ``router.transport.h2grpc`` frame by frame: the test decides every frame
 that goes out (including broken ones) and reads what comes back with a deadline, never a sleep.
 """
 
@@ -215,3 +215,66 @@ class H2Client:
                 return frames
             except ConnectionResetError:  # closed with our last bytes unread: what came is all
                 return frames
+
+
+# -- plain HTTP/2 requests (not gRPC), e.g. through Envoy ------------------------------------------
+
+
+@dataclass
+class HttpReply:
+    """One HTTP/2 response; ``status`` is None when the stream was reset instead (``reset_code``)."""
+
+    status: int | None
+    headers: dict[str, str]
+    body: bytes
+    trailers: dict[str, str]
+    reset_code: int | None = None
+
+
+async def request_with_trailers(
+    port: int,
+    path: str,
+    body: bytes,
+    *,
+    headers: dict[str, str] | None = None,
+    trailers: dict[str, str] | None = None,
+    method: str = "POST",
+    timeout_s: float = 10.0,
+) -> HttpReply:
+    """One request on a new cleartext HTTP/2 connection (prior knowledge), with request trailers.
+
+    Frames sent: HEADERS (no END_STREAM), DATA frames (never END_STREAM), then a trailing HEADERS
+    frame with END_STREAM carrying ``trailers``. With ``trailers=None`` the last DATA frame ends
+    the stream instead (a request without trailers, for comparison). Reads the response until the
+    stream ends; ``timeout_s`` bounds the wait for each frame.
+    """
+    client = await H2Client.connect(port)
+    try:
+        stream_id = 1
+        request_headers = [
+            (":method", method),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", f"127.0.0.1:{port}"),
+            ("content-type", "application/json"),
+            *(headers or {}).items(),
+        ]
+        out = [frame(HEADERS, END_HEADERS, stream_id, client.encoder.encode(request_headers))]
+        max_frame = client.server_settings.get(SETTINGS_MAX_FRAME_SIZE, 16384)
+        chunks = [body[i : i + max_frame] for i in range(0, len(body), max_frame)] or [b""]
+        for i, chunk in enumerate(chunks):
+            last = trailers is None and i == len(chunks) - 1
+            out.append(frame(DATA, END_STREAM if last else 0, stream_id, chunk))
+        if trailers is not None:
+            block = client.encoder.encode(list(trailers.items()))
+            out.append(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block))
+        await client.send(*out)
+        result = await client.read_stream(stream_id, timeout_s)
+        reset = next((f.error_code for f in result.frames if f.kind == RST_STREAM), None)
+        blocks = [f.headers for f in result.frames if f.kind == HEADERS]
+        response_headers = blocks[0] if blocks and ":status" in blocks[0] else {}
+        status = int(response_headers[":status"]) if response_headers else None
+        response_trailers = blocks[-1] if len(blocks) > 1 else {}
+        return HttpReply(status, response_headers, result.data, response_trailers, reset)
+    finally:
+        await client.close()

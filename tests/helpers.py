@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +14,15 @@ import aiohttp
 import numpy as np
 import orjson
 
+from kvindex.base import PrefixIndex
+from router.compose import picker_from
 from router.config import LinksConfig, PoolConfig, parse_config
+from router.extension import Producer
+from router.flow import RequestFlow
+from router.observe.metrics import RouterMetrics
+from router.picker import Picker
 from router.pool import Pool
-from router.request import RouteRequest
+from router.types import RouteRequest
 
 # Two prefill and two decode pods on two racks (link labels "a" and "b").
 PD_TWO_RACKS = [
@@ -40,6 +46,12 @@ class Metrics:
     num_gpu_blocks: int | None = 4096
     prefix_queries: float | None = 0.0
     prefix_hits: float | None = 0.0
+
+    @property
+    def kv_capacity_tokens(self) -> float | None:
+        return (
+            float(self.block_size * self.num_gpu_blocks) if self.block_size and self.num_gpu_blocks else None
+        )
 
 
 class DictIndex:
@@ -73,11 +85,39 @@ def make_config(endpoints: list[dict[str, Any]], **sections: Any) -> PoolConfig:
 
 def make_pool(config: PoolConfig, metrics: dict[str, Metrics] | None = None, now: float = 100.0) -> Pool:
     """A pool with every endpoint scraped at ``now`` (idle unless ``metrics`` says otherwise)."""
-    pool = Pool(config.scrape)
+    pool = Pool(config.scrape.stale_after_ms / 1000.0, config.scrape.eject_after_failures)
     for endpoint_config in config.endpoints:
         endpoint = pool.add(endpoint_config)
         pool.apply_metrics(endpoint, (metrics or {}).get(endpoint.id, Metrics()), now)  # type: ignore[arg-type]
     return pool
+
+
+def make_picker(config: PoolConfig, pool: Pool, index: PrefixIndex | None = None, seed: int = 1) -> Picker:
+    """The picker the service would build for ``config``, over ``pool`` (records at once)."""
+    return picker_from(config, pool, index if index is not None else DictIndex(), seed=seed, defer=_now)
+
+
+def make_flow(
+    config: PoolConfig, pool: Pool, index: PrefixIndex | None = None, producers: Sequence[Producer] = ()
+) -> RequestFlow:
+    """The request flow the service would build for ``config`` over ``pool``."""
+    picker = make_picker(config, pool, index, seed=0)
+    return RequestFlow(picker, RouterMetrics(pool, "t"), config.request_limits(), config.model, producers)
+
+
+def outcomes(metrics: RouterMetrics) -> dict[str, float]:
+    """``pd_router_requests_total`` by outcome, as exported."""
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in metrics.registry.collect()
+        if family.name == "pd_router_requests"
+        for sample in family.samples
+        if sample.name == "pd_router_requests_total"
+    }
+
+
+def _now(fn: Callable[..., object], *args: object) -> None:
+    fn(*args)
 
 
 def make_request(
@@ -98,8 +138,8 @@ async def router_on_sim(
     specs: list[Any], sections: dict[str, Any] | None = None, *, speed: float = 20.0
 ) -> AsyncIterator[tuple[Any, Any, str]]:
     """A simulated cluster and an ``App`` in front of it; yields (cluster, app, base_url)."""
-    from loadtests.cluster import engine_model_for, link_cost_from
-    from loadtests.simengine import SimCluster, TimeModel
+    from loadtests.sim.cluster import engine_model_for, link_cost_from
+    from loadtests.sim.engine import SimCluster, TimeModel
 
     time_model = TimeModel(speed=speed)
     specs = [dataclasses.replace(spec, time=time_model) for spec in specs]

@@ -1,30 +1,21 @@
 import numpy as np
-from scorer_cases import MODEL, cands, ctx
+import pytest
+from scorer_cases import LINKS, MODEL, cands, cost_model, ctx
 
-from scorers.cost import CostParams, Weights, pair_costs
-from scorers.link import LinkTable
+from scorers.base import Side, View
+from scorers.cost import PairCosts, TermContractError, WeightedTerm, derive, pair_costs
 
-TABLE = LinkTable.build({"a": 0, "b": 1}, same=(0.0001, 50e9), default=(0.005, 1e9), pairs={})
-
-
-def params(**overrides: object) -> CostParams:
-    base = dict(
-        ttft_slo_s=1.0,
-        tpot_slo_s=0.05,
-        max_wait_skew_s=1.0,
-        kv_soft_threshold=0.9,
-        allow_local_prefill=True,
-        local_prefill_interference=1.0,
-        weights=Weights(),
-        model=MODEL,
-        links=TABLE,
-    )
-    return CostParams(**{**base, **overrides})  # type: ignore[arg-type]
+TABLE = LINKS.table({"a": 0, "b": 1})
 
 
-def brute_force(costs, cand, c, p) -> np.ndarray:
+def costs_of(cand, is_prefill, is_decode, c=None, cm=None) -> PairCosts:
+    cm = cm or cost_model()
+    return pair_costs(derive(cand, c or ctx(), cm), is_prefill, is_decode, cm, TABLE)
+
+
+def brute_force(costs: PairCosts, cand, c) -> np.ndarray:
     """Reference: the full P×D matrix by explicit per-pair arithmetic over candidate positions."""
-    column = costs.cost[0] - costs.ttft_s[0] / p.ttft_slo_s
+    column = costs.column_s[costs.decode]
     full = np.full((len(cand), len(costs.decode)), np.inf)
     for i in costs.prefill:
         for j, d in enumerate(costs.decode):
@@ -38,11 +29,11 @@ def brute_force(costs, cand, c, p) -> np.ndarray:
             ttft = (
                 costs.route_s[i]
                 + transfer
-                + 2 * costs.tpot_s[d]
+                + 2 * costs.view.tpot_s[d]
                 + MODEL.decode_step_base_s
                 + MODEL.pd_leg_overhead_s
             )
-            full[i, j] = ttft / p.ttft_slo_s + column[j]
+            full[i, j] = ttft + column[j]  # the SLO is 1 s
     return full
 
 
@@ -50,21 +41,20 @@ def test_class_reduction_equals_the_full_pair_matrix() -> None:
     rng = np.random.default_rng(3)
     for _ in range(60):
         k = int(rng.integers(1, 9))
+        role = rng.integers(0, 3, k)  # 0 prefill, 1 decode, 2 prefill-decode
+        is_prefill, is_decode = role != 1, role != 0
         cand = cands(
             k,
             queued_prefill_tokens=rng.integers(0, 20000, k).tolist(),
             running=rng.integers(0, 30, k).tolist(),
             link_index=rng.integers(0, 2, k).tolist(),
             cached_blocks=rng.integers(0, 60, k).tolist(),
-            decodes=rng.random(k) < 0.5,
+            can_decode=is_decode.tolist(),
         )
-        role = rng.integers(0, 3, k)  # 0 prefill, 1 decode, 2 prefill-decode
-        is_prefill, is_decode = role != 1, role != 0
-        cand.decodes = is_decode
         if not is_decode.any():
             continue
-        costs = pair_costs(cand, is_prefill, is_decode, ctx(1000), params())
-        expected = brute_force(costs, cand, ctx(1000), params())
+        costs = costs_of(cand, is_prefill, is_decode, ctx(1000))
+        expected = brute_force(costs, cand, ctx(1000))
         if len(costs.prefill):
             assert np.allclose(costs.cost[1:].min(axis=0), expected.min(axis=0))
         for row in range(1, costs.cost.shape[0]):
@@ -73,29 +63,82 @@ def test_class_reduction_equals_the_full_pair_matrix() -> None:
                 if p >= 0:
                     assert np.isclose(costs.cost[row, col], expected[p, col])
                     assert p != costs.decode[col]
+                    assert np.isclose(costs.ttft(p, col), costs.ttft_s[row, col])
 
 
 def test_local_prefill_pays_for_stalling_the_running_batch() -> None:
     c = ctx(2000)
-    busy = pair_costs(
-        cands(1, running=[40], decodes=[True]), np.array([False]), np.array([True]), c, params()
-    )
-    idle = pair_costs(cands(1, running=[0], decodes=[True]), np.array([False]), np.array([True]), c, params())
-    assert busy.stall_s[0] > 0 and idle.stall_s[0] == 0
+    busy = costs_of(cands(1, running=[40], can_decode=[True]), np.array([False]), np.array([True]), c)
+    idle = costs_of(cands(1, running=[0], can_decode=[True]), np.array([False]), np.array([True]), c)
+    assert busy.terms["interference"][0] > 0 and idle.terms["interference"][0] == 0
     assert busy.cost[0, 0] > idle.cost[0, 0]
 
 
 def test_a_prefill_on_a_pod_that_also_decodes_pays_for_its_stall_too() -> None:
-    cand = cands(3, running=[30, 30, 0], decodes=[False, True, True])
+    cand = cands(3, running=[30, 30, 0], can_decode=[False, True, True])
     is_prefill, is_decode = np.array([True, True, False]), np.array([False, True, True])
-    costs = pair_costs(cand, is_prefill, is_decode, ctx(2000), params())
-    assert costs.stall_s[0] == 0 and costs.stall_s[1] > 0
+    costs = costs_of(cand, is_prefill, is_decode, ctx(2000))
+    assert costs.terms["interference"][0] == 0 and costs.terms["interference"][1] > 0
     # Decode on pod 2: prefill-only pod 0 is the cheaper prefill source (same queue, no stall).
     assert costs.prefill_of[1, 1] == 0
 
 
 def test_disallowing_local_prefill_leaves_only_pairs() -> None:
-    cand = cands(4, decodes=[False, False, True, True])
     is_decode = np.array([False, False, True, True])
-    costs = pair_costs(cand, ~is_decode, is_decode, ctx(), params(allow_local_prefill=False))
+    cand = cands(4, can_decode=is_decode.tolist())
+    costs = costs_of(cand, ~is_decode, is_decode, cm=cost_model(allow_local_prefill=False))
     assert np.isinf(costs.cost[0]).all() and np.isfinite(costs.cost[1:]).any()
+
+
+def test_breakdown_names_every_term_of_the_chosen_route() -> None:
+    is_decode = np.array([False, True])
+    costs = costs_of(
+        cands(2, queued_prefill_tokens=[5000, 0], can_decode=[False, True]), ~is_decode, is_decode
+    )
+    pair = costs.breakdown(0, 0)
+    assert pair["queue_s"] == pytest.approx(0.5)  # the prefill pod's queue: 5000 tokens at 10k/s
+    assert pair["transfer_s"] > 0
+    assert {"prefill_s", "interference_s", "load_s", "kv_s", "ttft_s", "tpot_s"} <= pair.keys()
+    local = costs.breakdown(-1, 0)
+    assert local["queue_s"] == 0 and local["transfer_s"] == 0
+
+
+class _Term:
+    side: Side = "decode"
+
+    def __init__(self, name: str, values) -> None:
+        self.name = name
+        self.values = values
+
+    def seconds(self, view: View) -> np.ndarray:
+        return self.values(view)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [lambda v: np.full(len(v), np.nan), lambda v: np.zeros(len(v) + 1), lambda v: 0.0],
+    ids=["nan", "wrong-shape", "scalar"],
+)
+def test_a_term_that_breaks_its_contract_is_named(values) -> None:
+    cm = cost_model()
+    cm = cost_model(terms=(*cm.terms, WeightedTerm(_Term("broken", values), 1.0)))
+    with pytest.raises(TermContractError, match="'broken'"):
+        costs_of(cands(2, can_decode=[True, True]), np.array([True, True]), np.array([True, True]), cm=cm)
+
+
+def test_an_extra_term_moves_the_choice_and_a_zero_weight_keeps_its_filter() -> None:
+    is_decode = np.array([True, True])
+    cand = cands(2, can_decode=[True, True])
+    avoid_first = _Term("avoid_first", lambda v: np.array([5.0, 0.0]))
+    cm = cost_model()
+    with_term = costs_of(
+        cand, is_decode, is_decode, cm=cost_model(terms=(*cm.terms, WeightedTerm(avoid_first, 1.0)))
+    )
+    assert with_term.cost[0, 0] - with_term.cost[0, 1] == pytest.approx(5.0)
+    # +inf (this pod can never decode it) survives a weight of 0; finite values vanish.
+    forbid_first = _Term("forbid_first", lambda v: np.array([np.inf, 3.0]))
+    muted = costs_of(
+        cand, is_decode, is_decode, cm=cost_model(terms=(*cm.terms, WeightedTerm(forbid_first, 0.0)))
+    )
+    assert np.isinf(muted.cost[:, 0]).all() and np.isfinite(muted.cost[0, 1])
+    assert muted.cost[0, 1] == pytest.approx(costs_of(cand, is_decode, is_decode).cost[0, 1])

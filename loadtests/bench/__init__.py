@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print tables of medians and ratios (``python -m loadtests.bench.<name>``)."""

@@ -1,0 +1,119 @@
+"""Benchmark ``Picker.pick()`` (a script, not a test): p50/p99 in µs.
+
+Pools of 8, 64 and 512 endpoints (half prefill, half decode) with scraped metrics, a prefix index
+warm with 1,000,000 blocks, and 4k-token prompts (256 blocks of 16 tokens) of two kinds:
+
+* ``shared``: the first 192 blocks are one of 8 shared system prompts held by some pods, the
+  last 64 are new (chat/RAG traffic);
+* ``novel``: all 256 blocks are new (worst case for recording the pick in the index).
+
+Each pick is released at once, so the pool stays at the same load. ``pick`` covers the whole
+``pick()``: candidate gather, prefix lookup, the P×D cost matrix, argmin, fallbacks, reservation.
+``record`` is the optimistic index update that the service runs right after the pick returns
+(``loop.call_soon``), timed separately; ``total`` is both.
+
+    python -m loadtests.bench.pick [--picks 3000] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from kvindex.memory import MemoryPrefixIndex
+from router.config import parse_config
+from router.observe.scrape import EngineMetrics
+from router.picker import Picker
+from router.pool import Pool
+from router.request import RouteRequest
+
+INDEX_BLOCKS = 1_000_000
+PROMPT_BLOCKS = 256
+SHARED_BLOCKS = 192
+
+
+def build(n: int, rng: np.random.Generator) -> tuple[Picker, list[np.ndarray]]:
+    endpoints = [
+        {
+            "address": f"10.{i // 250}.{i % 250}.1:8000",
+            "role": "prefill" if i % 2 else "decode",
+            "link": f"rack{i % 4}",
+        }
+        for i in range(n)
+    ]
+    config = parse_config(
+        {"model": "m", "endpoints": endpoints, "index": {"capacity_blocks_per_endpoint": INDEX_BLOCKS // n}}
+    )
+    pool = Pool(config.scrape)
+    now = time.monotonic() + 3600  # fresh for the whole run
+    for endpoint_config in config.endpoints:
+        endpoint = pool.add(endpoint_config)
+        metrics = EngineMetrics(
+            running=float(rng.integers(0, 32)),
+            waiting=float(rng.integers(0, 4)),
+            kv_usage=float(rng.uniform(0, 0.7)),
+            block_size=16,
+            num_gpu_blocks=32768,
+            prefix_queries=0.0,
+            prefix_hits=0.0,
+        )
+        pool.apply_metrics(endpoint, metrics, now)
+    pool.stale_after_s = 1e9
+    index = MemoryPrefixIndex(INDEX_BLOCKS // n)
+    systems = [rng.integers(0, 2**63, size=SHARED_BLOCKS, dtype=np.uint64) for _ in range(8)]
+    for slot in range(n):
+        index.record(slot, rng.integers(0, 2**63, size=INDEX_BLOCKS // n - SHARED_BLOCKS, dtype=np.uint64))
+        index.record(slot, systems[slot % 8])
+    return Picker(config, pool, index, seed=0), systems
+
+
+def time_picks(picker: Picker, prompts: list[np.ndarray], rounds: int) -> dict[str, tuple[float, float]]:
+    """Median over rounds of (p50, p99) µs for pick, record and both."""
+    deferred: list[tuple] = []
+    picker.defer = lambda fn, *args: deferred.append((fn, args))
+    stats: dict[str, list[tuple[float, float]]] = {"pick": [], "record": [], "total": []}
+    samples = {name: np.empty(len(prompts)) for name in stats}
+    for _ in range(rounds):
+        for i, keys in enumerate(prompts):
+            request = RouteRequest(model="m", prompt_tokens=4096, max_tokens=256, block_keys=keys, body={})
+            t0 = time.perf_counter_ns()
+            decision = picker.pick(request)
+            t1 = time.perf_counter_ns()
+            for fn, args in deferred:
+                fn(*args)
+            t2 = time.perf_counter_ns()
+            deferred.clear()
+            decision.reservation.release()
+            samples["pick"][i], samples["record"][i], samples["total"][i] = t1 - t0, t2 - t1, t2 - t0
+        for name, values in samples.items():
+            stats[name].append((np.percentile(values, 50) / 1000, np.percentile(values, 99) / 1000))
+    return {name: tuple(np.median(np.array(v), axis=0)) for name, v in stats.items()}  # type: ignore[misc]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--picks", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"pick() latency, 4k-token prompts, index warm with {INDEX_BLOCKS:,} blocks")
+    header = "".join(f"  {name + ' p50':>10}  {name + ' p99':>10}" for name in ("pick", "record", "total"))
+    print(f"{'endpoints':>9}  {'prompt':>6}{header}")
+    for n in (8, 64, 512):
+        picker, systems = build(n, rng)
+        for kind in ("shared", "novel"):
+            prompts = []
+            for i in range(args.picks):
+                fresh = rng.integers(0, 2**63, size=PROMPT_BLOCKS, dtype=np.uint64)
+                if kind == "shared":
+                    fresh[:SHARED_BLOCKS] = systems[i % 8]
+                prompts.append(fresh)
+            stats = time_picks(picker, prompts, args.rounds)
+            cells = "".join(f"  {p50:>10.1f}  {p99:>10.1f}" for p50, p99 in stats.values())
+            print(f"{n:>9}  {kind:>6}{cells}")
+
+
+if __name__ == "__main__":
+    main()

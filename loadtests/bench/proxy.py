@@ -1,0 +1,500 @@
+"""Proxy overhead: small requests through pd-router's proxy vs straight to the engine.
+
+Three processes, all on 127.0.0.1:
+
+* **null engine** — a minimal aiohttp server that answers instantly: ``/metrics`` with a static
+  vLLM exposition (``SimEngine.metrics_text``'s shape), completions with a fixed small JSON or a
+  fixed 8-chunk SSE stream (chunks ``x-null-gap-ms`` apart when that header is sent).
+* **proxy** — ``router.app.App`` with a ``prefill-decode`` pool of that ONE engine, run the way
+  ``pd-router serve`` runs it (uvloop when installed).
+* **client** (this process) — a closed loop of ``c`` keep-alive connections written on raw asyncio
+  streams (a minimal HTTP/1.1 client, far cheaper per request than aiohttp's), a fixed number of
+  requests per cell.
+
+On 2 cores the proxy is pinned to its own core and the engine and client share the other, so the
+proxy never competes with the load generator for CPU; the direct runs use the same engine and
+client on the same core, so "proxied minus direct" is what the proxy adds. The proxy's CPU cost is
+read from ``/proc/<pid>/stat`` (user + system) before and after each proxied cell. If the
+client's core saturates first, requests/s is a lower bound for the proxy; CPU-ms per request
+(and the proxy core's utilisation, printed) says what the proxy alone could do.
+
+    python -m loadtests.bench.proxy                    # default cells (~1 minute)
+    python -m loadtests.bench.proxy --scale 3          # 3x the requests per cell
+    python -m loadtests.bench.proxy --profile 30       # also cProfile the proxy; top 30 functions
+
+Every loop is bounded by its request count and ``--cell-timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import io
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pstats
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+MODEL = "sim-model"
+SSE_CHUNKS = 8
+GAP_HEADER = "x-null-gap-ms"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+MS = 1000.0
+
+
+# -- null engine (child process) -------------------------------------------------------------------
+
+
+def _static_metrics() -> bytes:
+    # The exact exposition a simulated engine serves when idle (same names, labels and histogram).
+    from loadtests.sim.engine import EngineSpec, SimEngine  # only the engine child needs it
+
+    return SimEngine(EngineSpec("null", "prefill-decode", model=MODEL)).metrics_text().encode()
+
+
+_COMPLETION = orjson.dumps(
+    {
+        "id": "cmpl-null",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": " ok", "logprobs": None, "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+    }
+)
+_SSE = [
+    b"data: "
+    + orjson.dumps(
+        {
+            "id": "cmpl-null",
+            "object": "text_completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [{"index": 0, "text": f" tok{i}", "logprobs": None, "finish_reason": None}],
+        }
+    )
+    + b"\n\n"
+    for i in range(SSE_CHUNKS - 1)
+] + [b"data: [DONE]\n\n"]
+
+
+def _null_engine_app() -> web.Application:
+    metrics = _static_metrics()
+
+    async def get_metrics(_: web.Request) -> web.Response:
+        return web.Response(body=metrics, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        if not body.get("stream"):
+            return web.Response(body=_COMPLETION, content_type="application/json")
+        gap = float(request.headers.get(GAP_HEADER, "0")) / MS
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for i, chunk in enumerate(_SSE):
+            if gap and i:
+                await asyncio.sleep(gap)
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/metrics", get_metrics)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    return app
+
+
+async def _serve_until_term(start: Callable[[], Awaitable[int]], conn: Connection) -> None:
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    conn.send(await start())
+    await stop.wait()
+
+
+def _run(coro: Awaitable[None]) -> None:
+    try:
+        import uvloop  # optional, as in the router CLI
+    except ImportError:
+        asyncio.run(coro)  # type: ignore[arg-type]
+        return
+    uvloop.run(coro)  # type: ignore[arg-type]
+
+
+def _pin(cpu: int | None) -> None:
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {cpu})
+
+
+def null_engine_main(conn: Connection, cpu: int | None) -> None:
+    _pin(cpu)
+
+    async def start() -> int:
+        runner = web.AppRunner(_null_engine_app(), access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner.addresses[0][1]
+
+    _run(_serve_until_term(start, conn))
+
+
+# -- proxy (child process) -------------------------------------------------------------------------
+
+
+def proxy_main(conn: Connection, engine: str, cpu: int | None, profile_path: str) -> None:
+    _pin(cpu)
+    logging.basicConfig(level=logging.WARNING)
+    from router.app import App  # the router is imported in its own child only
+    from router.config import parse_config
+
+    config = parse_config(
+        {
+            "model": MODEL,
+            "endpoints": [{"address": engine, "role": "prefill-decode", "name": "null"}],
+            "proxy": {"port": 0},
+        }
+    )
+
+    async def serve() -> None:
+        async with App(config) as app:
+            assert app.proxy_port is not None
+            port = app.proxy_port
+            await _serve_until_term(lambda: _const(port), conn)
+
+    run_profiled(serve(), profile_path)
+
+
+def run_profiled(coro: Awaitable[None], profile_path: str) -> None:
+    """Run ``coro`` (uvloop when installed), under cProfile when ``profile_path`` is set."""
+    profiler = cProfile.Profile() if profile_path else None
+    if profiler is not None:
+        profiler.enable()
+    try:
+        _run(coro)
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
+
+
+async def _const(value: int) -> int:
+    return value
+
+
+@dataclass
+class Child:
+    proc: mp.process.BaseProcess
+    port: int
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds of the child so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+
+    def stop(self) -> None:
+        self.proc.terminate()  # SIGTERM: the child leaves its loop and cleans up
+        self.proc.join(10.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5.0)
+
+
+def start_child(target: Callable[..., None], *args: Any) -> Child:
+    ctx = mp.get_context("spawn")  # a clean interpreter: no inherited event loop or sockets
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    if not parent.poll(30.0):
+        proc.kill()
+        raise RuntimeError(f"{target.__name__} did not start within 30 s")
+    return Child(proc, parent.recv())
+
+
+# -- client (this process) -------------------------------------------------------------------------
+
+
+class HttpConn:
+    """One keep-alive HTTP/1.1 connection; just enough protocol for these two response shapes."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.host = host
+
+    @classmethod
+    async def open(cls, port: int) -> HttpConn:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            # Small requests must leave at once; Nagle would add up to a delayed-ACK timeout.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer, f"127.0.0.1:{port}")
+
+    async def post(self, path: str, body: bytes, extra: str = "") -> list[float]:
+        """Send one request; returns the arrival times of the response body's pieces."""
+        self.writer.write(
+            (
+                f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n{extra}\r\n"
+            ).encode()
+            + body
+        )
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {head[:200]!r}")
+        lower = head.lower()
+        times: list[float] = []
+        if b"transfer-encoding: chunked" in lower:
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+                data = await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+                times.append(time.perf_counter())
+                del data
+        else:
+            start = lower.index(b"content-length:") + 15
+            length = int(lower[start : lower.index(b"\r\n", start)])
+            await self.reader.readexactly(length)
+            times.append(time.perf_counter())
+        return times
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
+@dataclass
+class Cell:
+    latencies: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    errors: int = 0
+
+    def pct(self, q: float, values: list[float] | None = None) -> float:
+        data = sorted(self.latencies if values is None else values)
+        return data[min(len(data) - 1, int(q * len(data)))] if data else float("nan")
+
+
+async def drive(
+    port: int,
+    concurrency: int,
+    requests: int,
+    timeout_s: float,
+    one: Callable[[HttpConn, float], Awaitable[bool]],
+    rate: float = 0.0,
+) -> float:
+    """Run ``requests`` calls of ``one(conn, t0)`` over ``concurrency`` connections; the wall seconds.
+
+    Closed loop: each connection sends its next request when the last one is done. With ``rate``
+    > 0 the requests are paced instead: request i is due at ``i / rate`` seconds, sent by the first
+    connection free by then, and ``t0`` is when it was due (a request kept waiting for a free
+    connection is charged for the wait). ``one`` returns False when its connection is unusable.
+    """
+    remaining = requests
+    conns = [await HttpConn.open(port) for _ in range(concurrency)]
+    begin = time.perf_counter()
+
+    async def worker(conn: HttpConn) -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            t0 = time.perf_counter()
+            if rate > 0:
+                due = begin + (requests - remaining - 1) / rate
+                if due > t0:
+                    await asyncio.sleep(due - t0)
+                t0 = due
+            if not await one(conn, t0):
+                return
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(worker(c) for c in conns)), timeout_s)
+    finally:
+        wall_s = time.perf_counter() - begin
+        for conn in conns:
+            await conn.close()
+    return wall_s
+
+
+async def closed_loop(
+    port: int, *, stream: bool, concurrency: int, requests: int, timeout_s: float, gap_ms: float = 0.0
+) -> Cell:
+    """``concurrency`` connections, each sending its next request when the last one is done."""
+    body = orjson.dumps(
+        {"model": MODEL, "prompt": "Say hello in one word.", "max_tokens": 8, "stream": stream}
+    )
+    extra = f"{GAP_HEADER}: {gap_ms:g}\r\n" if gap_ms else ""
+    cell = Cell()
+
+    async def one(conn: HttpConn, t0: float) -> bool:
+        try:
+            times = await conn.post("/v1/completions", body, extra)
+        except (RuntimeError, OSError, asyncio.IncompleteReadError):
+            cell.errors += 1
+            return False
+        cell.latencies.append(times[-1] - t0)
+        cell.gaps.extend(b - a for a, b in itertools.pairwise(times))
+        return True
+
+    cell.wall_s = await drive(port, concurrency, requests, timeout_s, one)
+    return cell
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+
+
+def _f(value: float, digits: int = 3) -> str:
+    return "-" if value != value else f"{value:.{digits}f}"
+
+
+async def bench(args: argparse.Namespace, engine: Child, proxy: Child) -> list[str]:
+    counts = {1: 500, 16: 1500, 64: 2000}
+    lines = [
+        "",
+        "proxy overhead — null engine (zero delay), 1 prefill-decode endpoint; "
+        f"proxy pinned to CPU {args.proxy_cpu}, engine + client on CPU {args.client_cpu}",
+        "",
+        f"  {'mode':<10} {'conc':>4} {'reqs':>5} {'direct p50':>10} {'direct p99':>10} "
+        f"{'proxy p50':>9} {'proxy p99':>9} {'added p50':>9} {'added p99':>9} {'proxy rps':>9} "
+        f"{'direct rps':>10} {'CPU ms/req':>10} {'proxy CPU%':>10}",
+    ]
+    lines.append("  " + "-" * (len(lines[-1]) - 2))
+    worst: dict[str, float] = {"added_p50_c1": 0.0, "cpu_ms": 0.0, "rps": float("inf")}
+    for stream in (False, True):
+        for conc in (1, 16, 64):
+            n = int(counts[conc] * args.scale)
+            # Warm both paths (connections, JIT-less caches, the router's first scrape) off the record.
+            await closed_loop(engine.port, stream=stream, concurrency=conc, requests=100, timeout_s=30)
+            await closed_loop(proxy.port, stream=stream, concurrency=conc, requests=100, timeout_s=30)
+            direct = await closed_loop(
+                engine.port, stream=stream, concurrency=conc, requests=n, timeout_s=args.cell_timeout
+            )
+            cpu0 = proxy.cpu_s()
+            proxied = await closed_loop(
+                proxy.port, stream=stream, concurrency=conc, requests=n, timeout_s=args.cell_timeout
+            )
+            cpu_s = proxy.cpu_s() - cpu0
+            ok = len(proxied.latencies)
+            cpu_ms = cpu_s * MS / ok if ok else float("nan")
+            added50 = (proxied.pct(0.5) - direct.pct(0.5)) * MS
+            added99 = (proxied.pct(0.99) - direct.pct(0.99)) * MS
+            rps = ok / proxied.wall_s
+            mode = "stream" if stream else "json"
+            d50, d99 = direct.pct(0.5) * MS, direct.pct(0.99) * MS
+            lines.append(
+                f"  {mode:<10} {conc:>4} {n:>5} {_f(d50):>10} {_f(d99):>10} "
+                f"{_f(proxied.pct(0.5) * MS):>9} {_f(proxied.pct(0.99) * MS):>9} {_f(added50):>9} "
+                f"{_f(added99):>9} {rps:>9.0f} {len(direct.latencies) / direct.wall_s:>10.0f} "
+                f"{_f(cpu_ms):>10} {100.0 * cpu_s / proxied.wall_s:>9.0f}%"
+                + (f"  ({proxied.errors + direct.errors} errors)" if proxied.errors + direct.errors else "")
+            )
+            if conc == 1:
+                worst["added_p50_c1"] = max(worst["added_p50_c1"], added50)
+            worst["cpu_ms"] = max(worst["cpu_ms"], cpu_ms)
+            if conc == 64:
+                worst["rps"] = min(worst["rps"], rps)
+            sys.stderr.write(f"  done {mode} c={conc}\n")
+
+    # Streaming chunk delivery: chunks 5 ms apart must come out 5 ms apart (no Nagle/delayed-ACK).
+    gap_n = int(50 * args.scale)
+    direct = await closed_loop(
+        engine.port, stream=True, concurrency=1, requests=gap_n, timeout_s=60, gap_ms=args.gap_ms
+    )
+    proxied = await closed_loop(
+        proxy.port, stream=True, concurrency=1, requests=gap_n, timeout_s=60, gap_ms=args.gap_ms
+    )
+    lines += [
+        "",
+        f"  streaming inter-chunk gaps, engine emits a chunk every {args.gap_ms:g} ms "
+        f"({gap_n} streams × {SSE_CHUNKS - 1} gaps, c=1):",
+        f"  {'path':<8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'gaps > 20 ms':>12}",
+    ]
+    for name, cell in (("direct", direct), ("proxied", proxied)):
+        g = cell.gaps
+        lines.append(
+            f"  {name:<8} {_f(cell.pct(0.5, g) * MS, 2):>7} {_f(cell.pct(0.99, g) * MS, 2):>7} "
+            f"{_f(max(g) * MS if g else float('nan'), 2):>7} {sum(x > 0.020 for x in g):>12}"
+        )
+    lines += [
+        "",
+        "  targets: added p50 at c=1 ≤ 0.6 ms: "
+        f"{worst['added_p50_c1']:.3f} ms -> {'PASS' if worst['added_p50_c1'] <= 0.6 else 'FAIL'}; "
+        f"CPU ≤ 0.4 ms/request: {worst['cpu_ms']:.3f} -> {'PASS' if worst['cpu_ms'] <= 0.4 else 'FAIL'}; "
+        f"≥ 2000 req/s at c=64: {worst['rps']:.0f} -> {'PASS' if worst['rps'] >= 2000 else 'FAIL'}",
+        "  (worst over json and stream; added latency is proxied minus direct on the same engine/client)",
+    ]
+    return lines
+
+
+def _top(profile_path: str, n: int) -> str:
+    out = io.StringIO()
+    stats = pstats.Stats(profile_path, stream=out)
+    stats.sort_stats("tottime").print_stats(n)
+    out.write("\n")
+    stats.sort_stats("cumulative").print_stats(n)
+    return out.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.bench.proxy",
+        description="Proxy overhead vs direct on a zero-delay null engine (separate processes).",
+    )
+    parser.add_argument("--scale", type=float, default=2.0, help="multiply requests per cell")
+    parser.add_argument("--gap-ms", type=float, default=5.0, help="engine chunk gap for the stall test")
+    parser.add_argument("--proxy-cpu", type=int, default=1, help="CPU to pin the proxy to (-1: no pinning)")
+    parser.add_argument("--client-cpu", type=int, default=0, help="CPU for engine + client (-1: none)")
+    parser.add_argument("--cell-timeout", type=float, default=120.0, help="max seconds per cell")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="cProfile the proxy and print its top N functions"
+    )
+    args = parser.parse_args(argv)
+    proxy_cpu = None if args.proxy_cpu < 0 else args.proxy_cpu
+    client_cpu = None if args.client_cpu < 0 else args.client_cpu
+    profile_path = f"/tmp/pd-router-proxy-{os.getpid()}.prof" if args.profile else ""
+    engine = start_child(null_engine_main, client_cpu)
+    proxy = start_child(proxy_main, f"127.0.0.1:{engine.port}", proxy_cpu, profile_path)
+    _pin(client_cpu)
+    try:
+        lines = _client_run(bench(args, engine, proxy))
+    finally:
+        proxy.stop()
+        engine.stop()
+    sys.stdout.write("\n".join(lines) + "\n")
+    if profile_path and os.path.exists(profile_path):
+        sys.stdout.write(f"\ncProfile of the proxy process (top {args.profile}):\n")
+        sys.stdout.write(_top(profile_path, args.profile))
+        os.unlink(profile_path)
+    return 0
+
+
+def _client_run(coro: Awaitable[list[str]]) -> list[str]:
+    try:
+        import uvloop  # optional: the cheaper the client, the cleaner the number
+    except ImportError:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    return uvloop.run(coro)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""Benchmark ``SharedPrefixIndex`` on a real redis-server (a script, not a test).
+
+Starts a throwaway ``redis-server`` on a free loopback port (or uses ``--port`` of a running one,
+which it FLUSHes), then:
+
+1. **ingestion**: records ``--blocks`` distinct blocks (256-block prompts spread over 64
+   endpoints) and times the batched flush, in blocks/s; also the ``record`` cost on the caller.
+2. **memory**: Redis ``used_memory`` delta per block with one holder, and per extra holder.
+3. **lookup**: ``await lookup(...)`` for a 256-block prompt (4k tokens at 16 tokens per block)
+   against 64 candidate endpoints on the warm index, p50/p99 in µs, in four cases:
+
+   * ``miss``: nobody holds block 0 (the script stops at once);
+   * ``shared-4``: 4 endpoints hold the whole prompt, 60 hold nothing;
+   * ``deep``: every candidate holds a random-length prefix (the walk runs to the longest);
+   * ``all-64``: all 64 candidates hold the whole prompt (256 blocks x 64 fields, the worst case).
+
+   A PING round trip is printed as the floor (client + loopback).
+
+    python -m loadtests.bench.redis_index [--blocks 102400] [--calls 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from kvindex.memory import MemoryPrefixIndex
+from kvindex.redis_index import SharedPrefixIndex
+
+ENDPOINTS = 64
+PROMPT_BLOCKS = 256
+
+
+@contextlib.contextmanager
+def redis_server(port: int | None) -> Iterator[int]:
+    if port is not None:
+        yield port
+        return
+    binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    with tempfile.TemporaryDirectory() as workdir:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        proc = subprocess.Popen([*args, "--dir", workdir], stdout=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+                        sock.sendall(b"PING\r\n")
+                        if sock.recv(16).startswith(b"+PONG"):
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start")
+                time.sleep(0.01)
+            yield port
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def make_index(client: aioredis.Redis) -> SharedPrefixIndex:
+    names = [f"ep{i}" for i in range(ENDPOINTS)]
+    by_name = {n: i for i, n in enumerate(names)}
+    return SharedPrefixIndex(
+        client,
+        MemoryPrefixIndex(1_000_000, max_slots=ENDPOINTS),
+        slot_names=names.__getitem__,
+        slot_of=by_name.get,
+        max_pending=10_000_000,  # the warm-up enqueues everything before one flush
+        lookup_timeout_s=1.0,
+        write_timeout_s=30.0,
+    )
+
+
+async def used_memory(client: aioredis.Redis) -> int:
+    return int((await client.info("memory"))["used_memory"])
+
+
+async def percentiles(call: Callable[[], Awaitable[object]], calls: int) -> tuple[float, float]:
+    for _ in range(min(100, calls)):
+        await call()
+    samples = np.empty(calls)
+    for i in range(calls):
+        t0 = time.perf_counter_ns()
+        await call()
+        samples[i] = time.perf_counter_ns() - t0
+    return float(np.percentile(samples, 50)) / 1e3, float(np.percentile(samples, 99)) / 1e3
+
+
+async def main(args: argparse.Namespace) -> None:
+    rng = np.random.default_rng(7)
+    with redis_server(args.port) as port:
+        client = aioredis.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
+        await client.flushdb()
+        writer, reader = make_index(client), make_index(client)
+        rows: list[tuple[str, str]] = []
+
+        # 1+2. ingestion of distinct blocks, one holder each, and memory per block.
+        base = await used_memory(client)
+        filler = rng.integers(0, 2**64, size=args.blocks, dtype=np.uint64)
+        prompts = filler.reshape(-1, PROMPT_BLOCKS) if args.blocks % PROMPT_BLOCKS == 0 else [filler]
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            writer.record(i % ENDPOINTS, prompt)
+        t_enq = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        assert await writer.flush()
+        t_flush = time.perf_counter() - t0
+        one = await used_memory(client) - base
+        rows.append(("record() on the caller, per 256-block prompt", f"{t_enq / len(prompts) * 1e6:.1f} µs"))
+        rows.append(("flush ingestion, distinct blocks", f"{args.blocks / t_flush:,.0f} blocks/s"))
+        for i, prompt in enumerate(prompts):  # a second holder on every block
+            writer.record((i + 1) % ENDPOINTS, prompt)
+        t0 = time.perf_counter()
+        assert await writer.flush()
+        t_flush2 = time.perf_counter() - t0
+        two = await used_memory(client) - base
+        rows.append(
+            ("flush ingestion, 2nd holder on existing blocks", f"{args.blocks / t_flush2:,.0f} blocks/s")
+        )
+        rows.append(("Redis memory per block, one holder", f"{one / args.blocks:.0f} B"))
+        rows.append(("Redis memory per extra holder of a block", f"{(two - one) / args.blocks:.0f} B"))
+        rows.append(("Redis keys after warm-up", f"{await client.dbsize():,}"))
+
+        # 3. lookups on the warm index.
+        cands = np.arange(ENDPOINTS, dtype=np.int32)
+        cases: dict[str, np.ndarray] = {}
+        cases["miss"] = rng.integers(0, 2**64, size=PROMPT_BLOCKS, dtype=np.uint64)
+        shared = rng.integers(0, 2**64, size=PROMPT_BLOCKS, dtype=np.uint64)
+        for slot in range(4):
+            writer.record(slot, shared)
+        cases["shared-4"] = shared
+        deep = rng.integers(0, 2**64, size=PROMPT_BLOCKS, dtype=np.uint64)
+        for slot in range(ENDPOINTS):
+            writer.record(slot, deep[: int(rng.integers(0, PROMPT_BLOCKS + 1))])
+        cases["deep"] = deep
+        full = rng.integers(0, 2**64, size=PROMPT_BLOCKS, dtype=np.uint64)
+        for slot in range(ENDPOINTS):
+            writer.record(slot, full)
+        cases["all-64"] = full
+        assert await writer.flush()
+
+        p50, p99 = await percentiles(client.ping, args.calls)
+        rows.append(("PING round trip (floor)", f"p50 {p50:.0f} µs, p99 {p99:.0f} µs"))
+        for case, keys in cases.items():
+            result = await reader.lookup(keys, cands)
+            p50, p99 = await percentiles(lambda keys=keys: reader.lookup(keys, cands), args.calls)
+            rows.append(
+                (
+                    f"lookup {case} (256 blocks x 64 cand., max depth {int(result.max())})",
+                    f"p50 {p50:.0f} µs, p99 {p99:.0f} µs",
+                )
+            )
+            p50, p99 = await percentiles(
+                lambda keys=keys: asyncio.sleep(0, reader.match(keys, cands)), args.calls
+            )
+            rows.append(
+                (f"  sync match {case} on the mirror afterwards", f"p50 {p50:.1f} µs, p99 {p99:.1f} µs")
+            )
+        assert reader.fallback_lookups == 0 and reader.redis_errors == 0
+        await client.aclose()
+
+    width = max(len(name) for name, _ in rows)
+    print(f"SharedPrefixIndex on redis-server, {args.blocks:,} warm blocks, {ENDPOINTS} endpoints")
+    print(f"{'measure':<{width}}  value")
+    print(f"{'-' * width}  {'-' * 28}")
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--blocks", type=int, default=102_400)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--port", type=int, default=None, help="use a running redis-server (it is FLUSHed)")
+    asyncio.run(main(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    cli()

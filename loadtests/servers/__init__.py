@@ -1,0 +1,1 @@
+"""Real servers the suite and the benchmarks start on loopback ports: Envoy, redis-server."""

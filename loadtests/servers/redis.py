@@ -1,0 +1,77 @@
+"""A real ``redis-server`` on a free loopback port for tests: start, kill (crash), restart on one port."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def available() -> bool:
+    return Path(REDIS_SERVER).exists()
+
+
+class RedisServer:
+    """One throwaway, non-persistent redis-server process bound to 127.0.0.1."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.host = "127.0.0.1"
+        self.port = port if port is not None else free_port()
+        self._workdir = workdir
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, deadline_s: float = 10.0) -> None:
+        """Start the server and return once it answers PING (or raise with its log)."""
+        log_path = self._workdir / f"redis-{self.port}.log"
+        self._proc = subprocess.Popen(
+            [
+                REDIS_SERVER,
+                "--port", str(self.port),
+                "--bind", self.host,
+                "--save", "",
+                "--appendonly", "no",
+                "--dir", str(self._workdir),
+                "--logfile", str(log_path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + deadline_s
+        while not self.ping():
+            if self._proc.poll() is not None:
+                log = log_path.read_text() if log_path.exists() else ""
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode}: {log[-2000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"redis-server on port {self.port} did not answer PING in {deadline_s} s")
+            time.sleep(0.005)  # poll interval, bounded by the deadline above
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, not a shutdown) and reap; a no-op when not running."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+        self._proc = None
+
+    def restart(self) -> None:
+        """Kill and start again on the same port, empty (no persistence)."""
+        self.kill()
+        self.start()

@@ -1,0 +1,1127 @@
+"""A simulated vLLM engine server: many engines in one process, real HTTP on loopback.
+
+Each engine speaks vLLM's OpenAI wire format (completions, chat, SSE streaming), exposes vLLM's
+``/metrics`` names and implements the NIXL connector's two-leg P/D protocol as llm-d's sidecar
+drives it. Behind the HTTP surface runs a continuous-batching loop with a prefix cache keyed by the
+router's own approximate block keys, so routing choices show up as measurable differences: a prefix
+hit shortens prefill, queued work delays the first token, a bigger batch slows every decode step.
+
+Time is simulated with ``asyncio.sleep`` per engine step; ``TimeModel.speed`` divides every step time
+so tests run the same shape much faster (KV transfer delays from ``LinkCost`` are not scaled).
+
+Precise mode (``EngineSpec.tokenizer``): the engine tokenizes prompts with a real ``tokenizer.json``
+and keys its prefix cache by vLLM's exact chained block hashes; with ``kv_events`` it also publishes
+vLLM-format KV events (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``) on ZMQ, so the
+router's event-fed index can be exercised end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import socket
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Any
+
+import orjson
+from aiohttp import web
+from tokenizers import Tokenizer
+
+from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvindex.hashing import estimate_tokens, text_block_keys
+from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
+from loadtests.sim.kv_publisher import KVEventPublisher
+from router.request import BadRequest, max_tokens_of, prompt_text
+
+log = logging.getLogger(__name__)
+
+LinkCost = Callable[[str, str], tuple[float, float]]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+ROLES = frozenset({"prefill", "decode", "prefill-decode"})
+DEFAULT_LINK_COST: tuple[float, float] = (0.0005, 25e9)
+DEFAULT_MAX_TOKENS = 16
+WAITING_LIMIT = 4096
+SEEN_LIMIT = 1000
+# vLLM's own TTFT buckets, so dashboards and the router's TTFT reconciliation see familiar edges.
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Per-step cost model; all seconds, every delay divided by ``speed``."""
+
+    step_base_s: float = 0.004
+    prefill_s_per_token: float = 0.00005
+    decode_s_per_seq: float = 0.0002
+    kv_s_per_token: float = 0.0000002
+    max_prefill_tokens_per_step: int = 2048
+    max_running: int = 64
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.speed <= 0:
+            raise ValueError(f"TimeModel.speed must be > 0, got {self.speed}")
+        if self.max_prefill_tokens_per_step < 1 or self.max_running < 1:
+            raise ValueError("TimeModel.max_prefill_tokens_per_step and max_running must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One simulated engine: identity, role, topology label and capacity.
+
+    ``tokenizer`` (a ``tokenizer.json`` path) switches to precise mode: prompt tokens and block keys
+    come from real token ids hashed as vLLM does (``hash_algo``, ``python_hash_seed``). ``kv_events``
+    publishes vLLM KV events on 127.0.0.1 (``kv_events_port`` / ``kv_replay_port``, 0 = ephemeral).
+    """
+
+    name: str
+    role: str
+    link: str = "default"
+    port: int = 0
+    model: str = "sim-model"
+    block_tokens: int = 16
+    num_gpu_blocks: int = 2048
+    chars_per_token: float = 4.0
+    time: TimeModel = TimeModel()
+    kv_bytes_per_token: int = 131072
+    tokenizer: str | None = None
+    hash_algo: str = "sha256"
+    python_hash_seed: str | None = None
+    kv_events: bool = False
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"EngineSpec.role must be one of {sorted(ROLES)}, got {self.role!r}")
+        if self.block_tokens < 1 or self.num_gpu_blocks < 1:
+            raise ValueError("EngineSpec.block_tokens and num_gpu_blocks must be >= 1")
+        if self.chars_per_token <= 0:
+            raise ValueError(f"EngineSpec.chars_per_token must be > 0, got {self.chars_per_token}")
+        HashAlgo.parse(self.hash_algo)  # fail at config time, not on the first request
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine (re)started; tests read these instead of timing anything."""
+
+    requests_served: int = 0
+    prefill_tokens_computed: int = 0
+    cached_tokens_hit: int = 0
+    remote_prefills_received: int = 0
+    remote_prefill_fallbacks: int = 0
+    remote_prefills_served: int = 0
+    kv_tokens_transferred: int = 0
+    preemptions: int = 0
+    rejected_full: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class _EngineDead(Exception):
+    """The engine was killed while a request was in flight."""
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    rid: str
+    prompt_tokens: int
+    block_keys: list[int]
+    max_tokens: int
+    out: asyncio.Queue[str | None]
+    arrival: float
+    token_ids: list[int] | None = None  # precise mode only: BlockStored carries the blocks' tokens
+    remote: SimEngine | None = None
+    state: str = "waiting"  # waiting | transfer | running | done
+    target: int = 0  # tokens that must be computed before the next token can be sampled
+    computed: int = 0
+    cached_tokens: int = 0
+    generated: int = 0
+    blocks: int = 0
+    admitted_once: bool = False
+    first_token_at: float | None = None
+    timer: asyncio.TimerHandle | None = None
+
+
+def _blocks_for(tokens: int, block_tokens: int) -> int:
+    return -(-tokens // block_tokens)
+
+
+def _token_text(i: int) -> str:
+    return f"tok{i}" if i == 0 else f" tok{i}"
+
+
+class SimEngine:
+    """One simulated engine: its HTTP app, its batching loop and its KV/prefix-cache state."""
+
+    def __init__(self, spec: EngineSpec, cluster: SimCluster | None = None) -> None:
+        self.spec = spec
+        self.port = spec.port
+        self.stats = EngineStats()
+        self.requests_seen: deque[tuple[str, dict[str, str], Any]] = deque(maxlen=SEEN_LIMIT)
+        self.alive = False
+        self._cluster = cluster
+        self._stall = 0.0
+        self._host = "127.0.0.1"
+        self._waiting: deque[_Request] = deque()
+        self._transfer: set[_Request] = set()
+        self._running: list[_Request] = []
+        # Blocks in use: private ones (partial tail, generated tokens) plus one per distinct full prompt
+        # block referenced by an admitted request. Like vLLM, requests share prompt blocks by hash.
+        self._held = 0
+        self._refs: dict[int, int] = {}
+        # LRU of computed block key -> None; most recently used at the end. Keys that are also
+        # referenced are in use; the others are free blocks that keep their content until reused.
+        self._cache: OrderedDict[int, None] = OrderedDict()
+        self._cached_and_referenced = 0
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._runner: web.AppRunner | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._transports: set[asyncio.BaseTransport] = set()
+        self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
+        self._ttft_sum = 0.0
+        self._block_id_seq = 0
+        self._block_chars = max(1, round(spec.block_tokens * spec.chars_per_token))
+        self._tokenizer: Tokenizer | None = None
+        self._hasher: VllmBlockHasher | None = None
+        if spec.tokenizer is not None:
+            self._tokenizer = Tokenizer.from_file(spec.tokenizer)
+            self._hasher = VllmBlockHasher(
+                HashAlgo.parse(spec.hash_algo), spec.block_tokens, spec.python_hash_seed
+            )
+        self._publisher: KVEventPublisher | None = None
+        self._kv_pending: list[KVEvent] = []
+        self._kv_ports = (spec.kv_events_port, spec.kv_replay_port)
+
+    # -- state readable by tests -------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        # Requests whose KV is still arriving hold blocks but are not running, as in vLLM.
+        return len(self._waiting) + len(self._transfer)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self._held
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._cache)
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """The KV-event PUB endpoint (``tcp://127.0.0.1:port``); None unless ``kv_events`` and running."""
+        return self._publisher.endpoint if self._publisher is not None else None
+
+    @property
+    def kv_replay_endpoint(self) -> str | None:
+        """The KV-event replay ROUTER endpoint; None unless ``kv_events`` and running."""
+        return self._publisher.replay_endpoint if self._publisher is not None else None
+
+    @property
+    def kv_ports(self) -> tuple[int, int]:
+        """(PUB, replay) ports the KV-event publisher bound; kept after a kill so revive reuses them."""
+        return self._kv_ports
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache and publish ``AllBlocksCleared``, like vLLM's ``BlockPool``.
+
+        As in vLLM, refused (False, nothing published) while any request holds blocks: their cached
+        blocks cannot be forgotten while in use.
+        """
+        if self._held:
+            log.warning(
+                "sim engine %s: prefix cache reset refused, %d blocks in use", self.spec.name, self._held
+            )
+            return False
+        self._cache.clear()
+        self._cached_and_referenced = 0
+        self._queue_kv_event(AllBlocksCleared())
+        return True
+
+    def set_stall(self, seconds: float) -> None:
+        """Fault injection: delay the start of every response (including /metrics) by ``seconds``."""
+        self._stall = max(0.0, seconds)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, host: str = "127.0.0.1") -> None:
+        self._host = host
+        app = web.Application(middlewares=[self._middleware])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        app.on_response_prepare.append(self._echo_request_id)
+        # aiohttp already sets TCP_NODELAY on every accepted connection (BaseProtocol.connection_made),
+        # so each SSE chunk leaves as its own segment without Nagle delay.
+        # handler_cancellation: a client that hangs up aborts its request and frees its KV, as vLLM does.
+        runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
+        )
+        await runner.setup()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        publisher: KVEventPublisher | None = None
+        try:
+            if self.spec.kv_events:
+                # Fixed ports on revive: the router's consumer keeps its SUB connected to the same
+                # endpoint and must notice the restart by the new incarnation's seq starting at 0.
+                publisher = KVEventPublisher(
+                    endpoint=f"tcp://127.0.0.1:{self.spec.kv_events_port}",
+                    replay_endpoint=f"tcp://127.0.0.1:{self.spec.kv_replay_port}",
+                )
+                await publisher.start()
+            # SO_REUSEADDR lets a revived engine bind the port its killed predecessor left in TIME_WAIT.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, self.spec.port))
+            sock.setblocking(False)
+            site = web.SockSite(runner, sock)
+            await site.start()
+        except BaseException:
+            sock.close()
+            if publisher is not None:
+                await publisher.close()
+            await runner.cleanup()
+            raise
+        self.port = sock.getsockname()[1]
+        self._runner = runner
+        self._publisher = publisher
+        if publisher is not None:
+            assert publisher.replay_endpoint is not None
+            self._kv_ports = (_port_of(publisher.endpoint), _port_of(publisher.replay_endpoint))
+        self._loop_task = asyncio.create_task(self._batch_loop(), name=f"simengine-{self.spec.name}")
+        self._loop_task.add_done_callback(self._loop_done)
+        self.alive = True
+        log.info(
+            "sim engine %s (%s, link %s) listening on %s:%d",
+            self.spec.name,
+            self.spec.role,
+            self.spec.link,
+            host,
+            self.port,
+        )
+
+    async def shutdown(self) -> None:
+        """Crash-stop: cut live connections mid-way, close the listener, stop the batch loop."""
+        if self._runner is None:
+            return
+        runner, self._runner = self._runner, None
+        self.alive = False
+        for transport in list(self._transports):
+            transport.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        for req in [*self._waiting, *self._transfer, *self._running]:
+            if req.timer is not None:
+                req.timer.cancel()
+            req.state = "done"
+            # Wakes any handler that was not cancelled above (room is guaranteed: it never finished).
+            req.out.put_nowait(None)
+        self._waiting.clear()
+        self._transfer.clear()
+        self._running.clear()
+        self._held = 0
+        self._refs.clear()
+        self._cached_and_referenced = 0
+        # A crash loses the events of the step in progress, as a killed vLLM would.
+        self._kv_pending.clear()
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            await publisher.close()
+        await runner.cleanup()
+        log.info("sim engine %s stopped", self.spec.name)
+
+    def _loop_done(self, task: asyncio.Task[None]) -> None:
+        # A scheduler bug would otherwise freeze the engine silently, with every request hanging.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sim engine %s: batch loop crashed", self.spec.name, exc_info=task.exception())
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        task = asyncio.current_task()
+        transport = request.transport
+        if task is not None:
+            self._tasks.add(task)
+        if transport is not None:
+            self._transports.add(transport)
+        try:
+            if self._stall > 0:
+                await asyncio.sleep(self._stall)
+            return await handler(request)
+        finally:
+            self._tasks.discard(task)  # type: ignore[arg-type]
+            self._transports.discard(transport)  # type: ignore[arg-type]
+
+    async def _echo_request_id(self, request: web.Request, response: web.StreamResponse) -> None:
+        rid = request.headers.get("X-Request-Id")
+        if rid is not None:
+            response.headers["X-Request-Id"] = rid
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        body = {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.spec.model,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "vllm",
+                    "root": self.spec.model,
+                    "parent": None,
+                    "max_model_len": self.spec.num_gpu_blocks * self.spec.block_tokens,
+                }
+            ],
+        }
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        # vLLM answers 200 either way; a sim-only 409 lets tests tell a refused reset apart.
+        if self.reset_prefix_cache():
+            return web.Response(status=200)
+        return _error(409, "cannot reset prefix cache: some blocks are still in use")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics_text().encode(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        chat = request.path == "/v1/chat/completions"
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            self.requests_seen.append((request.path, _lower_headers(request), None))
+            return _error(400, f"request body is not valid JSON: {exc}")
+        self.requests_seen.append((request.path, _lower_headers(request), body))
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object")
+        model = body.get("model", self.spec.model)
+        if model != self.spec.model:
+            return _error(404, f"The model `{model}` does not exist.")
+        try:
+            parsed = self._parse(body, chat)
+        except BadRequest as exc:
+            return _error(400, exc.message)
+        text, max_tokens, stream, include_usage, kvp = parsed
+        remote_decode = bool(kvp.get("do_remote_decode")) if kvp else False
+        remote_prefill = bool(kvp.get("do_remote_prefill")) if kvp else False
+        role = self.spec.role
+        if remote_decode and role == "decode":
+            return _error(400, f"engine {self.spec.name} is decode-only: cannot serve do_remote_decode")
+        if remote_prefill and role == "prefill":
+            return _error(400, f"engine {self.spec.name} is prefill-only: cannot serve do_remote_prefill")
+        token_ids, block_keys = self._tokenize(text)
+        prompt_tokens = (
+            len(token_ids) if token_ids is not None else estimate_tokens(text, self.spec.chars_per_token)
+        )
+        if prompt_tokens == 0:
+            return _error(400, "prompt is empty")
+        max_len = self.spec.num_gpu_blocks * self.spec.block_tokens
+        if prompt_tokens + max_tokens > max_len:
+            return _error(
+                400,
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                f"messages, {max_tokens} in the completion).",
+            )
+        remote: SimEngine | None = None
+        if remote_prefill:
+            remote = self._cluster.find_remote(kvp) if self._cluster is not None else None
+            if remote is None:
+                # vLLM recomputes the prompt when the KV cannot be pulled; count it so tests can see it.
+                self.stats.remote_prefill_fallbacks += 1
+                log.info(
+                    "sim engine %s: remote prefill source %s unknown or dead, recomputing",
+                    self.spec.name,
+                    kvp.get("remote_engine_id") if kvp else None,
+                )
+        if len(self._waiting) >= WAITING_LIMIT:
+            self.stats.rejected_full += 1
+            return _error(503, "waiting queue is full")
+        header_rid = request.headers.get("X-Request-Id")
+        rid = header_rid or uuid.uuid4().hex
+        req = _Request(
+            rid=rid,
+            prompt_tokens=prompt_tokens,
+            block_keys=block_keys,
+            max_tokens=max_tokens,
+            out=asyncio.Queue(maxsize=max_tokens + 1),  # every token plus the end marker, never more
+            arrival=time.monotonic(),
+            token_ids=token_ids,
+            remote=remote,
+            target=prompt_tokens,
+        )
+        self._waiting.append(req)
+        self._wake.set()
+        response_id = ("chatcmpl-" if chat else "cmpl-") + rid
+        try:
+            if stream:
+                return await self._stream(request, req, chat, response_id, include_usage)
+            return await self._respond(req, chat, response_id, remote_decode)
+        except _EngineDead:
+            return _error(500, "engine stopped")
+        finally:
+            if req.state != "done":
+                self._drop(req)
+
+    def _tokenize(self, text: str) -> tuple[list[int] | None, list[int]]:
+        """(token ids or None, full-block keys): vLLM-exact in precise mode, else the text estimate."""
+        if self._tokenizer is None or self._hasher is None:
+            return None, text_block_keys(text, self._block_chars).tolist()
+        # With special tokens, as vLLM's completions API tokenizes (e.g. a BOS). Chat prompts are the
+        # router's flattened text, not a chat template: fine as long as the router hashes the same text.
+        ids = self._tokenizer.encode(text, add_special_tokens=True).ids
+        return ids, self._hasher.keys(ids).tolist()
+
+    def _parse(self, body: dict[str, Any], chat: bool) -> tuple[str, int, bool, bool, dict[str, Any] | None]:
+        if chat and "messages" not in body:
+            raise BadRequest("missing required field 'messages'")
+        if not chat and "prompt" not in body:
+            raise BadRequest("missing required field 'prompt'")
+        text = prompt_text(body)
+        max_tokens = max_tokens_of(body, DEFAULT_MAX_TOKENS)
+        min_tokens = body.get("min_tokens", 0)
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+            raise BadRequest(f"'min_tokens' must be a non-negative integer, got {min_tokens!r}")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("'stream' must be a boolean")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise BadRequest("'stream_options' must be an object")
+        kvp = body.get("kv_transfer_params")
+        if kvp is not None and not isinstance(kvp, dict):
+            raise BadRequest("'kv_transfer_params' must be an object")
+        return text, max_tokens, stream, bool(options.get("include_usage")), kvp
+
+    async def _next_token(self, req: _Request) -> str | None:
+        token = await req.out.get()
+        if token is None and req.generated < req.max_tokens:
+            raise _EngineDead
+        return token
+
+    async def _respond(
+        self, req: _Request, chat: bool, response_id: str, remote_decode: bool
+    ) -> web.Response:
+        parts: list[str] = []
+        while (token := await self._next_token(req)) is not None:
+            parts.append(token)
+        text = "".join(parts)
+        choice: dict[str, Any]
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
+        kv_params: dict[str, Any] | None = None
+        if remote_decode:
+            kv_params = self._remote_params(req)
+        body = {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.spec.model,
+            "choices": [choice],
+            "usage": self._usage(req),
+            "service_tier": None,
+            "system_fingerprint": None,
+            "prompt_logprobs": None,
+            "kv_transfer_params": kv_params,
+        }
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _stream(
+        self, request: web.Request, req: _Request, chat: bool, response_id: str, include_usage: bool
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Cache-Control": "no-cache"})
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": response_id, "object": obj, "created": created, "model": self.spec.model}
+        try:
+            if chat:
+                first = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                await resp.write(_sse({**base, "choices": [first]}))
+            sent = 0
+            while (token := await self._next_token(req)) is not None:
+                sent += 1
+                finish = "length" if sent >= req.max_tokens else None
+                if chat:
+                    choice = {
+                        "index": 0,
+                        "delta": {"content": token},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                else:
+                    choice = {
+                        "index": 0,
+                        "text": token,
+                        "logprobs": None,
+                        "finish_reason": finish,
+                        "stop_reason": None,
+                    }
+                await resp.write(_sse({**base, "choices": [choice]}))
+            if include_usage:
+                await resp.write(_sse({**base, "choices": [], "usage": self._usage(req)}))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            log.debug("sim engine %s: client went away during stream %s", self.spec.name, req.rid)
+        return resp
+
+    def _usage(self, req: _Request) -> dict[str, Any]:
+        return {
+            "prompt_tokens": req.prompt_tokens,
+            "completion_tokens": req.generated,
+            "total_tokens": req.prompt_tokens + req.generated,
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+        }
+
+    def _remote_params(self, req: _Request) -> dict[str, Any]:
+        n_blocks = _blocks_for(req.prompt_tokens, self.spec.block_tokens)
+        start = self._block_id_seq
+        self._block_id_seq = (start + n_blocks) % self.spec.num_gpu_blocks
+        self.stats.remote_prefills_served += 1
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [(start + i) % self.spec.num_gpu_blocks for i in range(n_blocks)],
+            "remote_engine_id": self.spec.name,
+            "remote_host": self._host,
+            "remote_port": self.port,
+            "tp_size": 1,
+        }
+
+    # -- scheduler ---------------------------------------------------------------------------
+
+    def _free_blocks(self) -> int:
+        return self.spec.num_gpu_blocks - self._held
+
+    def _trim_cache(self) -> None:
+        # Cached-but-unreferenced blocks are exactly the free blocks; running requests evict them.
+        capacity = max(0, self.spec.num_gpu_blocks - self._held)
+        cache = self._cache
+        refs = self._refs
+        skipped = 0
+        while len(cache) - self._cached_and_referenced > capacity and skipped < len(cache):
+            key = next(iter(cache))
+            if key in refs:  # in use: not evictable, look further
+                cache.move_to_end(key)
+                skipped += 1
+            else:
+                del cache[key]
+                if self._publisher is not None:
+                    # One hash per event, as vLLM's GPU block pool emits evictions.
+                    self._queue_kv_event(BlockRemoved(block_hashes=[key], medium="GPU"))
+
+    def _reference(self, keys: list[int]) -> int:
+        """Reference a request's full prompt blocks; returns how many were not in use before."""
+        refs, cache = self._refs, self._cache
+        new = 0
+        for key in keys:
+            count = refs.get(key, 0)
+            refs[key] = count + 1
+            if not count:
+                new += 1
+                self._cached_and_referenced += key in cache
+        return new
+
+    def _release_refs(self, keys: list[int]) -> int:
+        """Drop a request's references; returns how many blocks are no longer in use."""
+        refs, cache = self._refs, self._cache
+        freed = 0
+        for key in keys:
+            count = refs[key] - 1
+            if count:
+                refs[key] = count
+            else:
+                del refs[key]
+                freed += 1
+                self._cached_and_referenced -= key in cache
+        return freed
+
+    def _private_blocks(self, req: _Request) -> int:
+        """Blocks only this request uses: its partial last prompt block and its generated tokens."""
+        return _blocks_for(req.prompt_tokens + req.generated + 1, self.spec.block_tokens) - len(
+            req.block_keys
+        )
+
+    def _free_request_blocks(self, req: _Request) -> None:
+        if req.blocks:  # admitted: it holds private blocks and prompt-block references
+            self._held -= req.blocks + self._release_refs(req.block_keys)
+            req.blocks = 0
+
+    def _cache_match(self, keys: list[int]) -> int:
+        cache = self._cache
+        hits = 0
+        for key in keys:
+            if key not in cache:
+                break
+            cache.move_to_end(key)
+            hits += 1
+        return hits
+
+    def _cache_insert(self, keys: list[int], token_ids: list[int] | None = None) -> None:
+        cache, refs = self._cache, self._refs
+        run_start: int | None = None  # first index of the current run of newly cached blocks
+        for i, key in enumerate(keys):
+            if key not in cache:
+                self._cached_and_referenced += key in refs
+                if run_start is None:
+                    run_start = i
+            elif run_start is not None:
+                # A re-touched block is not a store: each run of new blocks is its own BlockStored,
+                # chained to the block before it.
+                self._stored(keys, run_start, i, token_ids)
+                run_start = None
+            cache[key] = None
+            cache.move_to_end(key)
+        if run_start is not None:
+            self._stored(keys, run_start, len(keys), token_ids)
+        self._trim_cache()
+
+    def _stored(self, keys: list[int], start: int, end: int, token_ids: list[int] | None) -> None:
+        if self._publisher is None:
+            return
+        bt = self.spec.block_tokens
+        self._queue_kv_event(
+            BlockStored(
+                block_hashes=list(keys[start:end]),
+                parent_block_hash=keys[start - 1] if start else None,
+                token_ids=token_ids[start * bt : end * bt] if token_ids is not None else [],
+                block_size=bt,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        )
+
+    def _queue_kv_event(self, event: KVEvent) -> None:
+        # vLLM publishes one batch per engine step. Here a step's bookkeeping (admission, evictions,
+        # stores, frees) runs synchronously after its sleep, so everything queued in one turn of the
+        # event loop is that step's batch: flush on the next loop iteration.
+        if self._publisher is None:
+            return
+        if not self._kv_pending:
+            asyncio.get_running_loop().call_soon(self._flush_kv_events)
+        self._kv_pending.append(event)
+
+    def _flush_kv_events(self) -> None:
+        events, self._kv_pending = self._kv_pending, []
+        if events and self._publisher is not None:
+            self._publisher.publish(events)
+
+    def _admit(self) -> None:
+        spec = self.spec
+        bt = spec.block_tokens
+        while self._waiting and len(self._running) + len(self._transfer) < spec.time.max_running:
+            req = self._waiting[0]
+            private = self._private_blocks(req)
+            refs = self._refs
+            need = private + sum(1 for key in req.block_keys if key not in refs)
+            if need > self._free_blocks():
+                break  # FIFO: the head waits for KV, as vLLM's scheduler does without preemption room
+            self._waiting.popleft()
+            req.blocks = private
+            self._held += private + self._reference(req.block_keys)
+            self._trim_cache()
+            hit_blocks = self._cache_match(req.block_keys)
+            req.computed = min(hit_blocks * bt, req.target - 1)
+            if not req.admitted_once:
+                req.admitted_once = True
+                req.cached_tokens = req.computed
+                self.stats.cached_tokens_hit += req.computed
+                self.stats.prefix_cache_queries += req.prompt_tokens
+                self.stats.prefix_cache_hits += req.computed
+                self.stats.prompt_tokens += req.prompt_tokens
+            if req.remote is not None:
+                self._start_transfer(req, hit_blocks)
+            else:
+                req.state = "running"
+                self._running.append(req)
+
+    def _start_transfer(self, req: _Request, hit_blocks: int) -> None:
+        remote = req.remote
+        assert remote is not None
+        spec = self.spec
+        n_blocks = _blocks_for(req.prompt_tokens, spec.block_tokens)
+        missing_tokens = max(0, n_blocks - hit_blocks) * spec.block_tokens
+        cost = self._cluster.link_cost if self._cluster is not None else _default_link_cost
+        latency, bandwidth = cost(remote.spec.link, spec.link)
+        # Link costs are wall-clock seconds, not scaled by TimeModel.speed: the router is configured with
+        # the same link table (loadtests/cluster.py) and must predict the same transfer time.
+        delay = latency + missing_tokens * spec.kv_bytes_per_token / bandwidth
+        self.stats.kv_tokens_transferred += missing_tokens
+        req.state = "transfer"
+        self._transfer.add(req)
+        req.timer = asyncio.get_running_loop().call_later(delay, self._transfer_done, req)
+
+    def _transfer_done(self, req: _Request) -> None:
+        req.timer = None
+        if req.state != "transfer":
+            return
+        self._transfer.discard(req)
+        self._cache_insert(req.block_keys, req.token_ids)
+        # vLLM's decode side treats the transferred full blocks as computed and recomputes the tail.
+        transferred = min(len(req.block_keys) * self.spec.block_tokens, req.prompt_tokens - 1)
+        req.computed = max(req.computed, transferred)
+        req.cached_tokens = req.computed
+        req.remote = None
+        self.stats.remote_prefills_received += 1
+        req.state = "running"
+        self._running.append(req)
+        self._wake.set()
+
+    def _preempt(self, victim: _Request) -> None:
+        # Recompute-style preemption: free everything, go back to the head of the queue.
+        self._running.remove(victim)
+        self._free_request_blocks(victim)
+        victim.computed = 0
+        victim.target = victim.prompt_tokens + victim.generated
+        victim.state = "waiting"
+        self._waiting.appendleft(victim)
+        self.stats.preemptions += 1
+
+    def _grow(self, req: _Request) -> bool:
+        """Make room for the token ``req`` emits this step; False when ``req`` itself was preempted."""
+        need = self._private_blocks(req) - req.blocks
+        while need > self._free_blocks():
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.blocks += need
+            self._held += need
+            self._trim_cache()
+        return True
+
+    def _drop(self, req: _Request) -> None:
+        """Free a request that ended (finished, client gone or cancelled)."""
+        state, req.state = req.state, "done"
+        if req.timer is not None:
+            req.timer.cancel()
+            req.timer = None
+        if state == "waiting":
+            self._waiting.remove(req)
+        elif state == "transfer":
+            self._transfer.discard(req)
+        elif state == "running":
+            self._running.remove(req)
+        self._free_request_blocks(req)
+        self._trim_cache()
+
+    def _emit(self, req: _Request, now: float) -> None:
+        i = req.generated
+        req.generated += 1
+        self.stats.generation_tokens += 1
+        if req.first_token_at is None:
+            req.first_token_at = now
+            ttft = now - req.arrival
+            self._ttft_sum += ttft
+            self._ttft_counts[bisect.bisect_left(TTFT_BUCKETS, ttft)] += 1
+        req.out.put_nowait(_token_text(i))
+        if req.generated >= req.max_tokens:
+            self.stats.requests_served += 1
+            req.out.put_nowait(None)
+            self._drop(req)
+
+    async def _batch_loop(self) -> None:
+        spec = self.spec
+        tm = spec.time
+        while True:
+            self._admit()
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            budget = tm.max_prefill_tokens_per_step
+            prefill: list[tuple[_Request, int]] = []
+            decoding: list[_Request] = []
+            for req in list(self._running):
+                if req.state != "running":
+                    continue  # preempted by an earlier request's growth in this same step
+                if req.computed < req.target:
+                    n = min(budget, req.target - req.computed)
+                    if n > 0:
+                        budget -= n
+                        prefill.append((req, n))
+                elif self._grow(req):
+                    decoding.append(req)
+            prefill_tokens = sum(n for req, n in prefill if req.state == "running")
+            n_decoding = sum(1 for req in decoding if req.state == "running")
+            step = (
+                tm.step_base_s
+                + tm.prefill_s_per_token * prefill_tokens
+                + tm.decode_s_per_seq * n_decoding
+                + tm.kv_s_per_token * self._held * spec.block_tokens
+            ) / tm.speed
+            await asyncio.sleep(step)
+            now = time.monotonic()
+            for req, n in prefill:
+                if req.state != "running":
+                    continue  # client left or preempted while the step ran
+                req.computed += n
+                self.stats.prefill_tokens_computed += n
+                if req.computed >= req.target:
+                    self._cache_insert(req.block_keys, req.token_ids)
+                    self._emit(req, now)
+            for req in decoding:
+                if req.state == "running":
+                    self._emit(req, now)
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition with vLLM's metric names, written directly for cheap scrapes."""
+        spec = self.spec
+        s = self.stats
+        lbl = f'engine="0",model_name="{spec.model}"'
+        usage = self._held / spec.num_gpu_blocks
+        cache_labels = (
+            f'block_size="{spec.block_tokens}",cache_dtype="auto",enable_prefix_caching="True",'
+            f'engine="0",gpu_memory_utilization="0.9",model_name="{spec.model}",num_cpu_blocks="0",'
+            f'num_gpu_blocks="{spec.num_gpu_blocks}",prefix_caching_hash_algo="{spec.hash_algo}"'
+        )
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{lbl}}} {float(self.num_running)}",
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{lbl}}} {float(self.num_waiting)}",
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{lbl}}} {usage!r}",
+            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+            "# TYPE vllm:cache_config_info gauge",
+            f"vllm:cache_config_info{{{cache_labels}}} 1.0",
+        ]
+        counters = (
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                s.prefix_cache_queries,
+                "",
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                s.prefix_cache_hits,
+                "",
+            ),
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens, ""),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens, ""),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.preemptions, ""),
+            (
+                "vllm:request_success",
+                "Count of successfully processed requests.",
+                s.requests_served,
+                'finished_reason="length",',
+            ),
+        )
+        for name, help_text, value, extra in counters:
+            labels = f'engine="0",{extra}model_name="{spec.model}"'
+            lines += [
+                f"# HELP {name}_total {help_text}",
+                f"# TYPE {name}_total counter",
+                f"{name}_total{{{labels}}} {float(value)}",
+            ]
+        name = "vllm:time_to_first_token_seconds"
+        lines += [f"# HELP {name} Histogram of time to first token in seconds.", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip(TTFT_BUCKETS, self._ttft_counts, strict=False):
+            cumulative += count
+            lines.append(f'{name}_bucket{{{lbl},le="{bound!r}"}} {float(cumulative)}')
+        cumulative += self._ttft_counts[-1]
+        lines += [
+            f'{name}_bucket{{{lbl},le="+Inf"}} {float(cumulative)}',
+            f"{name}_count{{{lbl}}} {float(cumulative)}",
+            f"{name}_sum{{{lbl}}} {self._ttft_sum!r}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+def _port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _default_link_cost(link_a: str, link_b: str) -> tuple[float, float]:
+    return DEFAULT_LINK_COST
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+_ERROR_TYPES: Mapping[int, str] = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def _error(status: int, message: str) -> web.Response:
+    """vLLM's OpenAI-style error body."""
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "Error"),
+            "param": None,
+            "code": status,
+        }
+    }
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+class SimCluster:
+    """A set of simulated engines served from this event loop, with crash and restart controls."""
+
+    def __init__(
+        self, specs: Sequence[EngineSpec], link_cost: LinkCost | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        names = [spec.name for spec in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}")
+        self._specs = list(specs)
+        self._link_cost = link_cost or _default_link_cost
+        self._host = host
+        self._engines: dict[str, SimEngine] = {}
+
+    @property
+    def engines(self) -> dict[str, SimEngine]:
+        """Engines by name (a copy; a revived engine is a new object)."""
+        return dict(self._engines)
+
+    def address(self, name: str) -> str:
+        return f"{self._host}:{self._engines[name].port}"
+
+    def link_cost(self, link_a: str, link_b: str) -> tuple[float, float]:
+        return self._link_cost(link_a, link_b)
+
+    def find_remote(self, params: Mapping[str, Any]) -> SimEngine | None:
+        """The live engine named by NIXL ``kv_transfer_params`` (by port first, then engine id)."""
+        port = params.get("remote_port")
+        engine_id = params.get("remote_engine_id")
+        for engine in self._engines.values():
+            if engine.alive and port is not None and engine.port == port:
+                return engine
+        engine = self._engines.get(engine_id) if isinstance(engine_id, str) else None
+        return engine if engine is not None and engine.alive else None
+
+    async def start(self) -> None:
+        try:
+            for spec in self._specs:
+                engine = SimEngine(spec, self)
+                await engine.start(self._host)
+                self._engines[spec.name] = engine
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        for engine in self._engines.values():
+            await engine.shutdown()
+
+    async def kill(self, name: str) -> None:
+        """Crash the engine: in-flight streams are cut and new connections refused."""
+        await self._engines[name].shutdown()
+
+    async def revive(self, name: str) -> None:
+        """Start the engine again on the same port with an empty cache and fresh counters."""
+        old = self._engines[name]
+        await old.shutdown()
+        kv_ports = old.kv_ports
+        # Same HTTP and KV-event ports; the new publisher's seq restarts at 0 (a new incarnation).
+        spec = replace(old.spec, port=old.port, kv_events_port=kv_ports[0], kv_replay_port=kv_ports[1])
+        engine = SimEngine(spec, self)
+        await engine.start(self._host)
+        self._engines[name] = engine
+
+    async def __aenter__(self) -> SimCluster:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+async def run_sim(specs: Sequence[EngineSpec], link_cost: LinkCost | None = None) -> None:
+    """Serve the simulated engines until cancelled."""
+    async with SimCluster(specs, link_cost) as cluster:
+        for name, engine in cluster.engines.items():
+            log.info(
+                "sim engine %s role=%s link=%s model=%s at %s",
+                name,
+                engine.spec.role,
+                engine.spec.link,
+                engine.spec.model,
+                cluster.address(name),
+            )
+        await asyncio.Event().wait()
+
+
+def _lower_headers(request: web.Request) -> dict[str, str]:
+    # Header names are case-insensitive on the wire; lower-case them so tests can index reliably.
+    return {name.lower(): value for name, value in request.headers.items()}

@@ -1,0 +1,1 @@
+"""Seeded workloads and the open-loop client that replays them."""

@@ -1,0 +1,146 @@
+"""Open-loop load client: sends a workload at its arrival times, measures TTFT/TPOT per request."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+from loadtests.workloads.generate import WorkItem, Workload
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool
+    status: int
+    ttft_s: float = float("nan")
+    tpot_s: float = float("nan")
+    latency_s: float = float("nan")
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    decode: str = ""
+    prefill: str = ""
+    reason: str = ""
+    error: str = ""
+
+
+@dataclass(slots=True)
+class Summary:
+    name: str
+    results: list[Result] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> list[Result]:
+        return [r for r in self.results if r.ok]
+
+    def pct(self, attr: str, q: float) -> float:
+        values = sorted(getattr(r, attr) for r in self.ok if getattr(r, attr) == getattr(r, attr))
+        if not values:
+            return float("nan")
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    def median(self, attr: str) -> float:
+        values = [getattr(r, attr) for r in self.ok if getattr(r, attr) == getattr(r, attr)]
+        return statistics.median(values) if values else float("nan")
+
+    @property
+    def hit_rate(self) -> float:
+        prompt = sum(r.prompt_tokens for r in self.ok)
+        return sum(r.cached_tokens for r in self.ok) / prompt if prompt else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per second over the whole run."""
+        return sum(r.completion_tokens for r in self.ok) / self.wall_s if self.wall_s else 0.0
+
+    def pairs(self) -> Counter[str]:
+        return Counter(f"{r.prefill or '-'} -> {r.decode}" for r in self.ok)
+
+
+def _has_text(choice: dict) -> bool:
+    return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+
+
+async def send(session: aiohttp.ClientSession, base_url: str, item: WorkItem) -> Result:
+    """One streaming request; TTFT is the first content chunk, TPOT the mean gap after it."""
+    started = time.perf_counter()
+    first = last = 0.0
+    chunks = 0
+    usage: dict = {}
+    try:
+        async with session.post(base_url + item.path, json=item.body) as resp:
+            decode = resp.headers.get("x-pd-router-decode", "")
+            prefill = resp.headers.get("x-pd-router-prefill", "")
+            reason = resp.headers.get("x-pd-router-reason", "")
+            if resp.status != 200:
+                return Result(False, resp.status, error=(await resp.text())[:200])
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                event = orjson.loads(line[6:])
+                if "error" in event:
+                    return Result(False, resp.status, error=str(event["error"]))
+                if event.get("usage"):
+                    usage = event["usage"]
+                if any(_has_text(choice) for choice in event.get("choices") or ()):
+                    # The first chat chunk is an empty role delta sent before any work: not a token.
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    chunks += 1
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return Result(False, 0, error=type(exc).__name__)
+    if not chunks:
+        return Result(False, 200, error="no tokens")
+    details = usage.get("prompt_tokens_details") or {}
+    return Result(
+        True,
+        200,
+        ttft_s=first - started,
+        tpot_s=(last - first) / (chunks - 1) if chunks > 1 else float("nan"),
+        latency_s=last - started,
+        prompt_tokens=usage.get("prompt_tokens", 0),
+        cached_tokens=details.get("cached_tokens", 0) or 0,
+        completion_tokens=usage.get("completion_tokens", chunks),
+        decode=decode,
+        prefill=prefill,
+        reason=reason,
+    )
+
+
+async def run_workload(
+    base_url: str,
+    workload: Workload,
+    *,
+    name: str | None = None,
+    timeout_s: float = 300.0,
+    on_done: Callable[[Result], None] | None = None,
+) -> Summary:
+    """Send every item at its arrival time (open loop) and wait for all of them."""
+    summary = Summary(name or workload.name)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as session:
+        start = time.perf_counter()
+
+        async def one(item: WorkItem) -> None:
+            delay = item.at_s - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            result = await send(session, base_url, item)
+            summary.results.append(result)
+            if on_done is not None:
+                on_done(result)
+
+        await asyncio.gather(*(one(item) for item in workload.items))
+        summary.wall_s = time.perf_counter() - start
+    return summary

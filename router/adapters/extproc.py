@@ -1,0 +1,488 @@
+"""Envoy ext_proc endpoint picker: the Gateway API InferencePool protocol over ``RequestFlow``.
+
+One gRPC stream per HTTP request. ``ExtProcStream`` is the per-stream state machine, pure and
+synchronous (``on_message`` returns the responses to send), so it is tested with hand-built
+``ProcessingRequest`` sequences; ``ExtProcCall`` pumps a call's messages through it, pauses while
+the flow prepares (tokenizing, a shared-index lookup) and closes the flight in one place. The
+gRPC transport is ``router.transport.h2grpc``.
+
+What Envoy gets for a routed request (both, with the same single ``ip:port``):
+``x-gateway-destination-endpoint`` in the header mutation and ``envoy.lb`` dynamic metadata, plus
+``clear_route_cache``. A P/D decision adds ``x-prefiller-host-port`` (the decode pod's sidecar runs
+the prefill leg). Client copies of every routing header we own are removed when we do not set
+them. Client mistakes are ``ImmediateResponse``s with a JSON body, never gRPC errors.
+
+Body modes, detected from the first message's ``protocol_config``:
+
+* ``FULL_DUPLEX_STREAMED`` (the InferencePool protocol): the headers answer is deferred until the
+  body is complete, then the body goes back as ``streamed_response`` chunks of ≤ 62,000 bytes.
+* ``BUFFERED`` (and ``BUFFERED_PARTIAL``): headers answered at once; Envoy sends the buffered body
+  as one message (``end_of_stream`` is false when trailers follow) and routing rides on its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
+
+from router.adapters.health import HealthState
+from router.config import ExtProcConfig
+from router.flow import ROUTED, Flight, RequestFlow
+from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUBSET, PREFILLER, ROUTER_HEADERS
+from router.picker import RouteDecision
+from router.rejections import BadRequest, BodyTooLarge, Rejection
+from router.transport.h2grpc import INTERNAL, INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer
+
+log = logging.getLogger(__name__)
+
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+LB_NAMESPACE = "envoy.lb"
+MAX_CHUNK = 62_000  # per streamed_response message (the reference EPP's limit)
+PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+_Mode = processing_mode_pb2.ProcessingMode
+FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
+BUFFERED = _Mode.BUFFERED
+_WHOLE_BODY_MODES = (_Mode.BUFFERED, _Mode.BUFFERED_PARTIAL)
+
+
+@dataclass(frozen=True, slots=True)
+class ExtProcSettings:
+    response_processing: bool
+    # Without response processing the stream closes once routed; the reservation then lapses
+    # after the predicted duration of the request (capped), since no end-of-response will come.
+    max_unobserved_s: float = 600.0
+
+
+class ExtProcStream:
+    """Protocol state of one ext_proc stream. ``on_message`` never awaits."""
+
+    def __init__(
+        self,
+        flow: RequestFlow,
+        settings: ExtProcSettings,
+        later: Callable[[float, Callable[[], None]], object] | None = None,
+    ) -> None:
+        self.flow = flow
+        self.settings = settings
+        self.later = later
+        self.flight: Flight | None = None
+        self.mode: int | None = None
+        self.response_mode: int = _Mode.NONE
+        self.subset: frozenset[str] | None = None
+        self.body = bytearray()
+        self.body_done = False  # the request body is complete (end_of_stream, trailers, or buffered)
+        self.trailers = False
+        self.engine_response = False
+        self.finished = False  # True once we want the stream closed (answered everything we will)
+
+    @property
+    def decision(self) -> RouteDecision | None:
+        return None if self.flight is None else self.flight.decision
+
+    # -- the state machine ----------------------------------------------------------------------
+    def on_message(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = message.WhichOneof("request")
+        if self.mode is None:
+            self.mode = _body_mode(message)
+            self.response_mode = message.protocol_config.response_body_mode
+        if kind == "request_headers":
+            return self._on_request_headers(message)
+        if kind == "request_body":
+            return self._on_request_body(message.request_body)
+        if kind == "request_trailers":
+            return self._on_request_trailers()
+        if kind == "response_headers":
+            return self._on_response_headers(message)
+        if kind == "response_body":
+            return self._on_response_body(message.response_body)
+        if kind == "response_trailers":
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        log.warning("ext_proc: ignoring unexpected message %r", kind)
+        return []
+
+    def parse_if_complete(self, message: pb.ProcessingRequest) -> bool:
+        """Parse the request if ``message`` completes its body: True when it then needs preparing.
+
+        Lets ``ExtProcCall`` run the flow's producers before the synchronous ``on_message`` picks;
+        a body that does not parse is left for ``on_message`` to reject.
+        """
+        if self.flight is None or self.flight.request is not None or self.finished:
+            return False
+        kind = message.WhichOneof("request")
+        if kind == "request_body" and (message.request_body.end_of_stream or self.mode in _WHOLE_BODY_MODES):
+            raw = bytes(self.body) + message.request_body.body
+        elif kind == "request_trailers":
+            raw = bytes(self.body)
+        else:
+            return False
+        try:
+            self.flight.parse(raw, self.subset)
+        except Rejection:
+            return False
+        return True
+
+    def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        headers = {
+            h.key.lower(): h.raw_value.decode("utf-8", "replace") or h.value
+            for h in message.request_headers.headers.headers
+        }
+        self.flight = self.flow.start(headers)
+        try:
+            self.subset = _subset_hint(message.metadata_context)
+        except BadRequest as rejection:
+            return self._reject(rejection)
+        if message.request_headers.end_of_stream:
+            self.flight.headers_only(self.subset)
+            return self._route()
+        if self.mode in _WHOLE_BODY_MODES:
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+        return []  # FULL_DUPLEX: answer once the body is known
+
+    def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.body_done or self.finished:
+            return []
+        self.body += body.body
+        if len(self.body) > self.flow.limits.max_body_bytes:
+            limit = self.flow.limits.max_body_bytes
+            return self._reject(BodyTooLarge(f"request body is over the limit of {limit} bytes"))
+        # A buffered body is whole in one message, even when trailers follow (end_of_stream false).
+        if body.end_of_stream or self.mode in _WHOLE_BODY_MODES:
+            return self._on_body_complete()
+        return []
+
+    def _on_request_trailers(self) -> list[pb.ProcessingResponse]:
+        self.trailers = True
+        if self.finished:
+            return []
+        if self.body_done:  # routed on the buffered body already: just let the trailers through
+            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        return self._on_body_complete()
+
+    def _on_body_complete(self) -> list[pb.ProcessingResponse]:
+        self.body_done = True
+        assert self.flight is not None
+        if self.flight.request is None:
+            try:
+                self.flight.parse(bytes(self.body), self.subset)
+            except Rejection as rejection:
+                return self._reject(rejection)
+        return self._route()
+
+    def _route(self) -> list[pb.ProcessingResponse]:
+        assert self.flight is not None and self.flight.request is not None
+        try:
+            decision = self.flight.pick()
+        except Rejection as rejection:
+            return self._reject(rejection)
+        common = pb.CommonResponse(header_mutation=_routing_mutation(decision), clear_route_cache=True)
+        metadata = _destination_metadata(decision)
+        if not self.body_done:  # a request without a body: route on its headers
+            out = [
+                pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
+                )
+            ]
+        elif self.mode in _WHOLE_BODY_MODES:
+            out = [
+                pb.ProcessingResponse(
+                    request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
+                )
+            ]
+            if self.trailers:
+                out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+        else:
+            out = [
+                pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
+                )
+            ]
+            out.extend(_streamed_body(bytes(self.body), end_of_stream=not self.trailers))
+            if self.trailers:
+                out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+        self.body = bytearray()
+        self._after_routing()
+        return out
+
+    def _after_routing(self) -> None:
+        # Closing the stream early while Envoy streams the response to us in FULL_DUPLEX mode
+        # loses response bodies (seen with Envoy 1.40 under load): then we follow the response.
+        if self.settings.response_processing or self.response_mode == FULL_DUPLEX:
+            return
+        # Nothing more will tell us when this request ends: close now, let the charge lapse after
+        # the predicted duration so the pool's view of load stays roughly right.
+        assert self.flight is not None and self.flight.request is not None
+        self.finished = True
+        self.flight.outcome = ROUTED
+        decision = self.flight.hand_over()
+        assert decision is not None
+        b = decision.breakdown
+        expected = b.get("ttft_s", 0.0) + self.flight.request.max_tokens * b.get("tpot_s", 0.0)
+        reservation = decision.reservation
+        if self.later is None:
+            reservation.release()
+        else:
+            reservation.finish_prefill()
+            self.later(min(expected, self.settings.max_unobserved_s), reservation.release)
+
+    def _on_response_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        status = _status(message.response_headers.headers) or 0
+        decision = self.decision
+        # Envoy's own replies (413, 503 no healthy upstream, a connect failure, ...) also come down
+        # the response path. They are told apart when Envoy reports who answered (served-endpoint
+        # metadata or the upstream.address attribute, as in examples/envoy/); without either, the
+        # status alone decides the outcome (an Envoy 503 is then counted as http_5xx, never ok).
+        served = _served_endpoint(message)
+        self.engine_response = decision is not None and served in (None, decision.decode.address)
+        if self.flight is not None:
+            self.flight.responded(status, gateway_reply=decision is not None and not self.engine_response)
+        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+
+    def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.flight is not None:
+            self.flight.prefill_done()  # the first byte: prefill is over
+        if self.mode != FULL_DUPLEX:
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+        if body.end_of_stream and self.flight is not None:
+            self.flight.close()
+        mutation = pb.BodyMutation(
+            streamed_response=pb.StreamedBodyResponse(body=body.body, end_of_stream=body.end_of_stream)
+        )
+        return [
+            pb.ProcessingResponse(
+                response_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+            )
+        ]
+
+    def _reject(self, rejection: Rejection) -> list[pb.ProcessingResponse]:
+        self.finished = True
+        if self.flight is None:
+            self.flight = self.flow.start({})
+        answer = self.flight.reject(rejection)
+        immediate = pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=answer.status),
+            headers=pb.HeaderMutation(set_headers=[_header(k, v) for k, v in answer.headers.items()]),
+            body=answer.body,
+            details=f"pd_router_{rejection.code}",
+        )
+        return [pb.ProcessingResponse(immediate_response=immediate)]
+
+    def close(self) -> None:
+        """The stream ended (clean close, cancel, reset): give back whatever is still charged."""
+        if self.flight is not None:
+            self.flight.close()
+
+
+class ExtProcCall:
+    """One ``Process`` call on the gRPC server: pumps its messages through an ``ExtProcStream``.
+
+    Messages are handled as they arrive, synchronously. When the body is complete and the flow has
+    I/O to do before the pick, the call pauses in a task and queues what arrives meanwhile. The
+    flight is closed in ``_close``, reached once.
+    """
+
+    def __init__(self, call: Call, stream: ExtProcStream) -> None:
+        self.call = call
+        self.stream = stream
+        self.paused: deque[pb.ProcessingRequest] | None = None  # messages held while preparing
+        self.task: asyncio.Task[None] | None = None
+        self.ended = False
+        self.closed = False
+
+    def on_message(self, data: bytes) -> None:
+        try:
+            message = pb.ProcessingRequest.FromString(data)
+        except DecodeError:
+            log.warning("ext_proc: malformed ProcessingRequest (%d bytes); failing the stream", len(data))
+            self.call.finish(INVALID_ARGUMENT, "malformed ProcessingRequest")
+            self._close()
+            return
+        if self.paused is not None:
+            self.paused.append(message)
+        else:
+            self._handle(message)
+
+    def on_end(self) -> None:
+        self.ended = True
+        if self.paused is None:
+            self.call.finish()
+            self._close()
+
+    def on_cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        self._close()
+
+    def _handle(self, message: pb.ProcessingRequest, *, prepared: bool = False) -> None:
+        stream = self.stream
+        if not prepared and stream.flow.prepares and stream.parse_if_complete(message):
+            self.paused = deque()
+            self.task = asyncio.get_running_loop().create_task(self._prepare_then(message))
+            return
+        for response in stream.on_message(message):
+            self.call.send(response.SerializeToString())
+        if stream.finished:
+            self.call.finish()  # a clean close: Envoy goes on without us
+            self._close()
+
+    async def _prepare_then(self, message: pb.ProcessingRequest) -> None:
+        flight = self.stream.flight
+        assert flight is not None and flight.request is not None
+        await self.stream.flow.prepare(flight.request)
+        held, self.paused = self.paused or deque(), None
+        try:
+            if not self.closed:
+                self._handle(message, prepared=True)
+            while held and not self.closed:
+                self._handle(held.popleft())
+        except Exception:  # on the transport's own path its dispatcher does this; here we must
+            log.exception("ext_proc: routing request %s failed", flight.request.request_id)
+            self.call.finish(INTERNAL, "internal error")
+            self._close()
+            return
+        if self.ended and not self.closed:  # the half-close arrived while we were preparing
+            self.call.finish()
+            self._close()
+
+    def _close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.stream.close()
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def _body_mode(message: pb.ProcessingRequest) -> int:
+    if message.HasField("protocol_config"):
+        return message.protocol_config.request_body_mode
+    return FULL_DUPLEX  # what the InferencePool protocol requires
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def _routing_mutation(decision: RouteDecision) -> pb.HeaderMutation:
+    routing = {DESTINATION: decision.decode.address}
+    if decision.prefill is not None:
+        routing[PREFILLER] = decision.prefill.address
+    return pb.HeaderMutation(
+        set_headers=[_header(k, v) for k, v in routing.items()],
+        remove_headers=[name for name in ROUTER_HEADERS if name not in routing],
+    )
+
+
+def _destination_metadata(decision: RouteDecision) -> struct_pb2.Struct:
+    metadata = struct_pb2.Struct()
+    metadata.update({LB_NAMESPACE: {DESTINATION: decision.decode.address}})
+    return metadata
+
+
+def _streamed_body(body: bytes, *, end_of_stream: bool) -> Iterable[pb.ProcessingResponse]:
+    chunks = [body[i : i + MAX_CHUNK] for i in range(0, len(body), MAX_CHUNK)] or [b""]
+    for i, chunk in enumerate(chunks):
+        last = end_of_stream and i == len(chunks) - 1
+        streamed = pb.StreamedBodyResponse(body=chunk, end_of_stream=last)
+        common = pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed))
+        yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+
+
+def _subset_hint(metadata: Any) -> frozenset[str] | None:
+    """The ``envoy.lb.subset_hint`` list (or comma string); ``None`` when absent."""
+    namespace = metadata.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or DESTINATION_SUBSET not in namespace.fields:
+        return None
+    value = namespace.fields[DESTINATION_SUBSET]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        entries = [v.string_value for v in value.list_value.values]
+    elif kind == "string_value":
+        entries = value.string_value.split(",")
+    else:
+        raise BadRequest(
+            f"metadata {SUBSET_NAMESPACE}.{DESTINATION_SUBSET} must be a list of ip:port strings"
+        )
+    return frozenset(e.strip() for e in entries if e.strip())
+
+
+def _served_endpoint(message: pb.ProcessingRequest) -> str | None:
+    """Which ``ip:port`` answered: the served-endpoint metadata, else Envoy's upstream.address."""
+    namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if namespace is not None and DESTINATION_SERVED in namespace.fields:
+        return namespace.fields[DESTINATION_SERVED].string_value
+    attributes = message.attributes.get("envoy.filters.http.ext_proc")
+    if attributes is not None and "upstream.address" in attributes.fields:
+        return attributes.fields["upstream.address"].string_value
+    return None
+
+
+def _status(headers: Any) -> int | None:
+    for header in headers.headers:
+        if header.key == ":status":
+            value = header.raw_value.decode() or header.value
+            return int(value) if value.isdigit() else None
+    return None
+
+
+class ExtProcListener:
+    """The ext_proc server and its separate gRPC health server, listening while the context is open.
+
+    Leaving it drains: the ext_proc server lets open streams finish up to ``grace_s``, then the
+    health server stops.
+    """
+
+    def __init__(self, flow: RequestFlow, config: ExtProcConfig, health: HealthState) -> None:
+        self.flow = flow
+        self.config = config
+        self.health = health
+        self.settings = ExtProcSettings(response_processing=config.response_processing)
+        self.port: int | None = None
+        self.health_port: int | None = None
+        self._servers: list[tuple[H2GrpcServer, float | None]] = []
+
+    async def __aenter__(self) -> ExtProcListener:
+        cfg, flow, health = self.config, self.flow, self.health
+        loop = asyncio.get_running_loop()
+
+        def process(call: Call) -> CallHandler:
+            return ExtProcCall(call, ExtProcStream(flow, self.settings, loop.call_later))
+
+        # A whole buffered body arrives as one message: the cap sits above the body limit, so an
+        # oversized body is our 413, not a gRPC error.
+        max_message = max(4 * 1024 * 1024, flow.limits.max_body_bytes + 64 * 1024)
+        # Health on the ext_proc port too: Envoy health-checks the cluster endpoint it connects to.
+        server = H2GrpcServer(
+            {PROCESS_METHOD: process, **health.methods()},
+            max_concurrent_streams=cfg.max_concurrent_streams,
+            max_message_bytes=max_message,
+        )
+        health_server = H2GrpcServer(health.methods())
+        try:
+            self.port = await server.start(cfg.host, cfg.port)
+            self._servers.append((server, cfg.grace_s))
+            self.health_port = await health_server.start(cfg.host, cfg.health_port)
+            self._servers.append((health_server, None))
+        except BaseException:
+            await self.__aexit__()
+            raise
+        log.info("ext_proc listening on %s:%s, gRPC health on %s", cfg.host, self.port, self.health_port)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        # The ext_proc server drains open streams first, then health goes.
+        for server, grace in self._servers:
+            await server.stop(grace)
+        self._servers.clear()

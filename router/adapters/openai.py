@@ -1,0 +1,199 @@
+"""The standalone OpenAI-compatible proxy: HTTP in, ``RequestFlow`` calls, the two-leg exchange out.
+
+The adapter reads the body, runs the flow (parse → prepare → pick), forwards through
+``router.http.exchange.TwoLegExchange`` with failover (prefill → next prefill pod, or local
+prefill; decode before the first byte → next decode pod; after it → an SSE error event), and
+closes the flight in one ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from router.config import ProxyConfig
+from router.flow import Flight, RequestFlow
+from router.http.client_io import answer_response, read_body
+from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
+from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
+from router.rejections import Rejection, UpstreamFailed
+from router.request import COMPLETION_PATHS
+
+log = logging.getLogger(__name__)
+
+
+class Proxy:
+    """aiohttp handlers for the OpenAI-compatible surface."""
+
+    def __init__(
+        self,
+        flow: RequestFlow,
+        exchange: TwoLegExchange,
+        ready: Callable[[], bool],
+        *,
+        debug_headers: bool = False,
+    ) -> None:
+        self.flow = flow
+        self.exchange = exchange
+        self.ready = ready
+        self.debug_headers = debug_headers
+        self.max_body_bytes = flow.limits.max_body_bytes
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes + 1)
+        for path in sorted(COMPLETION_PATHS):
+            app.router.add_post(path, self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        return app
+
+    async def models(self, _: web.Request) -> web.Response:
+        model = {
+            "id": self.flow.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "pd-router",
+        }
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": [model]}), content_type="application/json"
+        )
+
+    async def health(self, _: web.Request) -> web.Response:
+        if self.ready() and len(self.flow.picker.pool.candidate_slots()):
+            return web.Response(text="ok")
+        return web.Response(status=503, text="no admitted endpoint with fresh metrics")
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        body, content_type = self.flow.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        flight = self.flow.start(request.headers)
+        try:
+            route = flight.parse(await read_body(request, self.max_body_bytes))
+            if self.flow.prepares:
+                await self.flow.prepare(route)
+            flight.pick()
+            return await self._forward(request, flight)
+        except Rejection as rejection:
+            return answer_response(flight.reject(rejection))
+        except (ConnectionResetError, asyncio.CancelledError):
+            flight.outcome = "client_gone"
+            raise
+        finally:
+            flight.close()
+
+    async def _forward(self, request: web.Request, flight: Flight) -> web.StreamResponse:
+        route, decision = flight.request, flight.decision
+        assert route is not None and decision is not None
+        headers = forwardable(request.headers)
+        headers["X-Request-Id"] = route.request_id
+        leg = Leg(request.path, headers)
+        kv_params = await self._prefill(flight, leg) if decision.prefill is not None else None
+        data = decode_body(route.body, kv_params) if kv_params is not None else await request.read()
+        last_error: UpstreamError | None = None
+        for endpoint in [decision.decode, *decision.decode_fallbacks]:
+            if endpoint is not decision.decode:
+                flight.retarget(decode=endpoint)
+            try:
+                return await self.exchange.decode(
+                    endpoint.address,
+                    leg,
+                    data,
+                    lambda upstream: self._start_response(request, upstream, flight),
+                    flight.prefill_done,
+                )
+            except UpstreamError as exc:
+                last_error = exc
+                flight.upstream_failed(endpoint, exc.reason, connect=exc.connect)
+        assert last_error is not None
+        raise UpstreamFailed(f"every decode endpoint tried failed; last: {last_error}")
+
+    async def _prefill(self, flight: Flight, leg: Leg) -> Any:
+        route, decision = flight.request, flight.decision
+        assert route is not None and decision is not None and decision.prefill is not None
+        for endpoint in [decision.prefill, *decision.prefill_fallbacks]:
+            if endpoint is not decision.prefill:
+                flight.retarget(prefill=endpoint)
+            try:
+                params = await self.exchange.prefill(endpoint.address, leg, route.body)
+            except UpstreamError as exc:
+                flight.upstream_failed(endpoint, exc.reason, connect=exc.connect)
+                continue
+            flight.prefill_done()
+            return params
+        # Every prefill pod failed: the decode pod computes the prompt itself (slower, not lost).
+        log.warning("request %s: every prefill leg failed; decoding with local prefill", route.request_id)
+        self.flow.metrics.prefill_fallback_local.inc()
+        return None
+
+    async def _start_response(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, flight: Flight
+    ) -> web.StreamResponse:
+        flight.responded(upstream.status)
+        decision, route = flight.decision, flight.request
+        assert decision is not None and route is not None
+        response = web.StreamResponse(status=upstream.status)
+        for name in ("Content-Type", "Cache-Control"):
+            if name in upstream.headers:
+                response.headers[name] = upstream.headers[name]
+        response.headers["X-Request-Id"] = route.request_id
+        if self.debug_headers:
+            response.headers[DEBUG_DECODE] = decision.decode.id
+            if decision.prefill is not None:
+                response.headers[DEBUG_PREFILL] = decision.prefill.id
+            response.headers[DEBUG_REASON] = decision.reason
+        await response.prepare(request)
+        return response
+
+
+class ProxyListener:
+    """The proxy listening on ``config.host:port`` (``.port`` is the bound one) while the context is
+    open; leaving it stops accepting and lets in-flight streams finish up to ``drain_timeout_s``."""
+
+    def __init__(
+        self,
+        flow: RequestFlow,
+        session: aiohttp.ClientSession,
+        config: ProxyConfig,
+        ready: Callable[[], bool],
+    ) -> None:
+        exchange = TwoLegExchange(session, config.connect_timeout_s, config.request_timeout_s)
+        self.proxy = Proxy(flow, exchange, ready, debug_headers=config.debug_headers)
+        self.config = config
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def __aenter__(self) -> ProxyListener:
+        cfg = self.config
+        # handler_cancellation: a client that hangs up cancels the engine calls, freeing their KV.
+        runner = web.AppRunner(
+            self.proxy.app(), handler_cancellation=True, access_log=None, shutdown_timeout=cfg.drain_timeout_s
+        )
+        await runner.setup()
+        self._runner = runner
+        try:
+            await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self.port = runner.addresses[0][1]
+        log.info(
+            "proxy listening on http://%s:%s (%d endpoints)",
+            cfg.host,
+            self.port,
+            len(self.proxy.flow.picker.pool.endpoints),
+        )
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()

@@ -1,0 +1,85 @@
+"""From a validated ``PoolConfig`` to the domain objects, units converted once (ms → s, GB/s → B/s).
+
+Part of the composition root with ``router.app`` and ``router.cli``: the domain modules below take
+plain values in seconds and never see the configuration's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvindex.base import PrefixIndex
+from router.config import PoolConfig
+from router.filters import SubsetHint
+from router.picker import Picker, PickerSettings
+from router.pool import Pool
+from scorers.base import EngineModel, Objectives
+from scorers.cost import CostModel, WeightedTerm
+from scorers.link import LinkCosts
+from scorers.pair_pickers import POLICIES
+from scorers.registry import load_term
+
+
+def pool_from(config: PoolConfig) -> Pool:
+    pool = Pool(
+        stale_after_s=config.scrape.stale_after_ms / 1000.0,
+        eject_after_failures=config.scrape.eject_after_failures,
+    )
+    for endpoint in config.endpoints:
+        pool.add(endpoint)
+    return pool
+
+
+def cost_model_from(config: PoolConfig) -> CostModel:
+    engine = config.engine
+    links = config.links
+    return CostModel(
+        objectives=Objectives(
+            ttft_slo_s=config.slo.ttft_ms / 1000.0,
+            tpot_slo_s=config.slo.tpot_ms / 1000.0,
+            kv_soft_threshold=config.picker.kv_soft_threshold,
+            max_wait_skew_s=config.picker.max_wait_skew_ms / 1000.0,
+            prefix_trust=config.weight("prefix"),
+        ),
+        model=EngineModel(
+            prefill_tokens_per_s=engine.prefill_tokens_per_s,
+            decode_step_base_s=engine.decode_step_base_ms / 1000.0,
+            pd_leg_overhead_s=engine.pd_leg_overhead_ms / 1000.0,
+            decode_s_per_seq=engine.decode_ms_per_seq / 1000.0,
+            decode_s_per_kv_token=engine.decode_ms_per_1k_kv_tokens / 1e6,
+            kv_bytes_per_token=engine.kv_bytes_per_token,
+        ),
+        links=LinkCosts(
+            same=links.same.cost(),
+            default=links.default.cost(),
+            pairs=tuple((p.between, p.cost()) for p in links.pairs),
+        ),
+        terms=tuple(WeightedTerm(load_term(name), w) for name, w in config.term_weights().items()),
+        link_weight=config.weight("link"),
+        allow_local_prefill=config.picker.allow_local_prefill,
+    )
+
+
+def picker_from(
+    config: PoolConfig,
+    pool: Pool,
+    index: PrefixIndex,
+    *,
+    precise: PrefixIndex | None = None,
+    seed: int | None = None,
+    defer: Callable[..., object] | None = None,
+) -> Picker:
+    return Picker(
+        pool,
+        index,
+        cost_model_from(config),
+        POLICIES[config.picker.policy](seed),
+        PickerSettings(
+            block_tokens=config.limits.block_tokens,
+            fallbacks=config.picker.fallbacks,
+            shed_ttft_factor=config.picker.shed_ttft_factor,
+        ),
+        filters=(SubsetHint(pool),),
+        precise=precise,
+        defer=defer,
+    )

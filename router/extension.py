@@ -1,0 +1,47 @@
+"""The extension points: one small Protocol each, its contract in the docstring.
+
+The contracts are enforced once, by the runner that calls them (``Picker`` for filters, cost terms
+and pair pickers; ``RequestFlow`` for producers), not by every implementation. How to add one:
+``docs/architecture.md`` "Extending pd-router".
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from router.types import RouteRequest
+from scorers.base import Candidates, CostTerm
+from scorers.pair_pickers import PairPicker
+
+__all__ = ["CandidateFilter", "CostTerm", "PairPicker", "Producer"]
+
+
+class CandidateFilter(Protocol):
+    """Which candidates may take this request at all.
+
+    Contract, checked by ``Picker``: ``mask`` returns a bool array of shape ``(k,)`` aligned with
+    ``cand`` (True = keep). Pure and synchronous: reads the candidates' features and the request,
+    may read (never write) the pool it was built with. Runs before the prefix-index lookup, so
+    ``cand.cached_blocks`` is not known yet. A filter that removes every decode pod makes the
+    request a 503 (``NoCapacity``), never an unfiltered pick.
+    """
+
+    name: str
+
+    def mask(self, cand: Candidates, request: RouteRequest) -> np.ndarray: ...
+
+
+class Producer(Protocol):
+    """I/O a pick needs, done before it: fills fields of the request or refreshes local state.
+
+    Contract: may await; bounds its own time (a producer that waits on a remote service has a
+    timeout); never raises for a remote failure it can route without (the flow logs and goes on
+    if it does); never touches the pool's reservations. Examples: tokenizing the prompt into
+    vLLM's block hashes (precise mode), one Redis lookup refreshing the shared-index mirror.
+    """
+
+    name: str
+
+    async def produce(self, request: RouteRequest) -> None: ...

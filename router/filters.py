@@ -1,0 +1,23 @@
+"""The candidate filters the router ships (``router.extension.CandidateFilter``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from router.pool import Pool
+from router.types import RouteRequest
+from scorers.base import Candidates
+
+
+class SubsetHint:
+    """Only the endpoints a gateway named in ``envoy.lb.subset_hint`` (when it named any)."""
+
+    name = "subset_hint"
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def mask(self, cand: Candidates, request: RouteRequest) -> np.ndarray:
+        if request.subset is None:
+            return np.ones(len(cand), dtype=bool)
+        return np.isin(cand.slots, self.pool.slots_of(request.subset))

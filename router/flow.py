@@ -1,0 +1,155 @@
+"""``RequestFlow``: the one path every request takes, whichever adapter it came through.
+
+::
+
+    start ─ parse (or headers_only) ─ prepare (producers: I/O before the pick) ─ pick (sync,
+    reserves) ─ [the adapter forwards, or Envoy does] ─ responded / retarget / upstream_failed ─ close
+
+An adapter (the OpenAI proxy, the ext_proc picker) only translates its protocol into these calls
+and calls ``Flight.close()`` from one ``finally``: the reservation is given back and the outcome
+counted exactly once, whatever happened (answered, rejected, engine failed, client gone).
+Rejections raised on the way become responses through ``router.rejections.answer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+from router.extension import Producer
+from router.observe.metrics import RouterMetrics
+from router.picker import Picker, RouteDecision
+from router.pool import Endpoint
+from router.rejections import Answer, Rejection, answer
+from router.request import headers_only_request, parse_request
+from router.types import RequestLimits, RouteRequest
+
+log = logging.getLogger(__name__)
+
+# Outcomes besides "ok" and the rejection codes (``router.rejections.KINDS``).
+CANCELLED = "cancelled"  # the client or the gateway went away before the response ended
+NO_ROUTE = "no_route"  # the stream ended before a request was complete enough to route
+ROUTED = "routed"  # ext_proc without response processing: the router never sees the response
+
+
+def response_outcome(status: int, *, gateway_reply: bool = False) -> str:
+    """The outcome of a response: ``ok`` below 400, else ``http_4xx``/``http_5xx``, or
+    ``envoy_<status>`` when the gateway answered itself (no upstream, connect failure, ...)."""
+    if gateway_reply:
+        return f"envoy_{status}"
+    if status < 400:
+        return "ok"
+    return "http_4xx" if status < 500 else "http_5xx"
+
+
+class RequestFlow:
+    """Parse → prepare → pick → observe → release, shared by every adapter."""
+
+    def __init__(
+        self,
+        picker: Picker,
+        metrics: RouterMetrics,
+        limits: RequestLimits,
+        model: str,
+        producers: Sequence[Producer] = (),
+    ) -> None:
+        self.picker = picker
+        self.metrics = metrics
+        self.limits = limits
+        self.model = model
+        self.producers = tuple(producers)
+
+    @property
+    def prepares(self) -> bool:
+        """True when a pick needs I/O first (an adapter that cannot await may then pause)."""
+        return bool(self.producers)
+
+    def start(self, headers: Mapping[str, str]) -> Flight:
+        """A request arrived (its headers): the flight that carries it to ``close``."""
+        return Flight(self, headers)
+
+    async def prepare(self, request: RouteRequest) -> None:
+        """Run every producer; one that fails is logged and the pick goes on without it."""
+        for producer in self.producers:
+            try:
+                await producer.produce(request)
+            except Exception:
+                log.exception("producer %s failed for request %s", producer.name, request.request_id)
+
+
+class Flight:
+    """One request's passage through the flow: its parse, its decision, its outcome."""
+
+    __slots__ = ("decision", "flow", "headers", "outcome", "request", "started")
+
+    def __init__(self, flow: RequestFlow, headers: Mapping[str, str]) -> None:
+        self.flow = flow
+        self.headers = headers
+        self.started = time.perf_counter()
+        self.request: RouteRequest | None = None
+        self.decision: RouteDecision | None = None
+        self.outcome: str | None = None
+
+    def parse(self, raw: bytes, subset: frozenset[str] | None = None) -> RouteRequest:
+        """The body and headers as a ``RouteRequest``; raises a ``Rejection``."""
+        self.request = parse_request(raw, self.flow.limits, self.headers)
+        self.request.subset = subset
+        return self.request
+
+    def headers_only(self, subset: frozenset[str] | None = None) -> RouteRequest:
+        """A request without a body: one pod answers it, never a prefill → decode pair."""
+        self.request = headers_only_request(self.flow.model, self.headers, subset)
+        return self.request
+
+    def pick(self) -> RouteDecision:
+        """Choose and reserve (never awaits); raises ``NoCapacity`` or ``Shed``."""
+        assert self.request is not None, "parse() or headers_only() first"
+        self.decision = self.flow.picker.pick(self.request)
+        self.flow.metrics.observe_pick(self.decision, time.perf_counter() - self.started)
+        return self.decision
+
+    def reject(self, rejection: Rejection) -> Answer:
+        """The response for a rejection; the flight's outcome becomes its code."""
+        self.outcome = rejection.code
+        return answer(rejection)
+
+    def responded(self, status: int, *, gateway_reply: bool = False) -> None:
+        """The response's status line is known (from the engine unless ``gateway_reply``)."""
+        self.outcome = response_outcome(status, gateway_reply=gateway_reply)
+
+    def prefill_done(self) -> None:
+        """The prompt is computed (prefill leg answered, or the first byte): free the queue charge."""
+        if self.decision is not None:
+            self.decision.reservation.finish_prefill()
+
+    def retarget(self, *, prefill: Endpoint | None = None, decode: Endpoint | None = None) -> None:
+        """Move the decision and its charge to a fallback endpoint after a failure."""
+        assert self.decision is not None
+        self.flow.picker.retarget(self.decision, prefill=prefill, decode=decode)
+
+    def upstream_failed(self, endpoint: Endpoint, reason: str, *, connect: bool) -> None:
+        """An engine failed this request. A refused connect takes it out of the candidates at once
+        (the pod is gone; the next good scrape returns it); other failures count towards ejection."""
+        log.warning("upstream %s failed: %s", endpoint.id, reason)
+        self.flow.metrics.upstream_errors.labels(endpoint=endpoint.id).inc()
+        pool = self.flow.picker.pool
+        if connect:
+            pool.eject(endpoint, reason)
+        else:
+            pool.record_failure(endpoint, reason)
+
+    def hand_over(self) -> RouteDecision | None:
+        """Give the reservation to someone else (a timer); ``close`` then leaves it alone."""
+        decision, self.decision = self.decision, None
+        return decision
+
+    def close(self, outcome: str | None = None) -> None:
+        """Release what is still charged and count the outcome. Idempotent: the first call counts."""
+        if self.started < 0:
+            return
+        if self.decision is not None:
+            self.decision.reservation.release()
+        final = outcome or self.outcome or (CANCELLED if self.decision is not None else NO_ROUTE)
+        self.flow.metrics.observe_request(final, time.perf_counter() - self.started)
+        self.started = -1.0

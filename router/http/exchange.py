@@ -1,0 +1,159 @@
+"""The prefill → decode exchange of vLLM's NIXL connector, as llm-d's decode sidecar drives it.
+
+The prefill leg sends the client's request with ``max_tokens=1``, no stream and
+``kv_transfer_params`` asking for a remote decode; the engine's answer carries the
+``kv_transfer_params`` the decode leg then adds to the client's request, so the decode engine pulls
+the prompt's KV instead of computing it. Used unchanged by the proxy adapter and the sidecar.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class UpstreamError(Exception):
+    """An engine failed before we sent the client anything; the next fallback may be tried."""
+
+    def __init__(self, address: str, reason: str, *, connect: bool = False) -> None:
+        super().__init__(f"{address}: {reason}")
+        self.address = address
+        self.reason = reason
+        self.connect = connect
+
+
+def prefill_body(body: dict[str, Any]) -> bytes:
+    """The prefill leg: the client's request computing one token, no stream, remote decode."""
+    leg = dict(body)
+    leg.pop("stream_options", None)
+    leg.update(max_tokens=1, min_tokens=1, stream=False, kv_transfer_params=PREFILL_KV_TRANSFER_PARAMS)
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    return orjson.dumps(leg)
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: Any) -> bytes:
+    """The decode leg: the client's request plus the prefill answer's ``kv_transfer_params``."""
+    return orjson.dumps({**body, "kv_transfer_params": kv_transfer_params})
+
+
+@dataclass(slots=True)
+class Leg:
+    """What one leg sends: path, headers and body bytes."""
+
+    path: str
+    headers: dict[str, str]
+
+
+class TwoLegExchange:
+    """Forwards one request: optional prefill leg, then the decode leg streamed to the client."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, connect_timeout_s: float, request_timeout_s: float
+    ) -> None:
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+
+    async def prefill(self, address: str, leg: Leg, body: dict[str, Any]) -> Any:
+        """Run the prefill leg; returns its ``kv_transfer_params`` or raises ``UpstreamError``."""
+        try:
+            async with self.session.post(
+                f"http://{address}{leg.path}",
+                data=prefill_body(body),
+                headers={**leg.headers, "content-type": "application/json"},
+                timeout=self.timeout,
+            ) as resp:
+                payload = await resp.read()
+                if resp.status != 200:
+                    raise UpstreamError(address, f"prefill leg answered HTTP {resp.status}")
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(address, f"connect failed: {exc.os_error or exc}", connect=True) from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(address, f"prefill leg failed: {type(exc).__name__}") from None
+        try:
+            params = orjson.loads(payload)["kv_transfer_params"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise UpstreamError(address, "prefill answer has no kv_transfer_params") from None
+        if not isinstance(params, dict):
+            raise UpstreamError(address, "prefill answer's kv_transfer_params is not an object")
+        return params
+
+    async def decode(
+        self,
+        address: str,
+        leg: Leg,
+        data: bytes,
+        start_response: Callable[[aiohttp.ClientResponse], Awaitable[web.StreamResponse]],
+        on_first_byte: Callable[[], None],
+    ) -> web.StreamResponse:
+        """Send the decode leg and stream its answer through ``start_response``.
+
+        Raises ``UpstreamError`` only while nothing has been sent to the client (so the caller can
+        fail over); after that an engine failure ends the stream with an SSE error event.
+        """
+        try:
+            resp = await self.session.post(
+                f"http://{address}{leg.path}",
+                data=data,
+                headers={**leg.headers, "content-type": "application/json"},
+                timeout=self.timeout,
+            )
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(address, f"connect failed: {exc.os_error or exc}", connect=True) from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(address, f"decode leg failed: {type(exc).__name__}") from None
+        async with resp:
+            if resp.status >= 500:
+                raise UpstreamError(address, f"decode leg answered HTTP {resp.status}")
+            streaming = resp.content_type == "text/event-stream"
+            if not streaming:
+                # Small JSON answers are read whole, so a failure part-way can still fail over.
+                try:
+                    payload = await resp.read()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise UpstreamError(address, f"decode answer cut: {type(exc).__name__}") from None
+                on_first_byte()
+                out = await start_response(resp)
+                await out.write(payload)
+                return out
+            out = None
+            try:
+                read = resp.content.readany  # a plain loop: cheaper per chunk than the async iterator
+                while chunk := await read():
+                    if out is None:
+                        on_first_byte()
+                        out = await start_response(resp)
+                    await out.write(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
+                if out is None:
+                    raise UpstreamError(
+                        address, f"decode stream failed before any byte: {type(exc).__name__}"
+                    ) from None
+                log.warning("decode stream from %s cut mid-way: %s", address, type(exc).__name__)
+                await out.write(_sse_error("upstream engine stopped mid-stream", "upstream_disconnected"))
+            if out is None:
+                on_first_byte()
+                out = await start_response(resp)
+            return out
+
+
+def _sse_error(message: str, code: str) -> bytes:
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + orjson.dumps(error) + b"\n\n"

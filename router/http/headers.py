@@ -1,0 +1,40 @@
+"""Header names the router owns, and the ones never copied from one HTTP hop to the next."""
+
+from __future__ import annotations
+
+DESTINATION = "x-gateway-destination-endpoint"
+DESTINATION_SUBSET = "x-gateway-destination-endpoint-subset"
+DESTINATION_SERVED = "x-gateway-destination-endpoint-served"
+PREFILLER = "x-prefiller-host-port"
+DEBUG_DECODE = "x-pd-router-decode"
+DEBUG_PREFILL = "x-pd-router-prefill"
+DEBUG_REASON = "x-pd-router-reason"
+
+# Routing and control headers only the router may set (the Inference Extension's, llm-d's and
+# ours): a client's copy is removed before anything is forwarded, so clients cannot steer routing.
+ROUTER_HEADERS = (
+    DESTINATION,
+    PREFILLER,
+    DESTINATION_SERVED,
+    "x-encoder-hosts-ports",
+    "x-data-parallel-host-port",
+    "x-kv-cache-source-host-port",
+    "x-prefiller-url",  # llm-d's legacy name of the prefill header
+    DEBUG_DECODE,
+    DEBUG_PREFILL,
+)
+
+# Connection-specific (RFC 9110 §7.6.1) or recomputed for each leg: never copied between hops.
+HOP_HEADERS = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "te", "upgrade", "trailer"}
+)
+# Never copied into an exchange leg: hop headers, the router's own, and what each leg sets itself
+# (its request id and content type). The legs re-encode JSON, so they ask for identity bodies.
+LEG_DROPPED = HOP_HEADERS | frozenset(ROUTER_HEADERS) | {"accept-encoding", "x-request-id", "content-type"}
+# Never copied by a pass-through (which keeps Accept-Encoding: encoded bytes go back as they are).
+PASSTHROUGH_DROPPED = HOP_HEADERS | frozenset(ROUTER_HEADERS)
+
+
+def forwardable(headers: object, dropped: frozenset[str] = LEG_DROPPED) -> dict[str, str]:
+    """A client's headers minus ``dropped`` (lower-case names); ``headers`` is any items() mapping."""
+    return {k: v for k, v in headers.items() if k.lower() not in dropped}  # type: ignore[attr-defined]

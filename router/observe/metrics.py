@@ -1,0 +1,245 @@
+"""Prometheus metrics of one router instance (its own registry: two routers can share a process).
+
+Pool-level gauges are computed from the pool's arrays at scrape time by a collector, so the hot
+path only increments counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from router.config import MetricsConfig
+    from router.picker import RouteDecision
+    from router.pool import Pool
+
+_PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
+_REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
+
+
+class RouterMetrics:
+    def __init__(self, pool: Pool, pool_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pd_router_requests",
+            "Requests handled, by outcome (ok or the rejection code).",
+            ["outcome"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "pd_router_request_duration_seconds",
+            "Time from request arrival to the end of the response.",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.pick_duration = Histogram(
+            "pd_router_pick_duration_seconds",
+            "Time to parse and pick (before any forwarding).",
+            buckets=_PICK_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pd_router_decisions",
+            "Routing decisions by kind (pd-pair, local-prefill, single).",
+            ["kind"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pd_router_upstream_errors", "Engine failures seen while forwarding.", ["endpoint"], registry=r
+        )
+        self.prefill_fallback_local = Counter(
+            "pd_router_prefill_fallback_local",
+            "Requests whose every prefill leg failed and that were decoded with local prefill.",
+            registry=r,
+        )
+        r.register(_PoolCollector(pool, pool_name))
+        # Label children bound once per value: ``labels()`` costs a lock and a tuple per call.
+        self._decision_children: dict[str, Counter] = {}
+        self._request_children: dict[str, Counter] = {}
+
+    def observe_pick(self, decision: RouteDecision, seconds: float) -> None:
+        self.pick_duration.observe(seconds)
+        _child(self._decision_children, self.decisions, decision.kind).inc()
+
+    def observe_request(self, outcome: str, seconds: float) -> None:
+        _child(self._request_children, self.requests, outcome).inc()
+        self.request_duration.observe(seconds)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _PoolCollector:
+    """Per-endpoint and pool gauges, read from the pool's arrays when Prometheus scrapes."""
+
+    def __init__(self, pool: Pool, pool_name: str) -> None:
+        self.pool = pool
+        self.pool_name = pool_name
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self.pool
+        ready = pool.candidate_slots(time.monotonic())
+        yield _gauge(
+            "pd_router_outstanding_reservations", "Requests routed and not yet released.", pool.outstanding
+        )
+        yield _gauge(
+            "llm_d_epp_ready_endpoints",
+            "Endpoints that may take traffic (admitted, fresh metrics).",
+            len(ready),
+            name=self.pool_name,
+        )
+        if len(ready):
+            yield _gauge(
+                "llm_d_epp_average_queue_size",
+                "Mean scraped waiting requests over ready endpoints.",
+                float(np.nanmean(pool.waiting[ready])) if np.isfinite(pool.waiting[ready]).any() else 0.0,
+                name=self.pool_name,
+            )
+            yield _gauge(
+                "llm_d_epp_average_kv_cache_utilization",
+                "Mean scraped KV-cache usage (0..1) over ready endpoints.",
+                float(np.nanmean(pool.kv_usage[ready])) if np.isfinite(pool.kv_usage[ready]).any() else 0.0,
+                name=self.pool_name,
+            )
+        per_endpoint = {
+            "pd_router_endpoint_queued_prefill_tokens": (
+                "Uncached prompt tokens we routed, not yet prefilled.",
+                pool.queued_prefill_tokens,
+            ),
+            "pd_router_endpoint_inflight_requests": (
+                "Requests we routed that are decoding here.",
+                pool.inflight_requests,
+            ),
+            "pd_router_endpoint_reserved_kv_tokens": (
+                "KV tokens reserved by requests we routed.",
+                pool.reserved_kv_tokens,
+            ),
+        }
+        for name, (doc, values) in per_endpoint.items():
+            family = GaugeMetricFamily(name, doc, labels=["endpoint", "role"])
+            for endpoint in pool.endpoints.values():
+                family.add_metric([endpoint.id, endpoint.role], float(values[endpoint.slot]))
+            yield family
+        ready_family = GaugeMetricFamily(
+            "pd_router_endpoint_ready", "1 if the endpoint may take traffic.", labels=["endpoint", "role"]
+        )
+        ready_set = set(ready.tolist())
+        for endpoint in pool.endpoints.values():
+            ready_family.add_metric([endpoint.id, endpoint.role], float(endpoint.slot in ready_set))
+        yield ready_family
+
+
+def _child(children: dict[str, Counter], metric: Counter, value: str) -> Counter:
+    child = children.get(value)
+    if child is None:
+        child = children[value] = metric.labels(value)
+    return child
+
+
+def _gauge(metric: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(metric, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+_KV_EVENT_COUNTERS = (
+    "batches",
+    "events",
+    "malformed",
+    "gaps",
+    "replays",
+    "replay_failures",
+    "purges",
+    "restarts",
+)
+
+
+class IndexCollector:
+    """KV-event streams and the Redis-shared index, read when Prometheus scrapes."""
+
+    def __init__(self, kv_events: Any | None, shared: Any | None, pool: Pool) -> None:
+        self.kv_events = kv_events
+        self.shared = shared
+        self.pool = pool
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        if self.kv_events is not None:
+            stats = self.kv_events.stats()
+            for name in _KV_EVENT_COUNTERS:
+                family = CounterMetricFamily(
+                    f"pd_router_kv_events_{name}",
+                    f"vLLM KV-event stream: {name.replace('_', ' ')}.",
+                    labels=["endpoint"],
+                )
+                for engine, engine_stats in stats.items():
+                    family.add_metric([engine], float(getattr(engine_stats, name)))
+                yield family
+            covered = GaugeMetricFamily(
+                "pd_router_endpoint_kv_covered",
+                "1 if the endpoint's KV-event view is complete.",
+                labels=["endpoint"],
+            )
+            for endpoint in self.pool.endpoints.values():
+                covered.add_metric([endpoint.id], float(self.pool.kv_covered[endpoint.slot]))
+            yield covered
+        if self.shared is not None:
+            yield _gauge(
+                "pd_router_shared_index_healthy",
+                "1 while the Redis-shared index is reachable; 0 = routing on the local view.",
+                float(self.shared.healthy),
+            )
+            for name, doc in (
+                ("redis_errors", "Failed Redis calls."),
+                ("dropped_writes", "Blocks dropped from the full write queue."),
+                ("fallback_lookups", "Lookups answered from the local mirror."),
+                ("resyncs", "Full mirror pushes after an outage."),
+            ):
+                family = CounterMetricFamily(f"pd_router_shared_index_{name}", doc)
+                family.add_metric([], float(getattr(self.shared, name)))
+                yield family
+
+
+class MetricsListener:
+    """``GET /metrics`` on its own listener (``metrics.host:port``) while the context is open."""
+
+    def __init__(self, metrics: RouterMetrics, config: MetricsConfig) -> None:
+        self.metrics = metrics
+        self.config = config
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+
+    async def _exposition(self, _: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def __aenter__(self) -> MetricsListener:
+        app = web.Application()
+        app.router.add_get("/metrics", self._exposition)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        try:
+            await web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True).start()
+        except BaseException:
+            await self._runner.cleanup()
+            raise
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()

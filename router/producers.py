@@ -1,0 +1,75 @@
+"""The producers the router ships: precise block hashes, and the shared-index refresh."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from jinja2.exceptions import TemplateError
+
+from kvindex.chat_template import ChatTemplate
+from kvindex.redis_index import SharedPrefixIndex
+from kvindex.tokenize import PromptTokenizer
+from router.pool import Pool
+from router.types import RouteRequest
+
+log = logging.getLogger(__name__)
+
+
+class PreciseKeys:
+    """Precise mode: the prompt tokenized as the engine will, hashed into vLLM's block hashes.
+
+    Chat requests are rendered with the model's chat template first and tokenized without added
+    special tokens (the template writes BOS itself), as vLLM does. Without a template, chat
+    requests get no precise keys: our own rendering would not match the engine's tokens, and the
+    approximate index answers for them instead.
+    """
+
+    name = "precise_keys"
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        chat_template: ChatTemplate | None = None,
+        chat_tokenizer: PromptTokenizer | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.chat_tokenizer = chat_tokenizer
+
+    async def produce(self, request: RouteRequest) -> None:
+        request.precise_keys = await self._keys(request)
+
+    def close(self) -> None:
+        """Stop the tokenizers' worker threads."""
+        self.tokenizer.close()
+        if self.chat_tokenizer is not None:
+            self.chat_tokenizer.close()
+
+    async def _keys(self, request: RouteRequest) -> np.ndarray | None:
+        messages = request.body.get("messages")
+        if messages is None:
+            return await self.tokenizer.block_keys(request.prompt) if request.prompt else None
+        if self.chat_template is None or self.chat_tokenizer is None:
+            return None
+        try:
+            text = self.chat_template.render(messages)
+        except TemplateError as exc:
+            log.debug("chat template failed for request %s: %s", request.request_id, exc)
+            return None
+        return await self.chat_tokenizer.block_keys(text)
+
+
+class SharedLookup:
+    """Refreshes the local mirror of the Redis-shared index with other replicas' entries for this
+    prompt, in one round trip under the lookup timeout; on trouble the mirror answers alone."""
+
+    name = "shared_lookup"
+
+    def __init__(self, shared: SharedPrefixIndex, pool: Pool) -> None:
+        self.shared = shared
+        self.pool = pool
+
+    async def produce(self, request: RouteRequest) -> None:
+        if len(request.block_keys):
+            await self.shared.lookup(request.block_keys, self.pool.candidate_slots())

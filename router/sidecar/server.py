@@ -1,0 +1,232 @@
+"""``pd-router sidecar``: the decode-side proxy of an Envoy/InferencePool deployment.
+
+The endpoint picker sends each request to a decode pod's sidecar and names the chosen prefill pod
+in ``x-prefiller-host-port`` (llm-d's convention). The sidecar runs the same two-leg exchange as
+the standalone proxy (``router.http.exchange``): a prefill leg to that pod, then the decode leg to
+the local engine with the prefill's ``kv_transfer_params``. Everything that is not a completion
+(``/metrics``, ``/health``, ``/v1/models``, ...) is reverse-proxied to the local engine, because
+the router scrapes decode pods through their sidecar. Prefill targets are checked against the
+allow list (``router.sidecar.allow``) before anything is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable
+from contextlib import AsyncExitStack
+from types import TracebackType
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from router.http.client_io import answer_response, read_body
+from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
+from router.http.headers import HOP_HEADERS, PASSTHROUGH_DROPPED, PREFILLER, forwardable
+from router.http.session import upstream_session
+from router.rejections import PrefillForbidden, Rejection, UpstreamFailed, answer
+from router.request import COMPLETION_PATHS, client_json
+from router.sidecar.allow import PrefillAllowList, first_prefiller, format_host_port, parse_host_port
+
+log = logging.getLogger(__name__)
+
+PREFILL_OUTCOME_HEADER = "x-pd-sidecar-prefill"
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
+
+
+class Sidecar:
+    """aiohttp handlers: the P/D exchange for completions, a reverse proxy for everything else."""
+
+    def __init__(
+        self,
+        decode_address: str,
+        exchange: TwoLegExchange,
+        session: aiohttp.ClientSession,
+        allow: PrefillAllowList,
+        max_body_bytes: int,
+    ) -> None:
+        self.decode_address = decode_address
+        self.exchange = exchange
+        self.session = session
+        self.allow = allow
+        self.max_body_bytes = max_body_bytes
+
+    def app(self) -> web.Application:
+        # +1 so a body of exactly the limit is read, and one byte more is ours to reject as JSON.
+        app = web.Application(client_max_size=self.max_body_bytes + 1)
+        for path in sorted(COMPLETION_PATHS):
+            app.router.add_post(path, self.completions)
+        app.router.add_route("*", "/{tail:.*}", self.passthrough)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._completions(request)
+        except Rejection as rejection:
+            return answer_response(answer(rejection))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        target = first_prefiller(request.headers.getall(PREFILLER, []))
+        address: str | None = None
+        if target is not None:
+            parsed = parse_host_port(target) if self.allow.permits(target) else None
+            if parsed is None:
+                shown = target[:80]  # client-controlled: bounded in logs and answers
+                log.warning("request %s: prefill target %r is not allowed; refused", request_id, shown)
+                raise PrefillForbidden(f"prefill target {shown!r} is not allowed by this sidecar")
+            address = format_host_port(*parsed)  # canonical, so nothing odd reaches the URL
+        raw = await read_body(request, self.max_body_bytes)
+        # Checked on the local path too: a client-chosen remote_host would make the engine pull KV from it.
+        body = client_json(raw)
+        headers = forwardable(request.headers)
+        headers["X-Request-Id"] = request_id
+        leg = Leg(request.path, headers)
+        outcome = "local"
+        data = raw
+        if address is not None:
+            try:
+                kv_params = await self.exchange.prefill(address, leg, body)
+            except UpstreamError as exc:
+                # The decode engine computes the prompt itself: slower, not lost.
+                log.warning(
+                    "request %s: prefill leg to %s failed (%s); decoding with local prefill",
+                    request_id,
+                    address,
+                    exc.reason,
+                )
+                outcome = "failed-local"
+            else:
+                outcome = "remote"
+                data = decode_body(body, kv_params)
+
+        async def start_response(upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+            response = web.StreamResponse(status=upstream.status)
+            for name in ("Content-Type", "Cache-Control"):
+                if name in upstream.headers:
+                    response.headers[name] = upstream.headers[name]
+            response.headers["X-Request-Id"] = request_id
+            response.headers[PREFILL_OUTCOME_HEADER] = outcome
+            await response.prepare(request)
+            return response
+
+        try:
+            return await self.exchange.decode(self.decode_address, leg, data, start_response, _noop)
+        except UpstreamError as exc:
+            log.warning(
+                "request %s: decode engine %s failed: %s", request_id, self.decode_address, exc.reason
+            )
+            raise UpstreamFailed(f"the local decode engine failed: {exc.reason}") from None
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Reverse-proxy any other request to the local engine: status, headers and body unchanged."""
+        try:
+            data = await read_body(request, self.max_body_bytes) if request.body_exists else None
+        except Rejection as rejection:
+            return answer_response(answer(rejection))
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in PASSTHROUGH_DROPPED]
+        try:
+            upstream = await self.session.request(
+                request.method,
+                # rel_url, not raw_path: an absolute-form target must not pick the host. encoded=True
+                # keeps the client's percent-encoding byte for byte.
+                URL(f"http://{self.decode_address}{request.rel_url.raw_path_qs}", encoded=True),
+                data=data,
+                headers=headers,
+                allow_redirects=False,
+                timeout=self.exchange.timeout,
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("%s %s to %s failed: %s", request.method, request.path, self.decode_address, exc)
+            return answer_response(answer(UpstreamFailed(f"the local engine failed: {type(exc).__name__}")))
+        async with upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in HOP_HEADERS:
+                    response.headers.add(name, value)
+            await response.prepare(request)
+            try:
+                read = upstream.content.readany
+                while chunk := await read():
+                    await response.write(chunk)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # Headers are gone; cut the connection so the client cannot take a short body as whole.
+                log.warning(
+                    "%s %s from %s cut mid-way: %s", request.method, request.path, self.decode_address, exc
+                )
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+            await response.write_eof()
+            return response
+
+
+def _noop() -> None:
+    pass
+
+
+class SidecarServer:
+    """The sidecar listening on ``host:port`` (``.port`` is the bound one) while the context is open."""
+
+    def __init__(
+        self,
+        decode_address: str,
+        host: str,
+        port: int,
+        allow: Iterable[str],
+        *,
+        connect_timeout_s: float = 2.0,
+        request_timeout_s: float = 600.0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    ) -> None:
+        # Validated here, so a bad --allow fails before anything listens.
+        self.allow = PrefillAllowList(allow)
+        self.decode_address = decode_address
+        self.host = host
+        self.port = port
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.drain_timeout_s = drain_timeout_s
+        self._stack = AsyncExitStack()
+
+    async def __aenter__(self) -> SidecarServer:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def _start(self) -> None:
+        stack = self._stack
+        session = await stack.enter_async_context(upstream_session())
+        exchange = TwoLegExchange(session, self.connect_timeout_s, self.request_timeout_s)
+        sidecar = Sidecar(self.decode_address, exchange, session, self.allow, self.max_body_bytes)
+        # handler_cancellation: a client that hangs up cancels the engine calls, which frees their KV.
+        runner = web.AppRunner(
+            sidecar.app(),
+            handler_cancellation=True,
+            access_log=None,
+            handle_signals=False,
+            shutdown_timeout=self.drain_timeout_s,
+        )
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)  # runs before the session closes: streams drain first
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        await site.start()
+        self.port = runner.addresses[0][1]
+        log.info(
+            "sidecar listening on http://%s:%s in front of decode engine %s",
+            self.host,
+            self.port,
+            self.decode_address,
+        )
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._stack.aclose()

@@ -1,0 +1,191 @@
+"""Pair pickers: how the (prefill, decode) choice is made from one pick's ``PairCosts``.
+
+``JointArgmin`` is pd-router's: one argmin over the whole cost matrix, so "skip the prefill leg"
+and every pair compete in one unit. The others are the baselines the benchmarks compare against
+(and that an operator may select with ``picker.policy``). They choose the prefill pod and the
+decode pod each by its own key, separately: that is what makes them baselines.
+
+* ``RoundRobin`` — decode pods (and prefill pods) in turn.
+* ``LeastLoaded`` — fewest running+waiting on decode, fewest queued tokens on prefill.
+* ``IndependentChoice`` — best prefill pod alone (queue wait + uncached prefill) and best decode
+  pod alone (decode-side terms), no link term: what llm-d / SGLang routers do.
+
+Baselines pair only dedicated prefill pods (they never split a request across two
+``prefill-decode`` pods: that is a pd-router-only move) and always pair when such pods exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from scorers import queue
+from scorers.base import fill_unknown
+from scorers.cost import PairCosts
+
+# Relative jitter that only breaks exact ties (an idle pool) without reordering real differences.
+_TIE_JITTER = 1e-9
+# Tie-break scale for least-loaded: far below one request or one token of difference.
+_TIE = 1e-6
+_NONE = np.empty(0, dtype=np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class PairChoice:
+    """A choice over one ``PairCosts``: ``prefill`` is a candidate position (-1: no prefill leg),
+    ``decode`` a column of the matrix (``costs.decode[decode]`` is the candidate position).
+    Fallbacks, best first, in the same units, without the chosen ones."""
+
+    prefill: int
+    decode: int
+    prefill_fallbacks: np.ndarray
+    decode_fallbacks: np.ndarray
+
+
+class PairPicker(Protocol):
+    """Chooses the route for one request from its cost matrix.
+
+    Contract, checked by ``router.picker.Picker``: returns ``None`` when no route is feasible
+    (the runner answers 503), else a ``PairChoice`` whose ``decode`` is a column of ``costs``,
+    whose ``prefill`` is -1 or one of ``costs.prefill`` other than the decode pod, and with at most
+    ``fallbacks`` entries per fallback list. Never reserves, never awaits; may keep its own state
+    (a round-robin pointer) because one picker serves one pool.
+    """
+
+    name: str
+
+    def choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None: ...
+
+
+class JointArgmin:
+    """The joint P×D choice: one argmin over the matrix; exact ties broken at random."""
+
+    name = "joint"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None:
+        rows, cols = costs.cost.shape
+        if cols == 0:
+            return None
+        # Jitter per row and per column (not per cell: cheap at any size) breaks exact ties only.
+        jitter = self._rng.random(rows + cols) * _TIE_JITTER
+        noisy = costs.cost * (1.0 + jitter[:rows, None] + jitter[None, rows:])
+        row, col = divmod(int(np.argmin(noisy)), cols)
+        if not np.isfinite(noisy[row, col]):
+            return None
+        prefill = int(costs.prefill_of[row, col])
+        column_best = noisy.min(axis=0)
+        order = np.argsort(column_best, kind="stable")[: fallbacks + 1]
+        decode_fallbacks = order[(order != col) & np.isfinite(column_best[order])][:fallbacks]
+        prefill_fallbacks = _NONE if prefill < 0 else costs.prefill_order(col, prefill)[:fallbacks]
+        return PairChoice(prefill, col, prefill_fallbacks, decode_fallbacks)
+
+
+class _Separable:
+    """A baseline: a key per dedicated prefill pod and a key per decode pod, lower is better."""
+
+    name = "baseline"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None:
+        cand = costs.view.cand
+        prefill = costs.prefill[~cand.can_decode[costs.prefill]]
+        d_key = self.decode_key(costs, prefill.size > 0)
+        d_order = np.argsort(d_key, kind="stable")
+        d_order = d_order[np.isfinite(d_key[d_order])]
+        if d_order.size == 0:
+            return None
+        p_order = _NONE
+        if prefill.size:
+            p_order = prefill[np.argsort(self.prefill_key(costs, prefill), kind="stable")]
+        self.advance()
+        chosen_p = int(p_order[0]) if p_order.size else -1
+        return PairChoice(chosen_p, int(d_order[0]), p_order[1 : fallbacks + 1], d_order[1 : fallbacks + 1])
+
+    def prefill_key(self, costs: PairCosts, prefill: np.ndarray) -> np.ndarray:
+        """One value per position in ``prefill`` (dedicated prefill pods)."""
+        raise NotImplementedError
+
+    def decode_key(self, costs: PairCosts, pairs: bool) -> np.ndarray:
+        """One value per column (``costs.decode``); +inf = not a candidate. ``pairs``: a prefill
+        pod will compute the prompt."""
+        raise NotImplementedError
+
+    def advance(self) -> None:
+        """Called once per successful choice (round-robin moves its pointers)."""
+
+
+class RoundRobin(_Separable):
+    """Decode pods in turn, and prefill pods in turn."""
+
+    name = "round-robin"
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__(seed)
+        self._next_decode = 0
+        self._next_prefill = 0
+
+    @staticmethod
+    def _rank(n: int, start: int) -> np.ndarray:
+        # Distance from the pointer: 0 for the pod whose turn it is, then the next ones (fallbacks).
+        return ((np.arange(n) - start) % n).astype(np.float64)
+
+    def prefill_key(self, costs: PairCosts, prefill: np.ndarray) -> np.ndarray:
+        return self._rank(len(prefill), self._next_prefill % len(prefill))
+
+    def decode_key(self, costs: PairCosts, pairs: bool) -> np.ndarray:
+        n = len(costs.decode)
+        return self._rank(n, self._next_decode % n)
+
+    def advance(self) -> None:
+        self._next_decode += 1
+        self._next_prefill += 1
+
+
+class LeastLoaded(_Separable):
+    """Fewest requests on decode (scraped running+waiting or our in-flight); fewest queued prefill tokens."""
+
+    name = "least-loaded"
+
+    def prefill_key(self, costs: PairCosts, prefill: np.ndarray) -> np.ndarray:
+        # The queue term's notion of queued tokens: ours, or scraped waiting × typical prompt.
+        tokens = queue.queued_tokens(costs.view.cand, costs.view.ctx)[prefill]
+        return tokens + _TIE * self._rng.random(len(prefill))
+
+    def decode_key(self, costs: PairCosts, pairs: bool) -> np.ndarray:
+        cand = costs.view.cand
+        scraped = fill_unknown(cand.running, worst=0.0) + fill_unknown(cand.waiting, worst=0.0)
+        requests = np.maximum(scraped, cand.inflight_requests)[costs.decode]
+        return requests + _TIE * self._rng.random(len(costs.decode))
+
+
+class IndependentChoice(_Separable):
+    """Best prefill pod alone and best decode pod alone, with no link term (llm-d / SGLang style).
+
+    Prefill: pd-router's prefill-side terms (queue wait + uncached prefill, locality and fairness
+    cap included). Decode: pd-router's decode-side terms (+inf where the request would not fit);
+    on a pool without dedicated prefill pods the pod also prefills, so its prefill-side terms count.
+    """
+
+    name = "independent"
+
+    def prefill_key(self, costs: PairCosts, prefill: np.ndarray) -> np.ndarray:
+        return costs.route_s[prefill]
+
+    def decode_key(self, costs: PairCosts, pairs: bool) -> np.ndarray:
+        key = costs.column_s[costs.decode]
+        return key if pairs else key + costs.route_s[costs.decode]
+
+
+POLICIES: dict[str, type[JointArgmin] | type[_Separable]] = {
+    "joint": JointArgmin,
+    "round-robin": RoundRobin,
+    "least-loaded": LeastLoaded,
+    "independent": IndependentChoice,
+}

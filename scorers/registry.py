@@ -1,0 +1,45 @@
+"""Cost terms by name: ``weights.<name>`` in the configuration selects ``scorers/<name>.py``.
+
+A scorer module offers its term through a ``term()`` function (no arguments: a term reads what it
+needs from the ``View``). Nothing registers at import time: a name is resolved when the
+configuration is loaded, and an unknown one is a configuration error that says what was looked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+from scorers.base import CostTerm
+
+# Weights that tune the cost model itself rather than add a term.
+MODEL_WEIGHTS = frozenset({"prefix", "link"})
+# The built-in terms and their default weights, in the order they are summed.
+DEFAULT_WEIGHTS = {"queue": 1.0, "prefill": 1.0, "interference": 1.0, "load": 1.0, "kv": 1.0}
+# Built-in terms whose module has a longer name.
+_MODULES = {"kv": "kv_headroom"}
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def load_term(name: str) -> CostTerm:
+    """The term ``name`` from ``scorers/<name>.py``; ``ValueError`` saying why when there is none."""
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"{name!r} is not a scorer name (lower-case letters, digits, _)")
+    module_name = f"scorers.{_MODULES.get(name, name)}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise ValueError(
+            f"no scorer {name!r}: expected a module {module_name} with a term() function"
+        ) from None
+    factory = getattr(module, "term", None)
+    if not callable(factory):
+        raise ValueError(f"scorer module {module_name} has no term() function")
+    term = factory()
+    if getattr(term, "name", None) != name or getattr(term, "side", None) not in ("prefill", "decode"):
+        raise ValueError(
+            f"{module_name}.term() must return a term named {name!r} with side prefill or decode"
+        )
+    return term

@@ -1,0 +1,282 @@
+"""End to end through a real Envoy: client -> Envoy -> (ext_proc: pd-router) -> simulated engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from gateway import free_port, render, run_envoy, with_subset_header
+from helpers import eventually, router_for
+
+from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+
+pytestmark = pytest.mark.integration
+
+FAST = TimeModel(speed=20.0)
+SINGLE = [EngineSpec(f"e{i}", "prefill-decode", time=FAST) for i in range(3)]
+MODES = ["full-duplex", "buffered"]
+
+
+@dataclasses.dataclass
+class Gateway:
+    cluster: SimCluster
+    app: Any
+    url: str
+
+    def served_by(self) -> dict[str, int]:
+        return {name: len(engine.requests_seen) for name, engine in self.cluster.engines.items()}
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    tmp_path: Path,
+    mode: str = "full-duplex",
+    specs: list[EngineSpec] = SINGLE,
+    subset_header: bool = False,
+    **sections: Any,
+) -> AsyncIterator[Gateway]:
+    async with SimCluster(specs) as cluster:
+        endpoints = [{"address": cluster.address(s.name), "role": s.role, "name": s.name} for s in specs]
+        extproc = {"enabled": True, "port": 0, "health_port": 0}
+        data = {"endpoints": endpoints, "proxy": {"enabled": False}, "extproc": extproc, **sections}
+        async with router_for(data) as (app, _):
+            listen, admin = free_port(), free_port()
+            fallback = cluster.address(specs[0].name).split(":")
+            config = render(
+                mode,
+                LISTEN_PORT=listen,
+                ADMIN_PORT=admin,
+                EPP_HOST="127.0.0.1",
+                EPP_PORT=app.extproc_port,
+                FALLBACK_HOST=fallback[0],
+                FALLBACK_PORT=fallback[1],
+            )
+            if subset_header:
+                config = with_subset_header(config)
+            async with run_envoy(config, tmp_path, admin):
+                yield Gateway(cluster, app, f"http://127.0.0.1:{listen}")
+
+
+def completion(prompt: str = "hello world " * 50, **extra: Any) -> dict[str, Any]:
+    return {"model": "sim-model", "prompt": prompt, "max_tokens": 8, **extra}
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_requests_are_routed_to_the_picked_engine_in_both_body_modes(tmp_path: Path, mode: str) -> None:
+    async with gateway(tmp_path, mode) as gw, aiohttp.ClientSession() as http:
+        for i in range(6):
+            async with http.post(f"{gw.url}/v1/completions", json=completion(f"distinct {i} " * 40)) as resp:
+                assert resp.status == 200
+                answer = await resp.json()
+                assert answer["usage"]["completion_tokens"] == 8
+        assert sum(gw.served_by().values()) == 6
+        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+
+
+async def test_sse_is_streamed_through_incrementally(tmp_path: Path) -> None:
+    slow = [dataclasses.replace(s, time=TimeModel(speed=2.0)) for s in SINGLE]
+    async with gateway(tmp_path, specs=slow) as gw, aiohttp.ClientSession() as http:
+        body = completion(max_tokens=60, stream=True)
+        async with http.post(f"{gw.url}/v1/completions", json=body) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            first = await resp.content.readline()
+            assert first.startswith(b"data: ")
+            # The first event arrived while the engine is still generating: not buffered to the end.
+            assert sum(e.num_running for e in gw.cluster.engines.values()) == 1
+            rest = await resp.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservation released")
+
+
+async def test_forged_routing_headers_from_the_client_are_ignored_and_stripped(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as http:
+        target = gw.cluster.address("e0")
+        forged = {"x-gateway-destination-endpoint": target, "x-prefiller-host-port": "169.254.169.254:80"}
+        chosen = set()
+        for i in range(9):
+            body = completion(f"spread {i} " * 40)
+            async with http.post(f"{gw.url}/v1/completions", json=body, headers=forged) as resp:
+                assert resp.status == 200
+        for name, engine in gw.cluster.engines.items():
+            for _, headers, _ in engine.requests_seen:
+                assert "x-prefiller-host-port" not in headers
+                chosen.add(name)
+        assert len(chosen) > 1  # the client's x-gateway-destination-endpoint did not pin e0
+
+
+async def test_subset_hint_keeps_the_pick_inside_it_and_503_when_nothing_matches(tmp_path: Path) -> None:
+    async with gateway(tmp_path, subset_header=True) as gw, aiohttp.ClientSession() as http:
+        only = gw.cluster.address("e2")
+        for i in range(4):
+            body = completion(f"subset {i} " * 40)
+            async with http.post(
+                f"{gw.url}/v1/completions", json=body, headers={"x-test-subset": only}
+            ) as resp:
+                assert resp.status == 200
+        assert gw.served_by() == {"e0": 0, "e1": 0, "e2": 4}
+        async with http.post(
+            f"{gw.url}/v1/completions", json=completion(), headers={"x-test-subset": "10.9.9.9:1"}
+        ) as resp:
+            assert resp.status == 503
+            assert int(resp.headers["retry-after"]) >= 1
+            assert (await resp.json())["error"]["code"] == "no_capacity"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_client_errors_get_json_answers_and_the_next_request_works(tmp_path: Path, mode: str) -> None:
+    async with (
+        gateway(tmp_path, mode, limits={"max_body_bytes": 65536}) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        cases = [
+            (b"{not json", 400, "bad_request"),
+            (b'{"prompt": "no model"}', 400, "bad_request"),
+            (b'{"model": "other", "prompt": "hi"}', 404, "model_not_found"),
+            (orjson.dumps(completion("x" * 70000)), 413, "too_large"),
+        ]
+        for raw, status, code in cases:
+            async with http.post(
+                f"{gw.url}/v1/completions", data=raw, headers={"content-type": "application/json"}
+            ) as resp:
+                assert resp.status == status
+                assert (await resp.json())["error"]["code"] == code
+                assert resp.headers["x-pd-router-reject"] == code
+        async with http.post(f"{gw.url}/v1/completions", json=completion()) as resp:
+            assert resp.status == 200
+        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+
+
+async def test_sheddable_requests_get_429_when_the_pool_is_saturated(tmp_path: Path) -> None:
+    async with gateway(tmp_path, picker={"shed_ttft_factor": 0.0001}) as gw, aiohttp.ClientSession() as http:
+        shed = {"x-gateway-inference-objective": "sheddable"}
+        async with http.post(f"{gw.url}/v1/completions", json=completion(), headers=shed) as resp:
+            assert resp.status == 429
+            assert (await resp.json())["error"]["code"] == "shed"
+        async with http.post(f"{gw.url}/v1/completions", json=completion()) as resp:
+            assert resp.status == 200  # a normal-priority request is never shed
+
+
+async def test_header_only_get_is_routed(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as http:
+        async with http.get(f"{gw.url}/v1/models") as resp:
+            assert resp.status == 200
+            assert (await resp.json())["data"][0]["id"] == "sim-model"
+        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservation released")
+
+
+async def test_200_concurrent_requests_all_succeed(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as http:
+
+        async def one(i: int) -> int:
+            body = completion(f"group {i % 7} " * 30, stream=i % 2 == 0)
+            async with http.post(f"{gw.url}/v1/completions", json=body) as resp:
+                await resp.read()
+                return resp.status
+
+        statuses = await asyncio.gather(*(one(i) for i in range(200)))
+        assert statuses == [200] * 200
+        await eventually(lambda: gw.app.pool.outstanding == 0, what="all reservations released")
+
+
+async def test_killing_an_engine_moves_traffic_away(tmp_path: Path) -> None:
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as http:
+        await gw.cluster.kill("e0")
+        e0 = gw.app.pool.endpoints["e0"]
+        await eventually(
+            lambda: e0.slot not in gw.app.pool.candidate_slots(), what="e0 leaves the candidates"
+        )
+        before = gw.served_by()
+        for i in range(10):
+            async with http.post(f"{gw.url}/v1/completions", json=completion(f"after {i} " * 40)) as resp:
+                assert resp.status == 200
+        after = gw.served_by()
+        assert after["e0"] == before["e0"] and sum(after.values()) - sum(before.values()) == 10
+
+
+async def test_cancelled_and_failed_streams_release_their_reservations(tmp_path: Path) -> None:
+    slow = [dataclasses.replace(s, time=TimeModel(speed=2.0)) for s in SINGLE]
+    async with gateway(tmp_path, specs=slow) as gw, aiohttp.ClientSession() as http:
+        pool = gw.app.pool
+        # Cancelled: the client hangs up mid-stream.
+        resp = await http.post(f"{gw.url}/v1/completions", json=completion(max_tokens=500, stream=True))
+        await resp.content.readline()
+        assert pool.outstanding == 1
+        resp.close()
+        await eventually(lambda: pool.outstanding == 0, what="release after cancel")
+        # Failed: the engine dies mid-stream.
+        async with http.post(
+            f"{gw.url}/v1/completions", json=completion(max_tokens=500, stream=True)
+        ) as resp:
+            await resp.content.readline()
+            busy = next(n for n, e in gw.cluster.engines.items() if e.num_running)
+            await gw.cluster.kill(busy)
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                await resp.read()
+        await eventually(lambda: pool.outstanding == 0, what="release after engine failure")
+
+
+async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(tmp_path: Path) -> None:
+    from router.sidecar.server import SidecarServer
+
+    specs = [
+        EngineSpec("p0", "prefill", time=FAST),
+        EngineSpec("p1", "prefill", time=FAST),
+        EngineSpec("d0", "decode", time=FAST),
+        EngineSpec("d1", "decode", time=FAST),
+    ]
+    async with SimCluster(specs) as engines, contextlib.AsyncExitStack() as stack:
+        prefill_addresses = [engines.address("p0"), engines.address("p1")]
+        sidecars = {}
+        for name in ("d0", "d1"):
+            server = SidecarServer(engines.address(name), "127.0.0.1", 0, prefill_addresses)
+            await stack.enter_async_context(server)
+            sidecars[name] = f"127.0.0.1:{server.port}"
+        # The picker's pool lists the decode pods by their sidecars (the InferencePool targetPort)
+        # and is scraped through them; the engines behind are the ones in ``engines``.
+        pool = [
+            {"address": engines.address("p0"), "role": "prefill", "name": "p0"},
+            {"address": engines.address("p1"), "role": "prefill", "name": "p1"},
+            {"address": sidecars["d0"], "role": "decode", "name": "d0"},
+            {"address": sidecars["d1"], "role": "decode", "name": "d1"},
+        ]
+        extproc = {"enabled": True, "port": 0, "health_port": 0}
+        data = {
+            "endpoints": pool,
+            "proxy": {"enabled": False},
+            "extproc": extproc,
+            "picker": {"allow_local_prefill": False},
+        }
+        async with router_for(data) as (app, _):
+            listen, admin = free_port(), free_port()
+            host, port = sidecars["d0"].split(":")
+            config = render(
+                "full-duplex", LISTEN_PORT=listen, ADMIN_PORT=admin, EPP_HOST="127.0.0.1",
+                EPP_PORT=app.extproc_port, FALLBACK_HOST=host, FALLBACK_PORT=port,
+            )  # fmt: skip
+            async with run_envoy(config, tmp_path, admin), aiohttp.ClientSession() as http:
+                forged = {"x-prefiller-host-port": "169.254.169.254:80"}
+                body = completion(stream=True)
+                async with http.post(
+                    f"http://127.0.0.1:{listen}/v1/completions", json=body, headers=forged
+                ) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["x-pd-sidecar-prefill"] == "remote"
+                    assert (await resp.read()).rstrip().endswith(b"data: [DONE]")
+        by_name = engines.engines
+        (prefill,) = [n for n in ("p0", "p1") if by_name[n].requests_seen]
+        (decode,) = [n for n in ("d0", "d1") if by_name[n].requests_seen]
+        _, _, prefill_body = by_name[prefill].requests_seen[-1]
+        assert (
+            prefill_body["kv_transfer_params"]["do_remote_decode"] is True and prefill_body["max_tokens"] == 1
+        )
+        _, decode_headers, decode_body = by_name[decode].requests_seen[-1]
+        assert decode_body["kv_transfer_params"]["remote_port"] == by_name[prefill].port
+        assert decode_body["stream"] is True and "x-prefiller-host-port" not in decode_headers
+        assert by_name[decode].stats.remote_prefills_received == 1

@@ -1,0 +1,254 @@
+"""The standalone proxy over real HTTP against simulated engines on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from helpers import eventually, router_on_sim, sse_events
+
+from loadtests.sim.engine import EngineSpec
+from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS
+
+pytestmark = pytest.mark.integration
+
+PD_SPECS = [
+    EngineSpec("p0", "prefill", link="a"),
+    EngineSpec("p1", "prefill", link="b"),
+    EngineSpec("d0", "decode", link="a"),
+    EngineSpec("d1", "decode", link="b"),
+]
+SINGLE_SPECS = [EngineSpec(f"e{i}", "prefill-decode") for i in range(3)]
+ALWAYS_PAIR = {"picker": {"allow_local_prefill": False}}
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 40
+
+
+def completion(prompt: str = PROMPT, **extra: object) -> dict:
+    return {"model": "sim-model", "prompt": prompt, "max_tokens": 8, **extra}
+
+
+async def test_pd_request_runs_prefill_leg_then_decode_leg_with_the_transfer_params() -> None:
+    async with router_on_sim(PD_SPECS, ALWAYS_PAIR) as (cluster, app, base), aiohttp.ClientSession() as http:
+        headers = {"X-Request-Id": "req-42"}
+        async with http.post(f"{base}/v1/completions", json=completion(stream=True), headers=headers) as resp:
+            assert resp.status == 200
+            prefill_name = resp.headers["x-pd-router-prefill"]
+            decode_name = resp.headers["x-pd-router-decode"]
+            events = await sse_events(resp)
+        assert events[-1] == "[DONE]" and len(events) > 2
+        engines = cluster.engines
+        _, p_headers, p_body = engines[prefill_name].requests_seen[-1]
+        assert p_body["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+        assert p_body["max_tokens"] == 1 and p_body["min_tokens"] == 1 and p_body["stream"] is False
+        assert p_headers["x-request-id"] == "req-42"
+        _, d_headers, d_body = engines[decode_name].requests_seen[-1]
+        assert d_headers["x-request-id"] == "req-42"
+        assert d_body["stream"] is True and d_body["max_tokens"] == 8 and d_body["prompt"] == PROMPT
+        params = d_body["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["remote_engine_id"] == prefill_name
+        assert params["remote_port"] == engines[prefill_name].port
+        assert engines[decode_name].stats.remote_prefills_received == 1
+        await eventually(lambda: app.pool.outstanding == 0, what="reservation released")
+
+
+async def test_prefill_decode_pool_sends_one_plain_request_to_one_pod() -> None:
+    async with router_on_sim(SINGLE_SPECS) as (cluster, _app, base), aiohttp.ClientSession() as http:
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 4}
+        async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            answer = await resp.json()
+            chosen = resp.headers["x-pd-router-decode"]
+        assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] == 4
+        assert "x-pd-router-prefill" not in resp.headers
+        _, _, seen = cluster.engines[chosen].requests_seen[-1]
+        assert "kv_transfer_params" not in seen
+        assert sum(len(e.requests_seen) for e in cluster.engines.values()) == 1
+
+
+async def test_repeated_prefix_goes_back_to_the_pod_that_cached_it() -> None:
+    async with router_on_sim(SINGLE_SPECS) as (_cluster, _app, base), aiohttp.ClientSession() as http:
+        chosen = set()
+        cached = []
+        for i in range(5):
+            async with http.post(
+                f"{base}/v1/completions", json=completion(PROMPT + f" question {i}")
+            ) as resp:
+                chosen.add(resp.headers["x-pd-router-decode"])
+                cached.append((await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert len(chosen) == 1
+        assert cached[0] == 0 and min(cached[1:]) > 400
+
+
+async def test_client_cannot_steer_routing_with_internal_headers_or_kv_params() -> None:
+    async with router_on_sim(SINGLE_SPECS) as (cluster, _app, base), aiohttp.ClientSession() as http:
+        forged = {
+            "x-prefiller-host-port": "169.254.169.254:80",
+            "x-gateway-destination-endpoint": "10.0.0.9:1",
+        }
+        async with http.post(f"{base}/v1/completions", json=completion(), headers=forged) as resp:
+            assert resp.status == 200
+            chosen = resp.headers["x-pd-router-decode"]
+        _, headers, _ = cluster.engines[chosen].requests_seen[-1]
+        assert not set(forged) & set(headers)
+        steer = completion(kv_transfer_params={"do_remote_prefill": True, "remote_host": "10.1.1.1"})
+        async with http.post(f"{base}/v1/completions", json=steer) as resp:
+            assert resp.status == 400
+            assert "kv_transfer_params" in (await resp.json())["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code"),
+    [
+        (b"{not json", 400, "bad_request"),
+        (b"[1, 2]", 400, "bad_request"),
+        (b'{"prompt": "hi"}', 400, "bad_request"),
+        (b'{"model": "sim-model"}', 400, "bad_request"),
+        (b'{"model": "sim-model", "prompt": "hi", "max_tokens": -3}', 400, "bad_request"),
+        (b'{"model": "other-model", "prompt": "hi"}', 404, "model_not_found"),
+        (b'{"model": "sim-model", "prompt": "' + b"x" * 70000 + b'"}', 413, "too_large"),
+    ],
+)
+async def test_bad_requests_get_openai_errors_and_the_next_request_succeeds(
+    raw: bytes, status: int, code: str
+) -> None:
+    limits = {"limits": {"max_body_bytes": 65536}}
+    async with router_on_sim(SINGLE_SPECS, limits) as (_, app, base), aiohttp.ClientSession() as http:
+        headers = {"content-type": "application/json"}
+        async with http.post(f"{base}/v1/completions", data=raw, headers=headers) as resp:
+            assert resp.status == status
+            error = (await resp.json())["error"]
+            assert error["code"] == code and error["message"]
+        async with http.post(f"{base}/v1/completions", json=completion()) as resp:
+            assert resp.status == 200
+        assert app.pool.outstanding == 0
+
+
+async def test_no_capacity_is_503_with_retry_after() -> None:
+    async with router_on_sim(SINGLE_SPECS) as (cluster, app, base), aiohttp.ClientSession() as http:
+        for name in list(cluster.engines):
+            await cluster.kill(name)
+        await eventually(lambda: len(app.pool.candidate_slots()) == 0, what="all endpoints ejected")
+        async with http.post(f"{base}/v1/completions", json=completion()) as resp:
+            assert resp.status == 503
+            assert int(resp.headers["Retry-After"]) >= 1
+            assert (await resp.json())["error"]["code"] == "no_capacity"
+        async with http.get(f"{base}/health") as resp:
+            assert resp.status == 503
+
+
+async def test_dead_decode_pod_fails_over_before_the_first_byte() -> None:
+    # Kill a pod the scraper still believes healthy: the proxy must retry on the fallback.
+    sections = {"scrape": {"interval_ms": 60000, "eject_after_failures": 2}}
+    async with router_on_sim(SINGLE_SPECS, sections) as (cluster, app, base), aiohttp.ClientSession() as http:
+        await cluster.kill("e0")
+        await cluster.kill("e1")
+        pool = app.pool
+
+        def ejected() -> set[str]:
+            return {e.id for e in pool.endpoints.values() if pool.ejected[e.slot]}
+
+        for i in range(30):  # picks are random among equals: bounded until both dead pods were tried
+            body = completion(f"distinct prompt {i} " * 30, stream=True)  # no locality pull
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-pd-router-decode"] == "e2"
+                assert (await sse_events(resp))[-1] == "[DONE]"
+            if ejected() == {"e0", "e1"}:
+                break
+        assert ejected() == {"e0", "e1"}
+        assert pool.outstanding == 0
+
+
+async def test_dead_prefill_pod_fails_over_to_the_next_prefill() -> None:
+    async with (
+        router_on_sim(PD_SPECS, {**ALWAYS_PAIR, "scrape": {"interval_ms": 60000}}) as (
+            cluster,
+            app,
+            base,
+        ),
+        aiohttp.ClientSession() as http,
+    ):
+        await cluster.kill("p0")
+        for _ in range(4):
+            async with http.post(f"{base}/v1/completions", json=completion()) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-pd-router-prefill"] == "p1"
+        assert cluster.engines["p1"].stats.remote_prefills_served >= 4
+        assert app.pool.outstanding == 0
+
+
+async def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    async with (
+        router_on_sim(SINGLE_SPECS, speed=2.0) as (cluster, app, base),
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(f"{base}/v1/completions", json=completion(max_tokens=400, stream=True)) as resp:
+            chosen = resp.headers["x-pd-router-decode"]
+            first = await resp.content.readline()
+            assert first.startswith(b"data: ")
+            await cluster.kill(chosen)
+            events = await sse_events(resp)
+        assert isinstance(events[-1], dict) and events[-1]["error"]["code"] == "upstream_disconnected"
+        await eventually(lambda: app.pool.outstanding == 0, what="reservation released")
+
+
+async def test_client_disconnect_cancels_upstream_and_releases_the_reservation() -> None:
+    async with router_on_sim(SINGLE_SPECS, speed=2.0) as (cluster, app, base):
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(f"{base}/v1/completions", json=completion(max_tokens=2000, stream=True))
+            chosen = resp.headers["x-pd-router-decode"]
+            await resp.content.readline()
+            assert app.pool.outstanding == 1
+            engine = cluster.engines[chosen]
+            assert engine.num_running == 1
+            resp.close()  # hang up mid-stream
+        await eventually(lambda: app.pool.outstanding == 0, what="reservation released")
+        await eventually(lambda: engine.num_running == 0, what="upstream request cancelled")
+        slot = app.pool.endpoints[chosen].slot
+        assert app.pool.inflight_requests[slot] == 0 and app.pool.reserved_kv_tokens[slot] == 0
+
+
+async def test_stale_endpoint_gets_no_traffic_and_returns_when_fresh() -> None:
+    async with router_on_sim(SINGLE_SPECS) as (cluster, app, base), aiohttp.ClientSession() as http:
+        cluster.engines["e0"].set_stall(2.0)  # every scrape of e0 now times out
+        e0 = app.pool.endpoints["e0"]
+        await eventually(lambda: e0.slot not in app.pool.candidate_slots(), what="e0 leaves the candidates")
+        for i in range(6):
+            async with http.post(f"{base}/v1/completions", json=completion(f"prompt {i} " * 30)) as resp:
+                assert resp.status == 200 and resp.headers["x-pd-router-decode"] != "e0"
+        cluster.engines["e0"].set_stall(0.0)
+        await eventually(lambda: e0.slot in app.pool.candidate_slots(), what="e0 returns")
+
+
+async def test_streaming_is_passed_through_unchanged_and_concurrent_requests_all_succeed() -> None:
+    async with router_on_sim(PD_SPECS) as (_cluster, app, base), aiohttp.ClientSession() as http:
+
+        async def one(i: int) -> list:
+            body = completion(
+                f"conversation {i % 5} " * 60, stream=True, stream_options={"include_usage": True}
+            )
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                return await sse_events(resp)
+
+        results = await asyncio.gather(*(one(i) for i in range(40)))
+        for events in results:
+            assert events[-1] == "[DONE]"
+            assert events[-2]["usage"]["completion_tokens"] == 8
+            assert sum(1 for e in events if isinstance(e, dict) and e.get("choices")) == 8
+        assert app.pool.outstanding == 0
+
+
+async def test_models_health_and_metrics() -> None:
+    async with router_on_sim(PD_SPECS) as (_, _app, base), aiohttp.ClientSession() as http:
+        async with http.get(f"{base}/v1/models") as resp:
+            assert [m["id"] for m in (await resp.json())["data"]] == ["sim-model"]
+        async with http.get(f"{base}/health") as resp:
+            assert resp.status == 200
+        async with http.post(f"{base}/v1/completions", json=completion()) as resp:
+            assert resp.status == 200
+        async with http.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+        assert 'pd_router_requests_total{outcome="ok"} 1.0' in text
+        assert "llm_d_epp_ready_endpoints" in text and "pd_router_pick_duration_seconds_bucket" in text

@@ -1,0 +1,86 @@
+"""Configuration: defaults, overrides, and errors that name the field and the bad value."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from router.cli import main
+from router.config import ConfigError, load_config, parse_config
+
+MINIMAL = {"model": "m", "endpoints": [{"address": "127.0.0.1:8001", "role": "prefill"}]}
+
+
+def test_minimal_config_gets_sane_defaults() -> None:
+    config = parse_config(MINIMAL)
+    endpoint = config.endpoints[0]
+    assert endpoint.id == "127.0.0.1:8001" and endpoint.link == "default" and endpoint.group is None
+    assert config.proxy.host == "127.0.0.1" and config.slo.ttft_ms > 0
+    assert config.request_limits().max_body_bytes == config.limits.max_body_bytes
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({**MINIMAL, "endpoints": [{"address": "127.0.0.1:1", "role": "both"}]}, "endpoints.0.role:"),
+        ({**MINIMAL, "endpoints": [{"address": "pod-a:80"}]}, "endpoints.0.address: must be ip:port"),
+        ({**MINIMAL, "endpoints": [{"address": "127.0.0.1:99999"}]}, "endpoints.0.address: must be ip:port"),
+        ({**MINIMAL, "slo": {"ttft_ms": 0}}, "slo.ttft_ms: Input should be greater than 0, got 0"),
+        ({**MINIMAL, "weights": {"prefix": 1.3}}, "weights: prefix: must be in [0, 1]"),
+        (
+            {**MINIMAL, "weights": {"kv": -1}},
+            "weights.kv: Input should be greater than or equal to 0, got -1",
+        ),
+        (
+            {**MINIMAL, "weights": {"nosuch": 1}},
+            "weights: nosuch: no scorer 'nosuch': expected a module scorers.nosuch with a term() function",
+        ),
+        ({**MINIMAL, "picker": {"policy": "random"}}, "picker.policy: Input should be 'joint',"),
+        ({**MINIMAL, "scorers": {}}, "scorers: unknown field"),
+        ({**MINIMAL, "slo": {"ttft": 5}}, "slo.ttft: unknown field"),
+        ({"endpoints": MINIMAL["endpoints"]}, "model: required field is missing"),
+        ({**MINIMAL, "endpoints": []}, "endpoints: List should have at least 1 item"),
+        (
+            {**MINIMAL, "endpoints": [{"address": "127.0.0.1:1"}, {"address": "127.0.0.1:1"}]},
+            "duplicate endpoint '127.0.0.1:1'",
+        ),
+        ([1, 2], "config: must be a mapping, got list"),
+    ],
+)
+def test_errors_name_the_field_and_the_value(data: object, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert message in str(err.value)
+
+
+def test_overrides_replace_file_values_including_list_items() -> None:
+    config = parse_config(dict(MINIMAL), ["slo.ttft_ms=250", "endpoints.0.role=decode", "proxy.port=9100"])
+    assert config.slo.ttft_ms == 250 and config.endpoints[0].role == "decode" and config.proxy.port == 9100
+    with pytest.raises(ConfigError, match=r"expected dotted\.path=value"):
+        parse_config(dict(MINIMAL), ["slo.ttft_ms"])
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text("model: m\nendpoints: [{address: 127.0.0.1:1, role: nope}]\n")
+    with pytest.raises(ConfigError, match=r"pool.yaml: endpoints.0.role"):
+        load_config(path)
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text("model: m\nendpoints:\n  - {address: 127.0.0.1:8001, role: prefill}\n")
+    assert main(["check-config", "--config", str(good)]) == 0
+    assert main(["check-config", "--config", str(good), "--set", "slo.tpot_ms=-1"]) == 2
+    assert "slo.tpot_ms: Input should be greater than 0, got -1" in capsys.readouterr().err
+
+
+def test_the_example_pool_file_is_valid() -> None:
+    config = load_config(Path(__file__).parents[2] / "examples" / "pool.yaml")
+    assert {e.role for e in config.endpoints} == {"prefill", "decode"}

@@ -1,0 +1,205 @@
+"""The joint pick: pair choice, local prefill, filters, fairness, reservations."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from helpers import PD_TWO_RACKS, DictIndex, Metrics, make_config, make_picker, make_pool, make_request
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.picker import Picker
+from router.rejections import NoCapacity, Shed
+
+NOW = 100.0
+SLOW_CROSS_LINK = {
+    "same": {"latency_ms": 0.1, "bandwidth_gbytes_per_s": 50},
+    "default": {"latency_ms": 5, "bandwidth_gbytes_per_s": 1},
+}
+
+
+def picker_for(endpoints, metrics=None, index=None, **sections) -> Picker:
+    config = make_config(endpoints, **sections)
+    return make_picker(config, make_pool(config, metrics, NOW), index)
+
+
+def test_joint_choice_beats_best_prefill_and_best_decode_chosen_separately() -> None:
+    # p0 is the better prefill pod alone (shorter queue), d1 the better decode pod alone (fewer
+    # running), but p0 -> d1 crosses the slow link: the best pair stays on one link.
+    metrics = {
+        "p0": Metrics(waiting=0),
+        "p1": Metrics(waiting=1),
+        "d0": Metrics(running=8),
+        "d1": Metrics(running=2),
+    }
+    picker = picker_for(PD_TWO_RACKS, metrics, links=SLOW_CROSS_LINK, picker={"allow_local_prefill": False})
+    decision = picker.pick(make_request(2000), now=NOW)
+    pair = (decision.prefill.id, decision.decode.id)
+    assert pair in {("p0", "d0"), ("p1", "d1")}
+    assert pair != ("p0", "d1")
+    assert decision.breakdown["transfer_s"] < 0.01
+
+
+def test_no_prefill_leg_when_the_decode_pod_already_holds_most_of_the_prompt() -> None:
+    index = DictIndex()
+    keys = list(range(1, 64))  # 63 blocks = 1008 tokens of a 1024-token prompt
+    picker = picker_for(PD_TWO_RACKS, index=index)
+    index.record(picker.pool.endpoints["d0"].slot, np.array(keys, dtype=np.uint64))
+    decision = picker.pick(make_request(1024, keys), now=NOW)
+    assert decision.prefill is None
+    assert decision.decode.id == "d0"
+    assert decision.kind == "local-prefill"
+    assert decision.breakdown["uncached_tokens"] == 16
+
+
+def test_long_uncached_prompt_uses_a_prefill_pod_when_decode_pods_are_busy() -> None:
+    metrics = {"d0": Metrics(running=40), "d1": Metrics(running=40)}
+    decision = picker_for(PD_TWO_RACKS, metrics).pick(make_request(8000), now=NOW)
+    assert decision.prefill is not None
+    assert decision.kind == "pd-pair"
+
+
+def test_prefix_locality_prefers_the_prefill_pod_holding_the_prompt() -> None:
+    index = DictIndex()
+    keys = list(range(1, 200))
+    picker = picker_for(PD_TWO_RACKS, index=index, picker={"allow_local_prefill": False})
+    index.record(picker.pool.endpoints["p1"].slot, np.array(keys, dtype=np.uint64))
+    decision = picker.pick(make_request(3200, keys), now=NOW)
+    assert decision.prefill.id == "p1"
+    assert decision.breakdown["cached_tokens"] == 3184
+
+
+def test_fairness_cap_drops_locality_credit_on_an_overloaded_pod() -> None:
+    index = DictIndex()
+    keys = list(range(1, 200))
+    # p1 holds the prompt but has 60k queued tokens (3 s at 20k tok/s), over the 1 s skew cap.
+    picker = picker_for(
+        PD_TWO_RACKS, {"p1": Metrics(waiting=0)}, index=index, picker={"allow_local_prefill": False}
+    )
+    picker.pool.queued_prefill_tokens[picker.pool.endpoints["p1"].slot] = 60000
+    index.record(picker.pool.endpoints["p1"].slot, np.array(keys, dtype=np.uint64))
+    decision = picker.pick(make_request(3200, keys), now=NOW)
+    assert decision.prefill.id == "p0"
+
+
+def test_full_decode_pod_is_avoided_and_a_request_no_pod_can_hold_is_no_capacity() -> None:
+    metrics = {
+        "d0": Metrics(kv_usage=0.99, num_gpu_blocks=100),
+        "d1": Metrics(kv_usage=0.1, num_gpu_blocks=100),
+    }
+    picker = picker_for(PD_TWO_RACKS, metrics)
+    assert picker.pick(make_request(500), now=NOW).decode.id == "d1"
+    with pytest.raises(NoCapacity) as err:
+        picker.pick(make_request(1590), now=NOW)  # 1590 + 16 > 1600 tokens of capacity
+    assert err.value.status == 503 and err.value.retry_after_s
+
+
+def test_kv_reservation_counts_only_blocks_the_decode_pod_does_not_hold() -> None:
+    index = DictIndex()
+    keys = list(range(1, 51))  # 800 tokens
+    picker = picker_for(PD_TWO_RACKS, index=index)
+    d0 = picker.pool.endpoints["d0"]
+    index.record(d0.slot, np.array(keys, dtype=np.uint64))
+    decision = picker.pick(make_request(1000, keys, max_tokens=100), now=NOW)
+    assert decision.decode is d0
+    assert picker.pool.reserved_kv_tokens[d0.slot] == 1000 - 800 + 100
+
+
+def test_unknown_metrics_count_as_the_pool_worst_not_as_idle() -> None:
+    endpoints = [{"address": f"10.0.0.{i}:8000", "name": f"e{i}"} for i in range(3)]
+    metrics = {
+        "e0": Metrics(running=None, waiting=None),
+        "e1": Metrics(running=30, waiting=4),
+        "e2": Metrics(running=0),
+    }
+    picker = picker_for(endpoints, metrics)
+    assert picker.pick(make_request(100), now=NOW).decode.id == "e2"
+    cand = picker.pool.candidates(np.array([0, 1]))
+    from scorers import load, queue
+
+    assert load.batch_size(cand)[0] == 30  # unknown running -> worst known (30), not 0
+    assert queue.queued_tokens(cand, _ctx(picker))[0] == queue.queued_tokens(cand, _ctx(picker))[1]
+
+
+def _ctx(picker: Picker):
+    from scorers.base import RequestCtx
+
+    return RequestCtx(100, 16, 16, picker.pool.typical_prompt_tokens)
+
+
+def test_prefill_decode_pool_picks_a_single_pod() -> None:
+    endpoints = [{"address": f"10.0.0.{i}:8000", "name": f"e{i}"} for i in range(4)]
+    decision = picker_for(
+        endpoints, {"e2": Metrics(running=0), **{f"e{i}": Metrics(running=9) for i in (0, 1, 3)}}
+    ).pick(make_request(300), now=NOW)
+    assert decision.prefill is None and decision.decode.id == "e2" and decision.kind == "single"
+    assert len(decision.decode_fallbacks) == 2
+
+
+def test_ties_spread_instead_of_herding() -> None:
+    endpoints = [{"address": f"10.0.0.{i}:8000", "name": f"e{i}"} for i in range(4)]
+    picker = picker_for(endpoints)
+    chosen = Counter(picker.pick(make_request(100), now=NOW).decode.id for _ in range(40))
+    # Reservations make each pick see the previous ones: an even spread, not one hot pod.
+    assert set(chosen.values()) == {10}
+    picker2 = picker_for(endpoints)
+    first = Counter()
+    for _ in range(200):
+        decision = picker2.pick(make_request(100), now=NOW)
+        first[decision.decode.id] += 1
+        decision.reservation.release()
+    assert len(first) == 4  # exact ties are broken at random
+
+
+def test_stale_and_ejected_endpoints_leave_and_come_back() -> None:
+    picker = picker_for(PD_TWO_RACKS)
+    pool = picker.pool
+    d0 = pool.endpoints["d0"]
+    stale_at = NOW + pool.stale_after_s + 0.1
+    pool.apply_metrics(pool.endpoints["d1"], Metrics(), stale_at)
+    assert picker.pick(make_request(100), now=stale_at).decode.id == "d1"
+    for _ in range(pool.eject_after_failures):
+        pool.record_failure(pool.endpoints["d1"], "connection refused")
+    with pytest.raises(NoCapacity):
+        picker.pick(make_request(100), now=stale_at)
+    pool.apply_metrics(d0, Metrics(), stale_at)
+    assert picker.pick(make_request(100), now=stale_at).decode.id == "d0"
+
+
+def test_subset_hint_restricts_candidates() -> None:
+    picker = picker_for(PD_TWO_RACKS)
+    request = make_request(100, subset=frozenset({"10.0.0.4:8000", "10.0.0.1:8000"}))
+    decision = picker.pick(request, now=NOW)
+    assert decision.decode.id == "d1" and (decision.prefill is None or decision.prefill.id == "p0")
+    with pytest.raises(NoCapacity):
+        picker.pick(make_request(100, subset=frozenset({"10.9.9.9:1"})), now=NOW)
+
+
+def test_sheddable_requests_are_shed_when_saturated_and_others_are_not() -> None:
+    metrics = {name: Metrics(waiting=200) for name in ("p0", "p1", "d0", "d1")}
+    picker = picker_for(PD_TWO_RACKS, metrics)
+    with pytest.raises(Shed):
+        picker.pick(make_request(4000, priority=-1), now=NOW)
+    assert picker.pick(make_request(4000, priority=0), now=NOW)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4000), st.integers(0, 3)), min_size=1, max_size=40))
+def test_reservations_always_return_to_zero(requests: list[tuple[int, int]]) -> None:
+    picker = picker_for(PD_TWO_RACKS)
+    pool = picker.pool
+    decisions = [picker.pick(make_request(tokens), now=NOW) for tokens, _ in requests]
+    for decision, (_, path) in zip(decisions, requests, strict=True):
+        if path == 1:  # prefill finished first
+            decision.reservation.finish_prefill()
+        if path == 2:  # failed over to a fallback decode pod
+            fallback = decision.decode_fallbacks[0] if decision.decode_fallbacks else None
+            picker.retarget(decision, decode=fallback)
+        decision.reservation.release()
+        decision.reservation.release()  # idempotent
+        decision.reservation.finish_prefill()
+    assert pool.outstanding == 0
+    assert np.allclose(pool.queued_prefill_tokens, 0) and np.allclose(pool.reserved_kv_tokens, 0)
+    assert not pool.inflight_requests.any() and not pool.queued_prefill_requests.any()

@@ -1,0 +1,153 @@
+"""Precise mode end to end: engines publish KV events, the router routes from what they report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+from helpers import eventually, router_for
+
+from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from loadtests.sim.tiny_tokenizer import tiny_corpus, train_tiny_tokenizer
+
+pytestmark = pytest.mark.integration
+
+SENTENCES = list(tiny_corpus(400))
+PROMPT = " ".join(SENTENCES[:30])  # a few hundred tokens the tiny tokenizer knows
+
+
+async def _precise_gateway(tmp_path: Path, names: list[str], **spec_fields: object):
+    tokenizer = str(train_tiny_tokenizer(tmp_path / "tokenizer.json"))
+    specs = [
+        EngineSpec(
+            name,
+            "prefill-decode",
+            tokenizer=tokenizer,
+            kv_events=True,
+            time=TimeModel(speed=20),
+            **spec_fields,
+        )
+        for name in names
+    ]
+    return tokenizer, specs
+
+
+def _sections(cluster: SimCluster, tokenizer: str) -> dict:
+    endpoints = [
+        {
+            "address": cluster.address(name),
+            "name": name,
+            "kv_events": {"endpoint": e.kv_events_endpoint, "replay_endpoint": e.kv_replay_endpoint},
+        }
+        for name, e in cluster.engines.items()
+    ]
+    precise = {"tokenizer": tokenizer, "replay_timeout_s": 1.0}
+    return {"endpoints": endpoints, "index": {"precise": precise}, "limits": {"chars_per_token": 4.0}}
+
+
+async def _until_covered(app, cluster: SimCluster) -> None:
+    # Engines only publish when something happens, and a subscriber that just connected misses
+    # what was published before (ZMQ's slow joiner): publish harmless resets until all are seen.
+    slots = [e.slot for e in app.pool.endpoints.values()]
+
+    def covered() -> bool:
+        if not app.pool.kv_covered[slots].all():
+            for engine in cluster.engines.values():
+                engine.reset_prefix_cache()
+            return False
+        return True
+
+    await eventually(covered, 10, "coverage of every engine")
+
+
+async def test_routes_from_reported_blocks_and_forgets_an_engine_that_restarted(tmp_path: Path) -> None:
+    tokenizer, specs = await _precise_gateway(tmp_path, ["e0", "e1", "e2"])
+    async with SimCluster(specs) as cluster, router_for(_sections(cluster, tokenizer)) as (app, base):
+        await _until_covered(app, cluster)
+        async with aiohttp.ClientSession() as http:
+
+            async def ask() -> tuple[str, str]:
+                body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 4}
+                async with http.post(f"{base}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    return resp.headers["x-pd-router-decode"], resp.headers["x-pd-router-reason"]
+
+            first, _ = await ask()
+            keys = app.precise_keys.tokenizer.block_keys_sync(PROMPT)
+            slot = app.pool.endpoints[first].slot
+            # The engine's BlockStored events reach the precise index (not just our optimistic record).
+            await eventually(lambda: app.kv_events.stats()[first].events > 0, 10, "events from the engine")
+            assert app.precise_index.match(keys, np.array([slot]))[0] == len(keys)
+            again, reason = await ask()
+            assert again == first and f"{(len(keys)) * 16}/" in reason
+
+            # A restart loses the engine's cache; the event stream says so and the router believes it.
+            await cluster.revive(first)
+
+            def restart_seen() -> bool:
+                if app.kv_events.stats()[first].restarts >= 1:
+                    return True
+                cluster.engines[first].reset_prefix_cache()  # batches until the SUB reconnected
+                return False
+
+            await eventually(restart_seen, 10, "restart detected")
+            assert app.precise_index.match(keys, np.array([slot]))[0] == 0
+            # The approximate index still remembers our earlier picks: precise mode overrides it.
+            text_keys = app.index.match(_text_keys(app, PROMPT), np.array([slot]))
+            assert text_keys[0] > 0
+            _, reason = await ask()
+            assert reason.split(":")[1].strip().startswith("0/")
+
+
+async def test_evicted_blocks_leave_the_index(tmp_path: Path) -> None:
+    tokenizer, specs = await _precise_gateway(tmp_path, ["e0"], num_gpu_blocks=40)
+    async with SimCluster(specs) as cluster, router_for(_sections(cluster, tokenizer)) as (app, base):
+        await _until_covered(app, cluster)
+        keys = app.precise_keys.tokenizer.block_keys_sync(PROMPT)
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+            await eventually(lambda: app.precise_index.match(keys, np.array([0]))[0] > 0, 10, "stored")
+            other = " ".join(SENTENCES[200:230])  # a different prompt that evicts the first
+            async with http.post(f"{base}/v1/completions", json={**body, "prompt": other}) as resp:
+                assert resp.status == 200
+        engine_cache = cluster.engines["e0"]._cache
+        await eventually(
+            lambda: (
+                app.precise_index.match(keys, np.array([0]))[0]
+                == sum(1 for _ in _prefix_in(keys, engine_cache))
+            ),
+            10,
+            "index agrees with the engine after evictions",
+        )
+        assert app.precise_index.match(keys, np.array([0]))[0] < len(keys)
+
+
+def _prefix_in(keys: np.ndarray, cache: dict) -> list[int]:
+    out = []
+    for key in keys.tolist():
+        if key not in cache:
+            break
+        out.append(key)
+    return out
+
+
+def _text_keys(app, prompt: str) -> np.ndarray:
+    from router.request import parse_request
+
+    return parse_request(
+        f'{{"model": "sim-model", "prompt": "{prompt}"}}'.encode(), app.config.request_limits()
+    ).block_keys
+
+
+async def test_kv_event_and_coverage_metrics_are_exported(tmp_path: Path) -> None:
+    tokenizer, specs = await _precise_gateway(tmp_path, ["e0"])
+    async with SimCluster(specs) as cluster, router_for(_sections(cluster, tokenizer)) as (app, base):
+        await _until_covered(app, cluster)
+        async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+        assert 'pd_router_endpoint_kv_covered{endpoint="e0"} 1.0' in text
+        assert 'pd_router_kv_events_batches_total{endpoint="e0"}' in text

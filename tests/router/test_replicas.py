@@ -1,0 +1,83 @@
+"""Two router replicas sharing one Redis: each routes on what the other sent where; Redis can go away."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import pytest
+from helpers import eventually, router_for
+
+from loadtests.servers.redis import RedisServer
+from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "a long shared system prompt about routing " * 40
+
+
+@pytest.fixture
+def redis(tmp_path: Path):
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+def _sections(cluster: SimCluster, redis: RedisServer) -> dict:
+    endpoints = [{"address": cluster.address(name), "name": name} for name in cluster.engines]
+    return {"endpoints": endpoints, "index": {"redis": {"url": f"redis://127.0.0.1:{redis.port}/0"}}}
+
+
+async def _ask(http: aiohttp.ClientSession, base: str, prompt: str) -> tuple[str, str]:
+    body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
+    async with http.post(f"{base}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        return resp.headers["x-pd-router-decode"], resp.headers["x-pd-router-reason"]
+
+
+async def test_a_replica_routes_on_what_the_other_replica_sent_where(redis: RedisServer) -> None:
+    specs = [EngineSpec(f"e{i}", "prefill-decode", time=TimeModel(speed=20)) for i in range(4)]
+    async with SimCluster(specs) as cluster, aiohttp.ClientSession() as http:
+        sections = _sections(cluster, redis)
+        async with router_for(sections) as (a, base_a), router_for(sections) as (_, base_b):
+            first, _ = await _ask(http, base_a, PROMPT)
+            assert await a.shared.flush()  # replica A's writes are in Redis
+            # B never routed this prompt: only Redis can tell it that `first` holds it.
+            chosen, reason = await _ask(http, base_b, PROMPT + " question")
+            assert chosen == first
+            cached = int(reason.split(": ")[1].split("/")[0])
+            assert cached >= len(PROMPT) // 4 - 16
+
+
+async def test_redis_stopping_and_coming_back_fails_no_request(redis: RedisServer) -> None:
+    specs = [EngineSpec(f"e{i}", "prefill-decode", time=TimeModel(speed=20)) for i in range(3)]
+    async with (
+        SimCluster(specs) as cluster,
+        aiohttp.ClientSession() as http,
+        router_for(_sections(cluster, redis)) as (app, base),
+    ):
+
+        async def load(n: int, tag: str) -> None:
+            for i in range(n):
+                await _ask(http, base, f"{tag} {i % 5} " * 50)
+
+        await load(10, "before")
+        redis.kill()
+        await asyncio.gather(load(10, "during"), load(10, "during-too"))  # every one answered 200
+        assert not app.shared.healthy
+        redis.restart()
+        await eventually(lambda: app.shared.healthy, 10, "shared index back on Redis")
+        await load(10, "after")
+
+
+async def test_shared_index_health_is_exported(redis: RedisServer) -> None:
+    specs = [EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20))]
+    async with (
+        SimCluster(specs) as cluster,
+        aiohttp.ClientSession() as http,
+        router_for(_sections(cluster, redis)) as (_, base),
+        http.get(f"{base}/metrics") as resp,
+    ):
+        assert "pd_router_shared_index_healthy 1.0" in await resp.text()
