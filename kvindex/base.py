@@ -1,4 +1,9 @@
-"""The prefix-index contract every backend implements (in-memory now; vLLM KV events, Redis later).
+"""The prefix-index contract every backend implements.
+
+Backends: ``kvindex.memory.MemoryPrefixIndex`` (one router process) and
+``kvindex.redis_index.SharedPrefixIndex`` (router replicas sharing blocks through Redis, over a local
+memory mirror). Either is fed by the router's own routing decisions (approximate) or by the
+engines' KV events (``kvindex.events``, precise).
 
 Endpoints are named by *slot*: the small integer the router's pool gives each endpoint, so a
 lookup returns a numpy array aligned with the candidate slots it was given and the picker never

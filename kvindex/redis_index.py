@@ -55,18 +55,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvindex.memory import MemoryPrefixIndex
@@ -165,18 +164,6 @@ return out
 """
 
 
-@dataclass(frozen=True)
-class _Script:
-    source: str
-    sha: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
-
-
-_LOOKUP = _Script(_LOOKUP_LUA)
-_APPLY = _Script(_APPLY_LUA)
-
 # One queued write: (endpoint name, _ADD | _DEL, uint64 block keys).
 _Op = tuple[str, bytes, np.ndarray]
 
@@ -214,6 +201,10 @@ class SharedPrefixIndex:
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("client: needs decode_responses=False (the scripts return bytes)")
         self._client = client
+        # redis-py's script objects run EVALSHA and load the source on NOSCRIPT (Redis restarted
+        # empty, or SCRIPT FLUSH); queued in a pipeline, they are loaded before it is sent.
+        self._lookup_script: AsyncScript = client.register_script(_LOOKUP_LUA)
+        self._apply_script: AsyncScript = client.register_script(_APPLY_LUA)
         self._local = local
         self._bp = f"{namespace}:b:".encode()
         self._gp = f"{namespace}:gen:".encode()
@@ -310,7 +301,7 @@ class SharedPrefixIndex:
         blob = np.ascontiguousarray(block_keys, dtype=">u8").tobytes()
         try:
             async with asyncio.timeout(self._lookup_timeout_s):
-                depths_csv, gens_csv = await self._eval(_LOOKUP, self._bp, self._gp, blob, joined)
+                depths_csv, gens_csv = await self._lookup_script(args=[self._bp, self._gp, blob, joined])
             depths = np.array(depths_csv.split(b","), dtype=np.int32)
             gens = gens_csv.split(b",")
         except _DOWN_ERRORS as exc:
@@ -544,15 +535,11 @@ class SharedPrefixIndex:
         return [(_DEL, np.array(dels, dtype=np.uint64)), (_ADD, np.array(adds, dtype=np.uint64))]
 
     async def _run_calls(self, calls: list[list[bytes | str]], per_pipeline: int = 64) -> None:
-        """Pipelined script calls, ``per_pipeline`` per round trip, each round trip under the timeout."""
+        """Pipelined script calls, ``per_pipeline`` per pipeline, each pipeline under the timeout."""
         for first in range(0, len(calls), per_pipeline):
             group = calls[first : first + per_pipeline]
             async with asyncio.timeout(self._write_timeout_s):
-                try:
-                    results = await self._pipeline(group)
-                except NoScriptError:
-                    await self._client.script_load(_APPLY.source)
-                    results = await self._pipeline(group)
+                results = await self._pipeline(group)
             for args, gens in zip(group, results, strict=True):
                 for j in range(0, len(args), 3):
                     gen = gens[j // 3]
@@ -560,10 +547,15 @@ class SharedPrefixIndex:
                         self._adopt_gen(str(args[j + 1]), gen)
 
     async def _pipeline(self, group: list[list[bytes | str]]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
-        for args in group:
-            pipe.evalsha(_APPLY.sha, 0, self._bp, self._gp, self._ttl_ms, *args)
-        return await pipe.execute()
+        # execute() first asks SCRIPT EXISTS (one more round trip, plus SCRIPT LOAD after a flush or
+        # restart), so a flushed script no longer fails the whole pipeline with NOSCRIPT. That check
+        # runs on the pipeline's connection before execute()'s own cleanup is in force: the context
+        # manager is what hands the connection back to the pool when it fails or is cancelled.
+        async with self._client.pipeline(transaction=False) as pipe:
+            for args in group:
+                # Against a pipeline the call only queues the EVALSHA; nothing is awaited on Redis.
+                await self._apply_script(args=[self._bp, self._gp, self._ttl_ms, *args], client=pipe)
+            return await pipe.execute()
 
     def _adopt_gen(self, name: str, gen: bytes) -> None:
         known = self._gens.get(name)
@@ -574,14 +566,6 @@ class SharedPrefixIndex:
             if slot is not None:
                 self._local.drop_slot(slot)
         self._gens[name] = gen
-
-    async def _eval(self, script: _Script, *args: bytes | str) -> Any:
-        try:
-            return await self._client.evalsha(script.sha, 0, *args)
-        except NoScriptError:
-            # Redis restarted or SCRIPT FLUSH: load once more, then EVALSHA stays the fast path.
-            await self._client.script_load(script.source)
-            return await self._client.evalsha(script.sha, 0, *args)
 
     async def _server_run_id(self) -> str:
         info = await self._client.info("server")

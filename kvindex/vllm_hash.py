@@ -11,7 +11,8 @@ chain from the prompt's token ids:
 where ``H`` is ``--prefix-caching-hash-algo``: ``sha256`` (pickle protocol 5, the default) or
 ``sha256_cbor`` (canonical CBOR). The chain runs over the full 32-byte parent digest, never over the
 64-bit event form. ``extra_i`` is None or a tuple of *tagged* extras, e.g. a LoRA request hashes
-``(("lora", lora_name, lora_path),)`` into every block (see docs: kv-routing.md §9.5).
+``(("lora", lora_name, lora_path),)`` into every block, so a prompt hashed without its request's
+extras differs from the engine's chain from block 0 on.
 
 xxhash variants are rejected: with PYTHONHASHSEED unset their seed is random per engine, and the
 router could not reproduce it anyway.

@@ -22,7 +22,7 @@ class CandidateFilter(Protocol):
     """Which candidates may take this request at all.
 
     Contract, checked by ``Picker``: ``mask`` returns a bool array of shape ``(k,)`` aligned with
-    ``cand`` (True = keep). Pure and synchronous: reads the candidates' features and the request,
+    ``cand`` (True = keep), or ``None`` when it keeps every candidate (the cheap common case). Pure and synchronous: reads the candidates' features and the request,
     may read (never write) the pool it was built with. Runs before the prefix-index lookup, so
     ``cand.cached_blocks`` is not known yet. A filter that removes every decode pod makes the
     request a 503 (``NoCapacity``), never an unfiltered pick.
@@ -30,7 +30,7 @@ class CandidateFilter(Protocol):
 
     name: str
 
-    def mask(self, cand: Candidates, request: RouteRequest) -> np.ndarray: ...
+    def mask(self, cand: Candidates, request: RouteRequest) -> np.ndarray | None: ...
 
 
 class Producer(Protocol):

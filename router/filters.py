@@ -17,7 +17,7 @@ class SubsetHint:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
 
-    def mask(self, cand: Candidates, request: RouteRequest) -> np.ndarray:
+    def mask(self, cand: Candidates, request: RouteRequest) -> np.ndarray | None:
         if request.subset is None:
-            return np.ones(len(cand), dtype=bool)
+            return None
         return np.isin(cand.slots, self.pool.slots_of(request.subset))

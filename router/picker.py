@@ -100,6 +100,8 @@ class Picker:
         cand = pool.candidates(pool.candidate_slots(now))
         for candidate_filter in self.filters:
             keep = candidate_filter.mask(cand, request)
+            if keep is None:
+                continue
             if not isinstance(keep, np.ndarray) or keep.dtype != np.bool_ or keep.shape != (len(cand),):
                 raise PickerContractError(
                     f"filter {candidate_filter.name!r} must return a bool mask of shape ({len(cand)},)"
@@ -136,13 +138,16 @@ class Picker:
         if choice is None:
             raise NoCapacity("no decode endpoint has the KV capacity for this request", retry_after_s=1.0)
         self._check(choice, costs)
-        ttft = costs.ttft(choice.prefill, choice.decode)
-        slo = self.cost_model.objectives.ttft_slo_s
-        if request.priority < 0 and ttft > self.settings.shed_ttft_factor * slo:
+        breakdown = costs.breakdown(choice.prefill, choice.decode)
+        ttft = breakdown["ttft_s"]
+        if (
+            request.priority < 0
+            and ttft > self.settings.shed_ttft_factor * self.cost_model.objectives.ttft_slo_s
+        ):
             raise Shed(
                 f"pool saturated: predicted TTFT {ttft:.2f}s for a sheddable request", retry_after_s=1.0
             )
-        return self._commit(request, costs, choice)
+        return self._commit(request, costs, choice, breakdown)
 
     def _check(self, choice: PairChoice, costs: PairCosts) -> None:
         name = self.pair_picker.name
@@ -150,19 +155,20 @@ class Picker:
         if not 0 <= choice.decode < len(costs.decode):
             raise PickerContractError(f"pair picker {name!r} chose decode column {choice.decode}")
         if choice.prefill >= 0 and (
-            choice.prefill not in costs.prefill or choice.prefill == costs.decode[choice.decode]
+            not costs.is_prefill(choice.prefill) or choice.prefill == costs.decode[choice.decode]
         ):
             raise PickerContractError(f"pair picker {name!r} chose prefill position {choice.prefill}")
         if len(choice.prefill_fallbacks) > n or len(choice.decode_fallbacks) > n:
             raise PickerContractError(f"pair picker {name!r} returned more than {n} fallbacks")
 
-    def _commit(self, request: RouteRequest, costs: PairCosts, choice: PairChoice) -> RouteDecision:
+    def _commit(
+        self, request: RouteRequest, costs: PairCosts, choice: PairChoice, breakdown: dict[str, float]
+    ) -> RouteDecision:
         by_slot = self.pool.by_slot
         slots = costs.view.cand.slots
         d_pos = int(costs.decode[choice.decode])
         d_slot = int(slots[d_pos])
         p_slot = None if choice.prefill < 0 else int(slots[choice.prefill])
-        breakdown = costs.breakdown(choice.prefill, choice.decode)
         reservation = self.pool.reserve(
             decode_slot=d_slot,
             prefill_slot=p_slot,

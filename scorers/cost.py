@@ -133,6 +133,11 @@ class PairCosts:
             out[f"{name}_s"] = float(values[p if name in self.prefill_side else d])
         return out
 
+    def is_prefill(self, position: int) -> bool:
+        """Whether candidate ``position`` may compute the prompt for a pair in this matrix."""
+        i = int(np.searchsorted(self.prefill, position))
+        return i < len(self.prefill) and int(self.prefill[i]) == position
+
     def _row(self, prefill: int) -> int:
         """The transfer row (link class) of prefill position ``prefill``."""
         return int(self.prefill_class[np.searchsorted(self.prefill, prefill)])
@@ -164,23 +169,26 @@ def pair_costs(
     for weighted in cm.terms:
         term = weighted.term
         seconds = term.seconds(view)
-        if not isinstance(seconds, np.ndarray) or seconds.shape != (k,) or np.isnan(seconds).any():
+        if not isinstance(seconds, np.ndarray) or seconds.shape != (k,):
             raise TermContractError(
-                f"cost term {term.name!r} must return {k} seconds without NaN, got "
+                f"cost term {term.name!r} must return {k} seconds, got "
                 f"{getattr(seconds, 'shape', type(seconds).__name__)}"
             )
         # inf * 0 is NaN: a zero-weighted term still filters where it says +inf.
-        if weighted.weight == 1.0:
-            weighted_s = seconds
-        else:
+        if weighted.weight != 1.0:
             with np.errstate(invalid="ignore"):
-                weighted_s = np.where(np.isinf(seconds), seconds, seconds * weighted.weight)
-        values[term.name] = weighted_s
+                seconds = np.where(np.isinf(seconds), seconds, seconds * weighted.weight)
+        values[term.name] = seconds
         if term.side == "prefill":
-            route += weighted_s
+            route += seconds
             prefill_side.append(term.name)
         else:
-            column += weighted_s
+            column += seconds
+    # NaN survives addition, so one check over each sum covers every term; only a failure looks
+    # for the culprit.
+    if np.isnan(route).any() or np.isnan(column).any():
+        culprit = next(name for name, v in values.items() if np.isnan(v).any())
+        raise TermContractError(f"cost term {culprit!r} returned NaN")
 
     decode = np.flatnonzero(is_decode)
     prefill = np.flatnonzero(is_prefill)

@@ -6,7 +6,27 @@ from typing import Any
 
 from loadtests.servers.envoy import free_port, render, run_envoy
 
-__all__ = ["free_port", "render", "run_envoy", "with_subset_header"]
+__all__ = ["example_config", "free_port", "render", "run_envoy", "with_subset_header"]
+
+
+def example_config(
+    mode: str, extproc_port: int, fallback: str | None = None
+) -> tuple[dict[str, Any], int, int]:
+    """An example config on fresh loopback ports in front of a picker on ``extproc_port``: (config,
+    listen port, admin port). ``fallback`` (``ip:port``) is where Envoy sends requests when the
+    picker fails open; by default a port nobody listens on, so failing open never passes for routing."""
+    listen, admin = free_port(), free_port()
+    host, _, port = (fallback or f"127.0.0.1:{free_port()}").rpartition(":")
+    config = render(
+        mode,
+        LISTEN_PORT=listen,
+        ADMIN_PORT=admin,
+        EPP_HOST="127.0.0.1",
+        EPP_PORT=extproc_port,
+        FALLBACK_HOST=host,
+        FALLBACK_PORT=port,
+    )
+    return config, listen, admin
 
 
 def with_subset_header(config: dict[str, Any]) -> dict[str, Any]:

@@ -23,18 +23,20 @@ import time
 import numpy as np
 
 from kvindex.memory import MemoryPrefixIndex
+from router.compose import picker_from, pool_from
 from router.config import parse_config
-from router.observe.scrape import EngineMetrics
 from router.picker import Picker
-from router.pool import Pool
-from router.request import RouteRequest
+from router.types import EngineMetrics, RouteRequest
 
 INDEX_BLOCKS = 1_000_000
 PROMPT_BLOCKS = 256
 SHARED_BLOCKS = 192
 
 
-def build(n: int, rng: np.random.Generator) -> tuple[Picker, list[np.ndarray]]:
+Deferred = list[tuple]
+
+
+def build(n: int, rng: np.random.Generator) -> tuple[Picker, list[np.ndarray], Deferred]:
     endpoints = [
         {
             "address": f"10.{i // 250}.{i % 250}.1:8000",
@@ -46,10 +48,9 @@ def build(n: int, rng: np.random.Generator) -> tuple[Picker, list[np.ndarray]]:
     config = parse_config(
         {"model": "m", "endpoints": endpoints, "index": {"capacity_blocks_per_endpoint": INDEX_BLOCKS // n}}
     )
-    pool = Pool(config.scrape)
+    pool = pool_from(config)
     now = time.monotonic() + 3600  # fresh for the whole run
-    for endpoint_config in config.endpoints:
-        endpoint = pool.add(endpoint_config)
+    for endpoint in pool.endpoints.values():
         metrics = EngineMetrics(
             running=float(rng.integers(0, 32)),
             waiting=float(rng.integers(0, 4)),
@@ -66,13 +67,16 @@ def build(n: int, rng: np.random.Generator) -> tuple[Picker, list[np.ndarray]]:
     for slot in range(n):
         index.record(slot, rng.integers(0, 2**63, size=INDEX_BLOCKS // n - SHARED_BLOCKS, dtype=np.uint64))
         index.record(slot, systems[slot % 8])
-    return Picker(config, pool, index, seed=0), systems
+    # The service runs the optimistic record right after the pick; here it is timed separately.
+    deferred: Deferred = []
+    picker = picker_from(config, pool, index, seed=0, defer=lambda fn, *args: deferred.append((fn, args)))
+    return picker, systems, deferred
 
 
-def time_picks(picker: Picker, prompts: list[np.ndarray], rounds: int) -> dict[str, tuple[float, float]]:
+def time_picks(
+    picker: Picker, prompts: list[np.ndarray], deferred: Deferred, rounds: int
+) -> dict[str, tuple[float, float]]:
     """Median over rounds of (p50, p99) µs for pick, record and both."""
-    deferred: list[tuple] = []
-    picker.defer = lambda fn, *args: deferred.append((fn, args))
     stats: dict[str, list[tuple[float, float]]] = {"pick": [], "record": [], "total": []}
     samples = {name: np.empty(len(prompts)) for name in stats}
     for _ in range(rounds):
@@ -102,7 +106,7 @@ def main() -> None:
     header = "".join(f"  {name + ' p50':>10}  {name + ' p99':>10}" for name in ("pick", "record", "total"))
     print(f"{'endpoints':>9}  {'prompt':>6}{header}")
     for n in (8, 64, 512):
-        picker, systems = build(n, rng)
+        picker, systems, deferred = build(n, rng)
         for kind in ("shared", "novel"):
             prompts = []
             for i in range(args.picks):
@@ -110,7 +114,7 @@ def main() -> None:
                 if kind == "shared":
                     fresh[:SHARED_BLOCKS] = systems[i % 8]
                 prompts.append(fresh)
-            stats = time_picks(picker, prompts, args.rounds)
+            stats = time_picks(picker, prompts, deferred, args.rounds)
             cells = "".join(f"  {p50:>10.1f}  {p99:>10.1f}" for p50, p99 in stats.values())
             print(f"{n:>9}  {kind:>6}{cells}")
 

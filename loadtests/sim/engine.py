@@ -31,13 +31,13 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.hashing import estimate_tokens, text_block_keys
 from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
 from loadtests.sim.kv_publisher import KVEventPublisher
-from router.request import BadRequest, max_tokens_of, prompt_text
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,22 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 ROLES = frozenset({"prefill", "decode", "prefill-decode"})
 DEFAULT_LINK_COST: tuple[float, float] = (0.0005, 25e9)
 DEFAULT_MAX_TOKENS = 16
+# The simulated model's chat template (vLLM renders chat requests with the model's template, then
+# tokenizes the text): "<|role|>\ncontent\n" per message, then "<|assistant|>\n". Text parts of
+# multi-part content are joined. Give the router this file's template in precise mode to match it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% elif m['content'] %}{% for p in m['content'] %}"
+    "{% if p is mapping and p.get('type') == 'text' and p.get('text') is string %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}<|assistant|>\n"
+)
+
+
+class InvalidRequest(Exception):
+    """A request the engine answers with 400 (as vLLM's BadRequestError)."""
+
+
 WAITING_LIMIT = 4096
 SEEN_LIMIT = 1000
 # vLLM's own TTFT buckets, so dashboards and the router's TTFT reconciliation see familiar edges.
@@ -197,6 +213,7 @@ class SimEngine:
         self._ttft_sum = 0.0
         self._block_id_seq = 0
         self._block_chars = max(1, round(spec.block_tokens * spec.chars_per_token))
+        self._chat_template = ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(CHAT_TEMPLATE)
         self._tokenizer: Tokenizer | None = None
         self._hasher: VllmBlockHasher | None = None
         if spec.tokenizer is not None:
@@ -433,8 +450,8 @@ class SimEngine:
             return _error(404, f"The model `{model}` does not exist.")
         try:
             parsed = self._parse(body, chat)
-        except BadRequest as exc:
-            return _error(400, exc.message)
+        except InvalidRequest as exc:
+            return _error(400, str(exc))
         text, max_tokens, stream, include_usage, kvp = parsed
         remote_decode = bool(kvp.get("do_remote_decode")) if kvp else False
         remote_prefill = bool(kvp.get("do_remote_prefill")) if kvp else False
@@ -507,25 +524,32 @@ class SimEngine:
         return ids, self._hasher.keys(ids).tolist()
 
     def _parse(self, body: dict[str, Any], chat: bool) -> tuple[str, int, bool, bool, dict[str, Any] | None]:
-        if chat and "messages" not in body:
-            raise BadRequest("missing required field 'messages'")
-        if not chat and "prompt" not in body:
-            raise BadRequest("missing required field 'prompt'")
-        text = prompt_text(body)
-        max_tokens = max_tokens_of(body, DEFAULT_MAX_TOKENS)
+        text = self._chat_text(body) if chat else _completion_text(body)
+        fields = ("max_completion_tokens", "max_tokens")
+        max_tokens = next((body[f] for f in fields if body.get(f) is not None), DEFAULT_MAX_TOKENS)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise InvalidRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
         min_tokens = body.get("min_tokens", 0)
         if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
-            raise BadRequest(f"'min_tokens' must be a non-negative integer, got {min_tokens!r}")
+            raise InvalidRequest(f"'min_tokens' must be a non-negative integer, got {min_tokens!r}")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise BadRequest("'stream' must be a boolean")
+            raise InvalidRequest("'stream' must be a boolean")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
-            raise BadRequest("'stream_options' must be an object")
+            raise InvalidRequest("'stream_options' must be an object")
         kvp = body.get("kv_transfer_params")
         if kvp is not None and not isinstance(kvp, dict):
-            raise BadRequest("'kv_transfer_params' must be an object")
+            raise InvalidRequest("'kv_transfer_params' must be an object")
         return text, max_tokens, stream, bool(options.get("include_usage")), kvp
+
+    def _chat_text(self, body: dict[str, Any]) -> str:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest("'messages' must be a non-empty array")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise InvalidRequest("every message must be an object with a string 'role'")
+        return self._chat_template.render(messages=messages)
 
     async def _next_token(self, req: _Request) -> str | None:
         token = await req.out.get()
@@ -1120,6 +1144,17 @@ async def run_sim(specs: Sequence[EngineSpec], link_cost: LinkCost | None = None
                 cluster.address(name),
             )
         await asyncio.Event().wait()
+
+
+def _completion_text(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return " ".join(map(str, prompt))
+    raise InvalidRequest("'prompt' must be a string, a one-string array or an array of token ids")
 
 
 def _lower_headers(request: web.Request) -> dict[str, str]:

@@ -533,3 +533,37 @@ async def test_running_requests_share_prompt_blocks_like_vllm(session: aiohttp.C
         two.close()
         await eventually(lambda: engine.num_running == 0)
         assert engine.kv_blocks_used == 0
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "x"},
+                    {"type": "image_url"},
+                    {"type": "text", "text": "y"},
+                ],
+            }
+        ],
+        [{"role": "assistant", "content": None}, {"role": "user", "content": ""}],
+    ],
+)
+def test_the_simulated_chat_template_renders_as_the_router_flattens(messages) -> None:
+    # The router's approximate index and the engine's prefix cache see the same prompt text, so
+    # benchmarks compare routing, not two renderings. (The engine has its own code for it.)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from loadtests.sim.engine import CHAT_TEMPLATE
+    from router.request import prompt_text
+
+    rendered = (
+        ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+        .from_string(CHAT_TEMPLATE)
+        .render(messages=messages)
+    )
+    assert rendered == prompt_text({"messages": messages})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import aiohttp
@@ -9,8 +10,13 @@ import numpy as np
 import pytest
 from helpers import eventually, router_for
 
+from kvindex.chat_template import ChatTemplate
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.sim.tiny_tokenizer import tiny_corpus, train_tiny_tokenizer
+from router.app import App
+from router.config import parse_config
+from router.request import parse_request
+from router.types import RequestLimits
 
 pytestmark = pytest.mark.integration
 
@@ -151,3 +157,30 @@ async def test_kv_event_and_coverage_metrics_are_exported(tmp_path: Path) -> Non
             text = await resp.text()
         assert 'pd_router_endpoint_kv_covered{endpoint="e0"} 1.0' in text
         assert 'pd_router_kv_events_batches_total{endpoint="e0"}' in text
+
+
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
+CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+
+
+async def test_the_router_hashes_chat_requests_through_the_template_and_only_then(tmp_path: Path) -> None:
+    tokenizer = str(train_tiny_tokenizer(tmp_path / "tokenizer.json"))
+    endpoints = [{"address": "127.0.0.1:9"}]
+    chat = {"model": "m", "messages": CHAT * 8}
+    limits = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0)
+    route = parse_request(json.dumps(chat).encode(), limits)
+
+    without = App(
+        parse_config({"model": "m", "endpoints": endpoints, "index": {"precise": {"tokenizer": tokenizer}}})
+    )
+    await without.flow.prepare(route)
+    assert route.precise_keys is None  # no template: no guessing
+
+    template_path = tmp_path / "tokenizer_config.json"
+    template_path.write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>"}))
+    precise = {"tokenizer": tokenizer, "chat_template": str(template_path)}
+    app = App(parse_config({"model": "m", "endpoints": endpoints, "index": {"precise": precise}}))
+    await app.flow.prepare(route)
+    rendered = ChatTemplate(template_path).render(CHAT * 8)
+    assert route.precise_keys is not None and len(route.precise_keys) > 2
+    assert np.array_equal(route.precise_keys, app.precise_keys.chat_tokenizer.block_keys_sync(rendered))

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from gateway import free_port, render, run_envoy, with_subset_header
+from gateway import example_config, run_envoy, with_subset_header
 from helpers import eventually, router_for
 
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
@@ -47,17 +47,7 @@ async def gateway(
         extproc = {"enabled": True, "port": 0, "health_port": 0}
         data = {"endpoints": endpoints, "proxy": {"enabled": False}, "extproc": extproc, **sections}
         async with router_for(data) as (app, _):
-            listen, admin = free_port(), free_port()
-            fallback = cluster.address(specs[0].name).split(":")
-            config = render(
-                mode,
-                LISTEN_PORT=listen,
-                ADMIN_PORT=admin,
-                EPP_HOST="127.0.0.1",
-                EPP_PORT=app.extproc_port,
-                FALLBACK_HOST=fallback[0],
-                FALLBACK_PORT=fallback[1],
-            )
+            config, listen, admin = example_config(mode, app.extproc_port, cluster.address(specs[0].name))
             if subset_header:
                 config = with_subset_header(config)
             async with run_envoy(config, tmp_path, admin):
@@ -254,12 +244,7 @@ async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(
             "picker": {"allow_local_prefill": False},
         }
         async with router_for(data) as (app, _):
-            listen, admin = free_port(), free_port()
-            host, port = sidecars["d0"].split(":")
-            config = render(
-                "full-duplex", LISTEN_PORT=listen, ADMIN_PORT=admin, EPP_HOST="127.0.0.1",
-                EPP_PORT=app.extproc_port, FALLBACK_HOST=host, FALLBACK_PORT=port,
-            )  # fmt: skip
+            config, listen, admin = example_config("full-duplex", app.extproc_port, sidecars["d0"])
             async with run_envoy(config, tmp_path, admin), aiohttp.ClientSession() as http:
                 forged = {"x-prefiller-host-port": "169.254.169.254:80"}
                 body = completion(stream=True)

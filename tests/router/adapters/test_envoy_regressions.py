@@ -33,7 +33,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from gateway import free_port, render, run_envoy
+from gateway import example_config, run_envoy
 from h2client import HttpReply, request_with_trailers
 from helpers import PD_TWO_RACKS, eventually, router_for
 from prometheus_client.parser import text_string_to_metric_families
@@ -205,16 +205,7 @@ async def gateway(
         **sections,
     }
     async with router_for(data) as (app, _):
-        listen, admin = free_port(), free_port()
-        config = render(
-            mode,
-            LISTEN_PORT=listen,
-            ADMIN_PORT=admin,
-            EPP_HOST="127.0.0.1",
-            EPP_PORT=app.extproc_port,
-            FALLBACK_HOST="127.0.0.1",
-            FALLBACK_PORT=free_port(),  # nothing listens: fail-open is never mistaken for routing
-        )
+        config, listen, admin = example_config(mode, app.extproc_port)
         ext_proc = ext_proc_filter(config)
         if not attributes:
             del ext_proc["response_attributes"]

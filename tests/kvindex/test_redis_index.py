@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis_server import RedisServer, available
 
 from kvindex.base import PrefixIndex
 from kvindex.memory import MemoryPrefixIndex
 from kvindex.redis_index import SharedPrefixIndex
+from loadtests.servers.redis import RedisServer, available
 
 pytestmark = [
     pytest.mark.integration,
@@ -244,6 +244,70 @@ async def test_script_is_reloaded_after_script_flush(
     assert await a.flush()  # the write script is reloaded as well
     assert (await b.lookup(keys(3, 4), slots_of(B_SLOTS, "e0", "e1"))).tolist() == [2, 1]
     assert b.redis_errors == 0 and b.healthy
+
+
+async def noscript_errors(client: aioredis.Redis) -> int:
+    stats = await client.info("errorstats")
+    return int(stats.get("errorstat_NOSCRIPT", {}).get("count", 0))
+
+
+async def test_writes_after_script_flush_load_the_script_before_the_pipeline(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    raw = clients[1]
+    # One block per script call: 130 calls are three pipelines, each checked before it is sent.
+    a = make_index(clients[0], A_SLOTS, batch_blocks=1)
+    b = make_index(raw, B_SLOTS)
+    a.record(A_SLOTS["e0"], keys(1))
+    assert await a.flush()
+    await raw.script_flush()
+    await raw.config_resetstat()
+    prompt = keys(*range(1, 131))
+    a.record(A_SLOTS["e0"], prompt)
+    assert await a.flush()
+    # Loaded up front, not found missing by an EVALSHA that failed the whole pipeline and had to be resent.
+    assert await noscript_errors(raw) == 0
+    assert a.redis_errors == 0 and a.healthy
+    # A lone lookup is not pipelined: it learns of the flush from one NOSCRIPT reply, loads, retries.
+    assert (await b.lookup(prompt, slots_of(B_SLOTS, "e0"))).tolist() == [130]
+    assert await noscript_errors(raw) == 1
+    assert b.redis_errors == 0 and b.fallback_lookups == 0
+
+
+# Holds the server for ~0.2 s: a script runs alone, so every other client waits for it.
+BUSY_LUA = """
+local t0 = redis.call('TIME')
+while true do
+  local t = redis.call('TIME')
+  if (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > 200000 then return 1 end
+end
+"""
+
+
+async def test_flushes_timed_out_while_the_scripts_are_checked_leak_no_connection(
+    server: RedisServer,
+) -> None:
+    # Two connections at most: one leaked per timed-out flush would starve the client by the third.
+    client = aioredis.Redis(
+        host=server.host, port=server.port, max_connections=2, retry=Retry(NoBackoff(), 0)
+    )
+    blocker, reader = client_for(server), client_for(server)
+    a = make_index(client, A_SLOTS, write_timeout_s=0.05)
+    b = make_index(reader, B_SLOTS)
+    try:
+        for i in range(3):
+            a.record(A_SLOTS["e0"], keys(50 + i))
+            await client.ping()  # a connected connection in the pool, so the flush gets past connecting
+            busy = asyncio.create_task(blocker.eval(BUSY_LUA, 0))
+            await asyncio.sleep(0.02)
+            assert not await a.flush()  # the timeout fires during the pipeline's SCRIPT EXISTS
+            await busy
+        assert await client.ping()
+        assert await a.flush()
+        assert (await b.lookup(keys(50, 51, 52), slots_of(B_SLOTS, "e0"))).tolist() == [3]
+    finally:
+        for c in (client, blocker, reader):
+            await c.aclose()
 
 
 async def test_redis_outage_falls_back_to_the_mirror_then_resyncs(

@@ -1,1 +1,0 @@
-from loadtests.servers.redis import RedisServer, available  # noqa: F401  (temporary)

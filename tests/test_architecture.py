@@ -1,0 +1,156 @@
+"""The import arrows of docs/architecture.md, read from the source: adapters → flow → picker →
+scorers → kvindex, never back. A module may import its own package and what its row allows."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("router", "scorers", "kvindex", "loadtests")
+COMPOSITION = {"router", "scorers", "kvindex"}
+
+# group (a module or package, dotted) -> the project groups it may import besides itself.
+# The same table is in docs/architecture.md ("Modules and what each may import").
+ALLOWED: dict[str, set[str]] = {
+    "kvindex": set(),
+    "scorers": set(),
+    "router.types": set(),
+    "router.rejections": set(),
+    "router.features": set(),
+    "router.config": {"router.types", "scorers"},
+    "router.request": {"router.types", "router.rejections", "kvindex"},
+    "router.pool": {"router.features", "router.types", "router.config", "scorers"},
+    "router.extension": {"router.types", "scorers"},
+    "router.filters": {"router.pool", "router.types", "scorers"},
+    "router.picker": {
+        "router.extension",
+        "router.pool",
+        "router.rejections",
+        "router.types",
+        "scorers",
+        "kvindex",
+    },
+    "router.observe": {"router.types", "router.config", "router.pool", "router.picker"},
+    "router.producers": {"router.pool", "router.types", "kvindex"},
+    "router.kv_sink": {"router.pool", "kvindex"},
+    "router.flow": {
+        "router.extension",
+        "router.observe",
+        "router.picker",
+        "router.pool",
+        "router.rejections",
+        "router.request",
+        "router.types",
+    },
+    "router.http": {"router.rejections"},
+    "router.transport": set(),
+    "router.adapters": {
+        "router.flow",
+        "router.http",
+        "router.transport",
+        "router.config",
+        "router.picker",
+        "router.rejections",
+        "router.request",
+        "router.types",
+    },
+    "router.sidecar": {"router.http", "router.rejections", "router.request"},
+    # The composition root: builds and wires everything, imported by nothing above.
+    "router.compose": COMPOSITION,
+    "router.app": COMPOSITION,
+    "router.cli": COMPOSITION,
+    "router": set(),  # the package docstring only
+    "loadtests": COMPOSITION,
+}
+
+
+def group_of(module: str) -> str | None:
+    """The most specific group that ``module`` belongs to (dotted-prefix match)."""
+    best = None
+    for group in ALLOWED:
+        if (module == group or module.startswith(group + ".")) and (best is None or len(group) > len(best)):
+            best = group
+    return best
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, importer: str) -> list[tuple[int, str]]:
+    """(line, module) for every project import in ``source``, wherever it sits (functions and
+    TYPE_CHECKING blocks included)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the importer's package
+                package = importer.rsplit(".", node.level)[0]
+                base = f"{package}.{base}" if base else package
+            found.append((node.lineno, base))
+            # ``from router import flow`` imports the module router.flow.
+            found += [
+                (node.lineno, f"{base}.{alias.name}")
+                for alias in node.names
+                if _is_module(f"{base}.{alias.name}")
+            ]
+    return [(line, name) for line, name in found if name.split(".")[0] in (*PACKAGES, "tests")]
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def violations(source: str, importer: str) -> list[str]:
+    group = group_of(importer)
+    if group is None:
+        return [f"{importer}: in no group of the import table (add it to ALLOWED and the docs)"]
+    allowed = ALLOWED[group]
+    out = []
+    for line, name in imported_modules(source, importer):
+        if name.split(".")[0] == "tests":
+            out.append(f"{importer}:{line} imports {name}: nothing outside tests/ may")
+            continue
+        target = group_of(name)
+        if target is None or target == group or name == group or name.startswith(group + "."):
+            continue
+        if not any(target == a or target.startswith(a + ".") or a == name for a in allowed):
+            out.append(f"{importer}:{line} imports {name} ({target}); {group} may import {sorted(allowed)}")
+    return out
+
+
+def project_files() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+
+
+def test_every_import_points_down_the_table() -> None:
+    problems = [v for path in project_files() for v in violations(path.read_text(), _module_name(path))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("importer", "source"),
+    [
+        ("scorers.queue", "from router.flow import RequestFlow"),  # scorers -> the flow above them
+        ("router.picker", "from router.flow import Flight"),  # picker -> flow
+        ("router.flow", "import router.adapters.openai"),  # flow -> an adapter
+        ("kvindex.memory", "from router.pool import Pool"),  # the index -> the pool
+        ("router.sidecar.server", "from router.adapters.openai import Proxy"),  # sidecar -> proxy internals
+        ("router.cli", "from loadtests.demo import run_demo"),  # the service -> the simulator
+        ("loadtests.bench.envoy", "import tests.helpers"),  # anything -> tests/
+        ("router.pool", "if TYPE_CHECKING:\n    from router.picker import Picker"),  # type-only counts too
+    ],
+)
+def test_a_backward_arrow_is_reported(importer: str, source: str) -> None:
+    assert violations(source, importer)
+
+
+def test_the_table_covers_every_module() -> None:
+    assert all(group_of(_module_name(path)) is not None for path in project_files())
