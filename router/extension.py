@@ -21,9 +21,10 @@ __all__ = ["CandidateFilter", "CostTerm", "PairPicker", "Producer"]
 class CandidateFilter(Protocol):
     """Which candidates may take this request at all.
 
-    Contract, checked by ``Picker``: ``mask`` returns a bool array of shape ``(k,)`` aligned with
-    ``cand`` (True = keep), or ``None`` when it keeps every candidate (the cheap common case). Pure and synchronous: reads the candidates' features and the request,
-    may read (never write) the pool it was built with. Runs before the prefix-index lookup, so
+    Contract, checked by ``Picker``: ``mask`` returns a bool array of shape ``(k,)`` aligned
+    with ``cand`` (True = keep), or ``None`` when it keeps every candidate (the cheap common
+    case). Pure and synchronous: reads the candidates' features and the request, may read (never
+    write) the pool it was built with. Runs before the prefix-index lookup, so
     ``cand.cached_blocks`` is not known yet. A filter that removes every decode pod makes the
     request a 503 (``NoCapacity``), never an unfiltered pick.
     """

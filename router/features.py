@@ -1,18 +1,37 @@
 """Every per-endpoint feature, declared once: its name, where its value comes from, and what an
 endpoint nobody has measured holds.
 
-The pool allocates one numpy array per feature (``Pool.<name>``, indexed by slot); a scrape copies
-each scraped feature from its ``EngineMetrics`` field; every candidate feature is gathered into
-``scorers.base.Candidates`` under the same name for the scorers. Adding a feature is one line here
-(plus, for a new scraped metric, its name in ``router/observe/scrape.py``'s table).
+The pool allocates one numpy array per feature (``Pool.<name>``, indexed by slot); the scrape
+parser (``router/observe/scrape.py``) reads each scraped feature from the vLLM metric names
+declared here, and a scrape copies it into the pool; every candidate feature is gathered into
+``scorers.base.Candidates`` under the same name for the scorers. Adding a feature, scraped or
+not, is one line here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+Combine = Literal["sum", "mean", "capacity"]
+
+
+@dataclass(frozen=True, slots=True)
+class Scraped:
+    """Where a feature comes from in an engine's ``/metrics``.
+
+    ``metrics``: vLLM metric names, the current one first; a later (deprecated) name is read only
+    when no earlier one is present. ``combine``: how several series of one metric (one per
+    ``engine`` label when data-parallel ranks share an address) become one value: ``sum``,
+    ``mean``, or ``capacity`` (``block_size × num_gpu_blocks`` from ``vllm:cache_config_info``'s
+    labels, blocks summed). Absent, malformed or non-finite samples leave the value unknown.
+    """
+
+    metrics: tuple[str, ...]
+    combine: Combine = "sum"
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,21 +39,54 @@ class Feature:
     name: str
     empty: float  # the value of a slot before anything is known; NaN = unknown, never 0
     dtype: type = np.float64
-    from_scrape: bool = False  # copied from the ``EngineMetrics`` field of the same name on every scrape
+    scraped: Scraped | None = None  # read from the engine's /metrics on every scrape
     candidate: bool = True  # gathered into ``Candidates`` for scorers
     doc: str = ""
 
 
 FEATURES: tuple[Feature, ...] = (
-    # From the engine's /metrics (vllm:num_requests_running, ...); unknown until scraped.
-    Feature("running", math.nan, from_scrape=True, doc="requests decoding (vllm:num_requests_running)"),
-    Feature("waiting", math.nan, from_scrape=True, doc="requests queued (vllm:num_requests_waiting)"),
-    Feature("kv_usage", math.nan, from_scrape=True, doc="KV cache in use, 0..1 (vllm:kv_cache_usage_perc)"),
+    # From the engine's /metrics; unknown (NaN) until scraped.
+    Feature("running", math.nan, scraped=Scraped(("vllm:num_requests_running",)), doc="requests decoding"),
+    Feature("waiting", math.nan, scraped=Scraped(("vllm:num_requests_waiting",)), doc="requests queued"),
+    Feature(
+        "kv_usage",
+        math.nan,
+        scraped=Scraped(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"), "mean"),
+        doc="KV cache in use, 0..1",
+    ),
     Feature(
         "kv_capacity_tokens",
         math.nan,
-        from_scrape=True,
-        doc="block_size × num_gpu_blocks (vllm:cache_config_info)",
+        scraped=Scraped(("vllm:cache_config_info",), "capacity"),
+        doc="KV cache size in tokens",
+    ),
+    Feature(
+        "prefix_queries",
+        math.nan,
+        scraped=Scraped(
+            (
+                "vllm:prefix_cache_queries_total",
+                "vllm:prefix_cache_queries",
+                "vllm:gpu_prefix_cache_queries_total",
+                "vllm:gpu_prefix_cache_queries",
+            )
+        ),
+        candidate=False,
+        doc="prompt tokens looked up in the prefix cache (counter)",
+    ),
+    Feature(
+        "prefix_hits",
+        math.nan,
+        scraped=Scraped(
+            (
+                "vllm:prefix_cache_hits_total",
+                "vllm:prefix_cache_hits",
+                "vllm:gpu_prefix_cache_hits_total",
+                "vllm:gpu_prefix_cache_hits",
+            )
+        ),
+        candidate=False,
+        doc="prompt tokens found in the prefix cache (counter)",
     ),
     # The router's own bookkeeping: exact between scrapes, zero when nothing is in flight.
     Feature("queued_prefill_tokens", 0.0, doc="uncached prompt tokens we routed, not yet prefilled"),
@@ -55,5 +107,5 @@ FEATURES: tuple[Feature, ...] = (
     ),
 )
 
-SCRAPED = tuple(f.name for f in FEATURES if f.from_scrape)
+SCRAPED = tuple(f.name for f in FEATURES if f.scraped is not None)
 CANDIDATE = tuple(f.name for f in FEATURES if f.candidate)

@@ -9,6 +9,7 @@ before returning, so a burst between two scrapes spreads out instead of herding.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -73,8 +74,8 @@ class Picker:
     ) -> None:
         """``index``: approximate (our own picks, text blocks); ``precise``: fed by KV events.
 
-        ``defer`` runs work that may follow a pick (recording the optimistic index entries): at once
-        by default; an event loop's ``call_soon`` runs it right after the pick returns, off its latency.
+        ``defer`` runs work that may follow a pick (recording the optimistic index entries); by
+        default right after the pick returns when on an event loop (off its latency), else at once.
         """
         self.pool = pool
         self.index = index
@@ -83,7 +84,7 @@ class Picker:
         self.pair_picker = pair_picker
         self.settings = settings
         self.filters = tuple(filters)
-        self.defer: Callable[..., object] = defer or _call_now
+        self.defer: Callable[..., object] = defer or _after_pick
         self._links: LinkTable | None = None
         self._links_version = -1
 
@@ -220,8 +221,13 @@ class Picker:
             decision.reservation.finish_prefill()
 
 
-def _call_now(fn: Callable[..., object], *args: object) -> None:
-    fn(*args)
+def _after_pick(fn: Callable[..., object], *args: object) -> None:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # called outside an event loop (a script, a synchronous test): now
+        fn(*args)
+    else:
+        loop.call_soon(fn, *args)
 
 
 def _reason(

@@ -216,8 +216,9 @@ class Pool:
         self.scraped[slot] = True
         self.ejected[slot] = False
         self.last_scrape_ok[slot] = now
+        values = metrics.values
         for name in SCRAPED:
-            getattr(self, name)[slot] = _or_nan(getattr(metrics, name))
+            getattr(self, name)[slot] = _or_nan(values.get(name))
 
     def eject(self, endpoint: Endpoint, reason: str) -> None:
         """Take an endpoint out of the candidates now (connect refused); the next good scrape returns it."""

@@ -40,25 +40,40 @@ class RequestLimits:
     served_model: str | None = None  # strict single-model pool: any other model name is a 404
 
 
-@dataclass(frozen=True, slots=True)
 class EngineMetrics:
-    """One scrape of one engine address; ``None`` means the metric was absent."""
+    """One scrape of one engine address: every scraped feature by name (``None`` = absent) and the
+    cache configuration. ``metrics.running`` reads ``values["running"]``."""
 
-    running: float | None  # vllm:num_requests_running
-    waiting: float | None  # vllm:num_requests_waiting
-    kv_usage: float | None  # vllm:kv_cache_usage_perc, 0..1
-    block_size: int | None  # label of vllm:cache_config_info
-    num_gpu_blocks: int | None  # label of vllm:cache_config_info
-    prefix_queries: float | None  # vllm:prefix_cache_queries_total (counter, tokens)
-    prefix_hits: float | None  # vllm:prefix_cache_hits_total (counter, tokens)
+    __slots__ = ("block_size", "num_gpu_blocks", "values")
 
-    @property
-    def kv_capacity_tokens(self) -> float | None:
-        """KV capacity in tokens (block size × blocks), when the engine reported both."""
-        if self.block_size and self.num_gpu_blocks:
-            return float(self.block_size * self.num_gpu_blocks)
-        return None
+    def __init__(
+        self, block_size: int | None = None, num_gpu_blocks: int | None = None, **values: float | None
+    ) -> None:
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.values = values
+
+    def __getattr__(self, name: str) -> float | None:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(f"no scraped feature {name!r}; see router/features.py") from None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EngineMetrics):
+            return NotImplemented
+        return (self.block_size, self.num_gpu_blocks) == (other.block_size, other.num_gpu_blocks) and {
+            k: v for k, v in self.values.items() if v is not None
+        } == {k: v for k, v in other.values.items() if v is not None}
+
+    def __repr__(self) -> str:
+        fields = {"block_size": self.block_size, "num_gpu_blocks": self.num_gpu_blocks, **self.values}
+        return "EngineMetrics(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
     def is_empty(self) -> bool:
         """True when no wanted metric was found (not a vLLM metrics page)."""
-        return all(getattr(self, name) is None for name in self.__slots__)
+        return (
+            self.block_size is None
+            and self.num_gpu_blocks is None
+            and all(v is None for v in self.values.values())
+        )

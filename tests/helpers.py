@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -22,7 +21,7 @@ from router.flow import RequestFlow
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker
 from router.pool import Pool
-from router.types import RouteRequest
+from router.types import EngineMetrics, RouteRequest
 
 # Two prefill and two decode pods on two racks (link labels "a" and "b").
 PD_TWO_RACKS = [
@@ -35,23 +34,25 @@ PD_TWO_RACKS = [
 SINGLE_PODS = [{"address": f"10.0.1.{i}:8000", "name": f"e{i}"} for i in range(3)]
 
 
-@dataclass(frozen=True)
-class Metrics:
-    """Duck-typed ``EngineMetrics`` for unit tests."""
-
-    running: float | None = 0.0
-    waiting: float | None = 0.0
-    kv_usage: float | None = 0.0
-    block_size: int | None = 16
-    num_gpu_blocks: int | None = 4096
-    prefix_queries: float | None = 0.0
-    prefix_hits: float | None = 0.0
-
-    @property
-    def kv_capacity_tokens(self) -> float | None:
-        return (
-            float(self.block_size * self.num_gpu_blocks) if self.block_size and self.num_gpu_blocks else None
-        )
+def Metrics(
+    running: float | None = 0.0,
+    waiting: float | None = 0.0,
+    kv_usage: float | None = 0.0,
+    block_size: int | None = 16,
+    num_gpu_blocks: int | None = 4096,
+) -> EngineMetrics:
+    """One scrape of an idle, known engine unless told otherwise (what the parser would produce)."""
+    capacity = float(block_size * num_gpu_blocks) if block_size and num_gpu_blocks else None
+    return EngineMetrics(
+        block_size,
+        num_gpu_blocks,
+        running=running,
+        waiting=waiting,
+        kv_usage=kv_usage,
+        kv_capacity_tokens=capacity,
+        prefix_queries=0.0,
+        prefix_hits=0.0,
+    )
 
 
 class DictIndex:
@@ -88,7 +89,7 @@ def make_pool(config: PoolConfig, metrics: dict[str, Metrics] | None = None, now
     pool = Pool(config.scrape.stale_after_ms / 1000.0, config.scrape.eject_after_failures)
     for endpoint_config in config.endpoints:
         endpoint = pool.add(endpoint_config)
-        pool.apply_metrics(endpoint, (metrics or {}).get(endpoint.id, Metrics()), now)  # type: ignore[arg-type]
+        pool.apply_metrics(endpoint, (metrics or {}).get(endpoint.id, Metrics()), now)
     return pool
 
 

@@ -52,13 +52,12 @@ def build(n: int, rng: np.random.Generator) -> tuple[Picker, list[np.ndarray], D
     now = time.monotonic() + 3600  # fresh for the whole run
     for endpoint in pool.endpoints.values():
         metrics = EngineMetrics(
+            16,
+            32768,
             running=float(rng.integers(0, 32)),
             waiting=float(rng.integers(0, 4)),
             kv_usage=float(rng.uniform(0, 0.7)),
-            block_size=16,
-            num_gpu_blocks=32768,
-            prefix_queries=0.0,
-            prefix_hits=0.0,
+            kv_capacity_tokens=16.0 * 32768,
         )
         pool.apply_metrics(endpoint, metrics, now)
     pool.stale_after_s = 1e9

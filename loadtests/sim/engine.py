@@ -213,7 +213,8 @@ class SimEngine:
         self._ttft_sum = 0.0
         self._block_id_seq = 0
         self._block_chars = max(1, round(spec.block_tokens * spec.chars_per_token))
-        self._chat_template = ImmutableSandboxedEnvironment(keep_trailing_newline=True).from_string(CHAT_TEMPLATE)
+        templates = ImmutableSandboxedEnvironment(keep_trailing_newline=True)
+        self._chat_template = templates.from_string(CHAT_TEMPLATE)
         self._tokenizer: Tokenizer | None = None
         self._hasher: VllmBlockHasher | None = None
         if spec.tokenizer is not None:

@@ -5,14 +5,16 @@ one compiled regex finds them (its ``\\nvllm:`` literal prefix lets ``re`` skip 
 lines in C), so HELP/TYPE comments, histogram buckets and every other family cost no Python work
 at all. Measured on a 320-line two-engine exposition: ~33 µs per parse, where ``split`` plus a
 per-line ``startswith`` alone took ~40 µs, and ``prometheus_client``'s parser ~3.6 ms
-(``loadtests/bench_scrape.py``).
+(``loadtests/bench/scrape.py``).
 
-Unknown is never zero: a metric that is absent, or whose every sample is malformed or not finite,
-is ``None``. Several series of one metric (one per ``engine`` label when vLLM runs data-parallel
-ranks behind one address) are combined: counts and counters are summed, ``kv_usage`` is the mean,
-``num_gpu_blocks`` is the sum (the total KV capacity behind the address, matching summed
-``running``) and ``block_size`` is the first series'. The current names are preferred; the names
-vLLM deprecated are read only when the current ones are absent.
+Which metrics are read, under which names, and how several series combine is declared once with
+the features (``router/features.py``). Unknown is never zero: a metric that is absent, or whose
+every sample is malformed or not finite, is ``None``. Several series of one metric (one per
+``engine`` label when vLLM runs data-parallel ranks behind one address) are combined: counts and
+counters are summed, ``kv_usage`` is the mean, ``num_gpu_blocks`` is the sum (the total KV capacity
+behind the address, matching summed ``running``) and ``block_size`` is the first series'. The
+current names are preferred; the names vLLM deprecated are read only when the current ones are
+absent.
 
 ``Scraper`` GETs ``http://{address}/metrics`` with a per-endpoint timeout and turns every failure
 into a ``ScrapeError`` whose ``reason`` is one of ``ScrapeReason``; ``scrape_all`` runs them
@@ -30,29 +32,25 @@ from enum import StrEnum
 
 import aiohttp
 
+from router.features import FEATURES
 from router.types import EngineMetrics
 
-# Field indexes of the summed/averaged sample fields.
-_RUNNING, _WAITING, _KV_USAGE, _QUERIES, _HITS = range(5)
-_CACHE_CONFIG = "vllm:cache_config_info"
-
-# metric name -> (field, rank); a lower rank wins when several names of one field are present.
-_SAMPLE_NAMES: dict[str, tuple[int, int]] = {
-    "vllm:num_requests_running": (_RUNNING, 0),
-    "vllm:num_requests_waiting": (_WAITING, 0),
-    "vllm:kv_cache_usage_perc": (_KV_USAGE, 0),
-    "vllm:gpu_cache_usage_perc": (_KV_USAGE, 1),  # deprecated
-    "vllm:prefix_cache_queries_total": (_QUERIES, 0),
-    "vllm:prefix_cache_queries": (_QUERIES, 1),
-    "vllm:gpu_prefix_cache_queries_total": (_QUERIES, 2),  # deprecated
-    "vllm:gpu_prefix_cache_queries": (_QUERIES, 3),  # deprecated
-    "vllm:prefix_cache_hits_total": (_HITS, 0),
-    "vllm:prefix_cache_hits": (_HITS, 1),
-    "vllm:gpu_prefix_cache_hits_total": (_HITS, 2),  # deprecated
-    "vllm:gpu_prefix_cache_hits": (_HITS, 3),  # deprecated
+# metric name -> (feature, rank, mean); a lower rank wins when several names of one feature are
+# present. Built from the declarations in router/features.py.
+_SAMPLE_NAMES: dict[str, tuple[str, int, bool]] = {
+    metric: (f.name, rank, f.scraped.combine == "mean")
+    for f in FEATURES
+    if f.scraped is not None and f.scraped.combine != "capacity"
+    for rank, metric in enumerate(f.scraped.metrics)
 }
-_RANKS = 4
-_NAMES = "|".join(re.escape(name.removeprefix("vllm:")) for name in (*_SAMPLE_NAMES, _CACHE_CONFIG))
+_CAPACITY: tuple[tuple[str, str], ...] = tuple(
+    (metric, f.name)
+    for f in FEATURES
+    if f.scraped is not None and f.scraped.combine == "capacity"
+    for metric in f.scraped.metrics
+)
+_SCRAPED = tuple(f.name for f in FEATURES if f.scraped is not None)
+_NAMES = "|".join(re.escape(name.removeprefix("vllm:")) for name in (*_SAMPLE_NAMES, *dict(_CAPACITY)))
 # A wanted sample line: exact name (the separator after it rules out "…_total" matching "…"
 # and skips "…_created"), then the labels/value tail. The "\nvllm:" literal lets the regex
 # engine jump between candidate lines in C instead of Python visiting every line.
@@ -62,9 +60,10 @@ _FIRST_LINE = re.compile(_SAMPLE_LINE)
 
 
 def parse_vllm_metrics(text: str) -> EngineMetrics:
-    """Read the router's vLLM metrics from a Prometheus text exposition; never raises."""
-    sums = [[0.0] * _RANKS for _ in range(5)]
-    counts = [[0] * _RANKS for _ in range(5)]
+    """Read every scraped feature from a Prometheus text exposition; never raises."""
+    # feature -> rank -> [sum, count]
+    acc: dict[str, dict[int, list[float]]] = {}
+    capacity = dict(_CAPACITY)
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     lines: list[tuple[str, str]] = _LINE.findall(text)
@@ -81,7 +80,7 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
             labels, rest = tail[1:close], tail[close + 1 :]
         else:
             labels, rest = "", tail
-        if name == _CACHE_CONFIG:
+        if name in capacity:
             parsed = _parse_labels(labels)
             if block_size is None:
                 block_size = _int_or_none(parsed.get("block_size"))
@@ -92,26 +91,22 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
         value = _sample_value(rest)
         if value is None:
             continue
-        field, rank = _SAMPLE_NAMES[name]
-        sums[field][rank] += value
-        counts[field][rank] += 1
+        feature, rank, _ = _SAMPLE_NAMES[name]
+        total = acc.setdefault(feature, {}).setdefault(rank, [0.0, 0])
+        total[0] += value
+        total[1] += 1
 
-    def pick(field: int, mean: bool = False) -> float | None:
-        for rank in range(_RANKS):
-            n = counts[field][rank]
-            if n:
-                return sums[field][rank] / n if mean else sums[field][rank]
-        return None
+    values: dict[str, float | None] = dict.fromkeys(_SCRAPED)
+    for feature, ranks in acc.items():
+        best = ranks[min(ranks)]
+        values[feature] = best[0] / best[1] if _MEAN[feature] else best[0]
+    if block_size and num_gpu_blocks:
+        for feature in capacity.values():
+            values[feature] = float(block_size * num_gpu_blocks)
+    return EngineMetrics(block_size, num_gpu_blocks, **values)
 
-    return EngineMetrics(
-        running=pick(_RUNNING),
-        waiting=pick(_WAITING),
-        kv_usage=pick(_KV_USAGE, mean=True),
-        block_size=block_size,
-        num_gpu_blocks=num_gpu_blocks,
-        prefix_queries=pick(_QUERIES),
-        prefix_hits=pick(_HITS),
-    )
+
+_MEAN = {feature: mean for feature, _, mean in _SAMPLE_NAMES.values()}
 
 
 def _sample_value(rest: str) -> float | None:

@@ -13,10 +13,11 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.observe.scrape import EngineMetrics, ScrapeError, Scraper, ScrapeReason, parse_vllm_metrics
+from router.observe.scrape import ScrapeError, Scraper, ScrapeReason, parse_vllm_metrics
+from router.types import EngineMetrics
 
 FIXTURE = Path(__file__).parents[2] / "data" / "vllm_metrics.txt"
-NOTHING = EngineMetrics(None, None, None, None, None, None, None)
+NOTHING = EngineMetrics()
 
 
 # ---------------------------------------------------------------- parser
@@ -30,6 +31,7 @@ def test_parses_the_vllm_fixture_exactly() -> None:
         kv_usage=0.3125,
         block_size=16,
         num_gpu_blocks=2 * 27840,
+        kv_capacity_tokens=16.0 * 2 * 27840,
         prefix_queries=188888.0,
         prefix_hits=95433.0,
     )
@@ -128,7 +130,7 @@ def test_non_finite_and_malformed_samples_count_as_absent() -> None:
         'vllm:cache_config_info{block_size="None",num_gpu_blocks="lots"} 1\n'
     )
     m = parse_vllm_metrics(text)
-    assert m == EngineMetrics(3.0, None, None, None, None, None, None)
+    assert m == EngineMetrics(running=3.0)
 
 
 fragments = st.sampled_from(
