@@ -28,6 +28,7 @@ from router.types import RequestLimits, RouteRequest
 log = logging.getLogger(__name__)
 
 # Outcomes besides "ok" and the rejection codes (``router.rejections.KINDS``).
+CLIENT_GONE = "client_gone"  # the proxy's client disconnected mid-request
 CANCELLED = "cancelled"  # the client or the gateway went away before the response ended
 NO_ROUTE = "no_route"  # the stream ended before a request was complete enough to route
 ROUTED = "routed"  # ext_proc without response processing: the router never sees the response
@@ -81,7 +82,7 @@ class RequestFlow:
 class Flight:
     """One request's passage through the flow: its parse, its decision, its outcome."""
 
-    __slots__ = ("decision", "flow", "headers", "outcome", "request", "started")
+    __slots__ = ("closed", "decision", "flow", "headers", "outcome", "request", "started")
 
     def __init__(self, flow: RequestFlow, headers: Mapping[str, str]) -> None:
         self.flow = flow
@@ -90,6 +91,7 @@ class Flight:
         self.request: RouteRequest | None = None
         self.decision: RouteDecision | None = None
         self.outcome: str | None = None
+        self.closed = False
 
     def parse(self, raw: bytes, subset: frozenset[str] | None = None) -> RouteRequest:
         """The body and headers as a ``RouteRequest``; raises a ``Rejection``."""
@@ -146,10 +148,10 @@ class Flight:
 
     def close(self, outcome: str | None = None) -> None:
         """Release what is still charged and count the outcome. Idempotent: the first call counts."""
-        if self.started < 0:
+        if self.closed:
             return
+        self.closed = True
         if self.decision is not None:
             self.decision.reservation.release()
-        final = outcome or self.outcome or (CANCELLED if self.decision is not None else NO_ROUTE)
-        self.flow.metrics.observe_request(final, time.perf_counter() - self.started)
-        self.started = -1.0
+        self.outcome = outcome or self.outcome or (CANCELLED if self.decision is not None else NO_ROUTE)
+        self.flow.metrics.observe_request(self.outcome, time.perf_counter() - self.started)

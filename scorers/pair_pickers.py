@@ -16,6 +16,7 @@ Baselines pair only dedicated prefill pods (they never split a request across tw
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,10 +75,12 @@ class JointArgmin:
         # Jitter per row and per column (not per cell: cheap at any size) breaks exact ties only.
         jitter = self._rng.random(rows + cols) * _TIE_JITTER
         noisy = costs.cost * (1.0 + jitter[:rows, None] + jitter[None, rows:])
-        row, col = divmod(int(np.argmin(noisy)), cols)
-        if not np.isfinite(noisy[row, col]):
+        row, col = divmod(int(noisy.argmin()), cols)
+        if not math.isfinite(noisy[row, col]):
             return None
         prefill = int(costs.prefill_of[row, col])
+        if fallbacks == 0:
+            return PairChoice(prefill, col, _NONE, _NONE)
         column_best = noisy.min(axis=0)
         order = np.argsort(column_best, kind="stable")[: fallbacks + 1]
         decode_fallbacks = order[(order != col) & np.isfinite(column_best[order])][:fallbacks]

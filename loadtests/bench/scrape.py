@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.observe.scrape import parse_vllm_metrics
 
-FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "data" / "vllm_metrics.txt"
+FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "data" / "vllm_metrics.txt"
 WANTED = {
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",

@@ -97,6 +97,8 @@ class ExtProcStream:
         if self.mode is None:
             self.mode = _body_mode(message)
             self.response_mode = message.protocol_config.response_body_mode
+        if self.flight is None and kind != "request_headers":
+            self.flight = self.flow.start({})  # out of order, but a body still parses on its own
         if kind == "request_headers":
             return self._on_request_headers(message)
         if kind == "request_body":
@@ -267,8 +269,7 @@ class ExtProcStream:
 
     def _reject(self, rejection: Rejection) -> list[pb.ProcessingResponse]:
         self.finished = True
-        if self.flight is None:
-            self.flight = self.flow.start({})
+        assert self.flight is not None
         answer = self.flight.reject(rejection)
         immediate = pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=answer.status),

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from router.config import ProxyConfig
-from router.flow import Flight, RequestFlow
+from router.flow import CLIENT_GONE, Flight, RequestFlow
 from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
@@ -86,7 +86,7 @@ class Proxy:
         except Rejection as rejection:
             return answer_response(flight.reject(rejection))
         except (ConnectionResetError, asyncio.CancelledError):
-            flight.outcome = "client_gone"
+            flight.close(CLIENT_GONE)
             raise
         finally:
             flight.close()

@@ -396,3 +396,22 @@ async def test_a_routing_bug_after_prepare_fails_the_call_instead_of_hanging_it(
     handler.on_message(body(BODY, eos=True).SerializeToString())
     await eventually(lambda: call.status is not None, what="the call is failed, not left open")
     assert call.status[0] == INTERNAL and handler.closed and pool.outstanding == 0
+
+
+@pytest.mark.parametrize("first", ["request_body", "request_trailers", "response_headers", "response_body"])
+def test_a_stream_that_starts_without_request_headers_is_answered_not_crashed(first: str) -> None:
+    stream, pool = make_stream()
+    if first == "request_body":
+        out = stream.on_message(body(BODY, eos=True))
+        assert set_headers(out[0])["x-gateway-destination-endpoint"]  # the body alone still routes
+    elif first == "request_trailers":
+        out = stream.on_message(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+        assert out[0].immediate_response.status.code == 400  # no body: nothing to route
+    elif first == "response_headers":
+        (out,) = stream.on_message(pb.ProcessingRequest(response_headers=pb.HttpHeaders()))
+        assert out.HasField("response_headers")
+    else:
+        (out,) = stream.on_message(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x")))
+        assert out.HasField("response_body")
+    stream.close()
+    assert pool.outstanding == 0
