@@ -1,11 +1,11 @@
-"""vLLM KV events: golden wire bytes, tolerant decoding, the sequence logic, fuzz, and real ZMQ end to end."""
+"""vLLM KV events: golden wire bytes, typed and tolerant decoding, the sequence logic, fuzz, real ZMQ."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgpack
@@ -15,6 +15,7 @@ from helpers import eventually
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvindex import events as events_module
 from kvindex.events import (
     END_SEQ,
     Action,
@@ -22,6 +23,7 @@ from kvindex.events import (
     BlockRemoved,
     BlockStored,
     Cleared,
+    DecodedBatch,
     EngineStream,
     KVEventBatch,
     KVEventConsumer,
@@ -29,10 +31,11 @@ from kvindex.events import (
     Removed,
     Stored,
     decode_batch,
+    decode_batch_tolerant,
     decode_event,
     parse_replay_frames,
 )
-from loadtests.kv_publisher import KVEventPublisher
+from loadtests.sim.kv_publisher import KVEventPublisher
 
 U64_MAX = (1 << 64) - 1
 
@@ -89,7 +92,7 @@ def payload(*events: Any, ts: float = 1.0) -> bytes:
     return msgspec.msgpack.encode(KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0))
 
 
-# --- golden bytes (§9.3 wire example) -----------------------------------------------------------
+# --- golden bytes (what vLLM 0.33 writes for these two batches) ---------------------------------
 
 
 def _s(text: str) -> bytes:
@@ -99,8 +102,8 @@ def _s(text: str) -> bytes:
     return bytes([0xA0 | len(raw)]) + raw
 
 
-# The two batches of the §9.3 wire example, written out by hand. msgspec writes a struct with
-# defaulted fields as a map16 (de 00 NN) whose count it patches afterwards, and a fixmap otherwise.
+# The two batches, written out by hand. msgspec writes a struct with defaulted fields as a map16
+# (de 00 NN) whose count it patches afterwards, and a fixmap otherwise.
 GOLDEN_BATCH_0 = b"".join(
     [
         b"\x93",  # KVEventBatch: array of 3 (ts, events, data_parallel_rank)
@@ -215,7 +218,7 @@ def test_bin_hashes_become_the_event_int_form() -> None:
     digest = bytes.fromhex("fe8fa5dda3210d0ca2031e37cbe3b001186773cd1c710beb2d45fcb51d434798")
     event = {"type": "BlockStored", "block_hashes": [digest], "parent_block_hash": digest, "medium": None}
     got = decode_event(event)
-    assert got == Stored([3262291359910021016], 3262291359910021016, None)  # §9.5 reference vector
+    assert got == Stored([3262291359910021016], 3262291359910021016, None)  # the digest's last 8 bytes
     assert decode_event({"type": "BlockRemoved", "block_hashes": [-1], "medium": None}) == Removed(
         [U64_MAX], None
     )
@@ -241,6 +244,9 @@ def test_cpu_and_storage_tiers_are_counted_not_applied() -> None:
         msgpack.packb([1.0, {}]),
         msgpack.packb([1.0, [], "rank"]),
         msgpack.packb([1.0, [], 0]) + b"\x00",
+        msgpack.packb([1.0, [], 0, 5]),  # the typed decoder alone would ignore the extra element
+        msgpack.packb([1.0, [], True]),
+        msgpack.packb([True, [], 0]),
     ],
 )
 def test_malformed_payloads_raise_malformed_event(raw: bytes) -> None:
@@ -257,6 +263,206 @@ def test_a_malformed_event_skips_only_itself() -> None:
     ]
     batch = decode_batch(msgpack.packb([1.0, [*bad, ["BlockRemoved", [5], None]], 0]))
     assert batch.malformed == 4 and batch.events == [Removed([5], None)]
+
+
+# --- typed decoding and its fallback ------------------------------------------------------------
+
+
+def tolerant_unused(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(payload: bytes) -> DecodedBatch:
+        raise AssertionError("the tolerant decoder ran for a payload of vLLM's own shape")
+
+    monkeypatch.setattr(events_module, "decode_batch_tolerant", fail)
+
+
+def count_tolerant(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    seen: list[bytes] = []
+
+    def spy(payload: bytes) -> DecodedBatch:
+        seen.append(payload)
+        return decode_batch_tolerant(payload)
+
+    monkeypatch.setattr(events_module, "decode_batch_tolerant", spy)
+    return seen
+
+
+DIGEST = bytes(range(32))
+MIXED = [
+    stored(1, 2, parent=U64_MAX),
+    BlockStored(
+        block_hashes=[DIGEST, -1],
+        parent_block_hash=DIGEST,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    ),
+    BlockRemoved([3, 4], "CPU"),
+    AllBlocksCleared(),
+    stored(medium=None),
+]
+MIXED_DECODED = [
+    Stored([1, 2], U64_MAX, "GPU"),
+    Stored([int.from_bytes(DIGEST[-8:], "big"), U64_MAX], int.from_bytes(DIGEST[-8:], "big"), None),
+    Removed([3, 4], "CPU"),
+    Cleared(),
+    Stored([], None, None),
+]
+
+
+def test_vllm_shaped_batches_take_the_typed_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = {
+        body: decode_batch_tolerant(body) for body in (GOLDEN_BATCH_0, GOLDEN_BATCH_1, payload(*MIXED))
+    }
+    assert expected[payload(*MIXED)].events == MIXED_DECODED
+    tolerant_unused(monkeypatch)
+    for body, want in expected.items():
+        assert decode_batch(body) == want
+    two_fields = msgpack.packb([3, [{"type": "AllBlocksCleared"}]])  # int ts, no data_parallel_rank
+    assert decode_batch(two_fields) == DecodedBatch(3.0, [Cleared()], None, 0)
+
+
+def test_the_decode_side_structs_keep_vllms_schema() -> None:
+    pairs = [
+        (events_module._KVEventBatchView, KVEventBatch),
+        (events_module._BlockStoredView, BlockStored),
+        (events_module._BlockRemovedView, BlockRemoved),
+        (events_module._AllBlocksClearedView, AllBlocksCleared),
+    ]
+    for view, vllm in pairs:
+        assert [(f.name, f.encode_name, f.required) for f in msgspec.structs.fields(view)] == [
+            (f.name, f.encode_name, f.required) for f in msgspec.structs.fields(vllm)
+        ]
+        view_config, vllm_config = view.__struct_config__, vllm.__struct_config__
+        for option in ("tag", "tag_field", "array_like", "forbid_unknown_fields"):
+            assert getattr(view_config, option) == getattr(vllm_config, option), (view, option)
+
+
+def test_vllms_int_hashes_take_the_first_typed_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    bodies = (GOLDEN_BATCH_0, GOLDEN_BATCH_1, payload(stored(1, 2, parent=U64_MAX), BlockRemoved([0], None)))
+    expected = [decode_batch_tolerant(body) for body in bodies]
+    tolerant_unused(monkeypatch)
+
+    class Refuses:
+        def decode(self, payload: bytes) -> None:
+            raise AssertionError("the any-hash decoder ran for vLLM's uint64 hashes")
+
+    monkeypatch.setattr(events_module, "_TYPED_ANY_HASH", Refuses())
+    assert [decode_batch(body) for body in bodies] == expected
+
+
+def test_fields_left_undecoded_take_any_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Left undecoded (msgspec.Raw), so any value passes the typed decoder; the tolerant decoder
+    # never reads them either, so the two still agree.
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": "not a list",
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": {"x": [1.5, b"y"]},
+        "lookahead_token_ids": 7,
+    }
+    body = msgspec.msgpack.encode([1.0, [event], 0])
+    expected = decode_batch_tolerant(body)
+    assert expected == DecodedBatch(1.0, [Stored([1], None, "GPU")], 0, 0)
+    tolerant_unused(monkeypatch)
+    assert decode_batch(body) == expected
+
+
+def test_undecodable_bytes_in_an_unused_field_are_stepped_over() -> None:
+    """The one way ``decode_batch`` and ``decode_batch_tolerant`` differ: bytes that are no valid
+    msgpack value (here a str that is not UTF-8) in a field routing ignores. The typed decoders step
+    over them, as they always did over unknown keys, and apply the batch; the tolerant one decodes
+    every value, so it rejects the whole batch, which the stream counts as one malformed batch."""
+    required = [
+        _s("type") + _s("BlockStored"),
+        _s("block_hashes") + b"\x91\x05",
+        _s("parent_block_hash") + b"\xc0",
+        _s("block_size") + b"\x10",
+        _s("lora_id") + b"\xc0",
+        _s("medium") + _s("GPU"),
+        _s("lora_name") + b"\xc0",
+    ]
+    not_utf8 = b"\xa2\xff\xfe"  # fixstr of 2 bytes
+    for extra in ([_s("token_ids") + not_utf8], [_s("token_ids") + b"\x90", _s("future_field") + not_utf8]):
+        entries = required + extra
+        body = b"\x93\x01\x91" + bytes([0x80 | len(entries)]) + b"".join(entries) + b"\x00"  # [1, [e], 0]
+        assert decode_batch(body) == DecodedBatch(1.0, [Stored([5], None, "GPU")], 0, 0)
+        with pytest.raises(MalformedEvent, match="UTF-8"):
+            decode_batch_tolerant(body)
+
+
+def test_legacy_positional_batches_fall_back_to_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    typed = decode_batch(payload(*MIXED, ts=2.5))
+    positional = [
+        ["BlockStored", [1, 2], U64_MAX, [0] * 32, 16, None, "GPU", None],
+        ["BlockStored", [DIGEST, -1], DIGEST, [], 16, None, None, None],
+        ["BlockRemoved", [3, 4], "CPU"],
+        ["AllBlocksCleared"],
+        ["BlockStored", [], None, [], 16, None, None],
+    ]
+    seen = count_tolerant(monkeypatch)
+    legacy = decode_batch(msgpack.packb([2.5, positional, 0]))
+    assert len(seen) == 1
+    assert legacy == typed
+    assert typed.events == MIXED_DECODED and typed.malformed == 0
+
+
+def test_one_bad_event_in_a_typed_batch_is_skipped_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An empty digest fails both typed decoders' hash types: the tolerant decoder skips that event.
+    empty_digest = BlockStored(
+        block_hashes=[b""],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=16,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    )
+    wrong_type = {"type": "BlockRemoved", "block_hashes": [9], "medium": 5}
+    seen = count_tolerant(monkeypatch)
+    first = decode_batch(payload(stored(1), empty_digest, BlockRemoved([2], "GPU")))
+    second = decode_batch(msgspec.msgpack.encode([1.0, [stored(1), wrong_type], 0]))
+    assert len(seen) == 2
+    assert first.malformed == 1 and first.events == [Stored([1], None, "GPU"), Removed([2], "GPU")]
+    assert second.malformed == 1 and second.events == [Stored([1], None, "GPU")]
+
+
+hash_values = st.one_of(
+    st.integers(min_value=-(1 << 63), max_value=U64_MAX), st.binary(max_size=70), st.booleans()
+)
+typed_events = st.one_of(
+    st.builds(
+        BlockStored,
+        block_hashes=st.lists(hash_values, max_size=4),
+        parent_block_hash=st.none() | hash_values,
+        token_ids=st.lists(st.integers(0, 1000), max_size=4),
+        block_size=st.just(16),
+        lora_id=st.none(),
+        medium=st.sampled_from([None, "GPU", "CPU"]),
+        lora_name=st.none(),
+        group_idx=st.none() | st.integers(0, 3),
+    ),
+    st.builds(
+        BlockRemoved,
+        block_hashes=st.lists(hash_values, max_size=4),
+        medium=st.sampled_from([None, "GPU", "CPU"]),
+    ),
+    st.builds(AllBlocksCleared),
+)
+
+
+def outcome(decode: Callable[[bytes], DecodedBatch], raw: bytes) -> str:
+    # repr, not ==: a NaN ts is never equal to itself.
+    try:
+        return repr(decode(raw))
+    except MalformedEvent:
+        return "MalformedEvent"
 
 
 # --- the pure sequence logic --------------------------------------------------------------------
@@ -417,6 +623,24 @@ event_like = st.one_of(
     st.tuples(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]), msgpack_values).map(list),
     msgpack_values,
 )
+# vLLM's BlockStored map with anything at all in the fields the typed decoders leave undecoded.
+stored_with_any_raw_fields = st.fixed_dictionaries(
+    {
+        "type": st.just("BlockStored"),
+        "block_hashes": st.lists(hash_values, max_size=4),
+        "parent_block_hash": st.none() | hash_values,
+        "token_ids": msgpack_values,
+        "block_size": st.just(16),
+        "lora_id": st.none(),
+        "medium": st.sampled_from([None, "GPU", "CPU"]),
+        "lora_name": st.none() | st.text(max_size=5),
+    },
+    optional={
+        "extra_keys": msgpack_values,
+        "group_idx": st.none() | st.integers(0, 3),
+        "lookahead_token_ids": msgpack_values,
+    },
+)
 fuzz_settings = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -431,10 +655,30 @@ def test_fuzz_arbitrary_bytes_only_raise_malformed_event(raw: bytes) -> None:
 @given(st.one_of(msgpack_values, st.tuples(st.floats(), st.lists(event_like, max_size=5)).map(list)))
 def test_fuzz_arbitrary_msgpack_only_raises_malformed_event(obj: Any) -> None:
     raw = msgpack.packb(obj, use_bin_type=True)
-    with contextlib.suppress(MalformedEvent):
-        decode_batch(raw)
+    assert outcome(decode_batch, raw) == outcome(decode_batch_tolerant, raw)
     with contextlib.suppress(MalformedEvent):
         decode_event(obj)
+
+
+@fuzz_settings
+@given(
+    st.floats() | st.integers(min_value=-(1 << 63), max_value=U64_MAX) | st.booleans(),
+    st.lists(typed_events | stored_with_any_raw_fields | event_like, max_size=5),
+    st.none() | st.integers(min_value=-(1 << 63), max_value=U64_MAX) | st.booleans(),
+)
+def test_fuzz_typed_decoding_equals_the_tolerant_decoder(ts: Any, events: list[Any], rank: Any) -> None:
+    """Equal for every payload these strategies build: well-formed msgpack, whatever its shape.
+    Not for bytes that are no valid msgpack value inside a field routing ignores, which the typed
+    decoders step over (``test_undecodable_bytes_in_an_unused_field_are_stepped_over``)."""
+    raw = msgspec.msgpack.encode([ts, events, rank])  # structs as vLLM writes them, among raw events
+    assert outcome(decode_batch, raw) == outcome(decode_batch_tolerant, raw)
+
+
+@fuzz_settings
+@given(st.lists(stored_with_any_raw_fields | typed_events, min_size=1, max_size=4))
+def test_fuzz_any_value_in_a_field_left_undecoded_changes_nothing(events: list[Any]) -> None:
+    raw = msgspec.msgpack.encode([1.0, events, 0])
+    assert outcome(decode_batch, raw) == outcome(decode_batch_tolerant, raw)
 
 
 @fuzz_settings
