@@ -29,6 +29,9 @@ from scorers.pair_pickers import PairChoice, PairPicker
 log = logging.getLogger(__name__)
 
 
+_NO_SLOTS = np.empty(0, dtype=np.int64)
+
+
 class PickerContractError(RuntimeError):
     """A filter or pair picker broke its contract: a bug in that extension, named here."""
 
@@ -40,10 +43,33 @@ class RouteDecision:
     decode: Endpoint
     prefill: Endpoint | None
     reservation: Reservation
-    reason: str
     breakdown: dict[str, float]
-    prefill_fallbacks: list[Endpoint] = field(default_factory=list)
-    decode_fallbacks: list[Endpoint] = field(default_factory=list)
+    policy: str = "joint"
+    prompt_tokens: int = 0
+    # Fallbacks, best first, as pool slots; most requests never need them, so their endpoints are
+    # looked up only when asked for.
+    prefill_fallback_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)
+    decode_fallback_slots: np.ndarray = field(default_factory=lambda: _NO_SLOTS)
+    pool: Pool | None = None
+
+    @property
+    def prefill_fallbacks(self) -> list[Endpoint]:
+        return self._endpoints(self.prefill_fallback_slots)
+
+    @property
+    def decode_fallbacks(self) -> list[Endpoint]:
+        return self._endpoints(self.decode_fallback_slots)
+
+    def _endpoints(self, slots: np.ndarray) -> list[Endpoint]:
+        if self.pool is None:
+            return []
+        found = (self.pool.by_slot[slot] for slot in slots.tolist())
+        return [endpoint for endpoint in found if endpoint is not None]
+
+    @property
+    def reason(self) -> str:
+        """Why this route, in words (debug headers, logs, the demo); formatted only when asked for."""
+        return _reason(self.policy, self.decode, self.prefill, self.breakdown, self.prompt_tokens)
 
     @property
     def kind(self) -> str:
@@ -193,10 +219,12 @@ class Picker:
             decode=decode_ep,
             prefill=prefill_ep,
             reservation=reservation,
-            reason=_reason(self.pair_picker.name, decode_ep, prefill_ep, breakdown, request.prompt_tokens),
             breakdown=breakdown,
-            prefill_fallbacks=[by_slot[int(slots[p])] for p in choice.prefill_fallbacks],  # type: ignore[misc]
-            decode_fallbacks=[by_slot[int(slots[costs.decode[c]])] for c in choice.decode_fallbacks],  # type: ignore[misc]
+            policy=self.pair_picker.name,
+            prompt_tokens=request.prompt_tokens,
+            prefill_fallback_slots=slots[choice.prefill_fallbacks],
+            decode_fallback_slots=slots[costs.decode[choice.decode_fallbacks]],
+            pool=self.pool,
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pick %s: %s %s", request.request_id, decision.reason, breakdown)

@@ -128,6 +128,7 @@ class Pool:
             if old:
                 fresh[:old] = getattr(self, feature.name)
             setattr(self, feature.name, fresh)
+        self._candidate_arrays = [(name, getattr(self, name)) for name in CANDIDATE]
         self.by_slot.extend([None] * (capacity - old))
         self._free_slots.extend(range(capacity - 1, old - 1, -1))
 
@@ -188,7 +189,7 @@ class Pool:
 
     def candidates(self, slots: np.ndarray) -> Candidates:
         """Every candidate feature of these slots, gathered for the scorers."""
-        return Candidates(slots, **{name: getattr(self, name)[slots] for name in CANDIDATE})
+        return Candidates(slots, **{name: values[slots] for name, values in self._candidate_arrays})
 
     def observe_prompt(self, prompt_tokens: int) -> None:
         # Slow EWMA: a stand-in size for waiting requests that did not come through us.

@@ -15,6 +15,7 @@ Contracts (``CostTerm``, ``PairPicker``) are stated here and enforced once by th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -114,7 +115,7 @@ class CostTerm(Protocol):
     pressure), in seconds of TTFT-equivalent.
 
     Contract, checked by the runner: ``seconds`` returns float64 of shape ``(k,)`` (one value per
-    candidate in ``view``), never NaN; ``+inf`` means the candidate cannot serve that side. Pure:
+    candidate in ``view``), never NaN or -inf; ``+inf`` means the candidate cannot serve that side. Pure:
     reads ``view`` only, never the pool, never awaits. The runner multiplies by the configured
     weight (``weights.<name>``) and divides the sum by the TTFT SLO.
     """
@@ -127,8 +128,8 @@ class CostTerm(Protocol):
 
 def fill_unknown(values: np.ndarray, worst: float) -> np.ndarray:
     """Replace NaN (never measured) by the pool's worst known value, or ``worst`` if none is known."""
-    unknown = np.isnan(values)
-    if not unknown.any():
+    if not math.isnan(values.sum()):  # one reduction for the common all-known case
         return values
+    unknown = np.isnan(values)
     known = values[~unknown]
     return np.where(unknown, known.max() if known.size else worst, values)

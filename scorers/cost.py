@@ -26,13 +26,16 @@ distinct prefill pod, cost +inf. One argmin compares "skip the prefill leg" with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from scorers import kv_headroom, link, load, prefix, queue
 from scorers.base import Candidates, CostTerm, EngineModel, Objectives, RequestCtx, View
 from scorers.link import LinkCosts, LinkTable
+
+_ZEROS = np.float64(0.0)  # the empty sum; adding a (k,) array to it gives a new (k,) array
 
 
 class TermContractError(RuntimeError):
@@ -55,6 +58,11 @@ class CostModel:
     terms: tuple[WeightedTerm, ...]
     link_weight: float = 1.0
     allow_local_prefill: bool = True
+    prefill_side: frozenset[str] = field(init=False)  # names of the prefill-side terms
+
+    def __post_init__(self) -> None:
+        names = frozenset(w.term.name for w in self.terms if w.term.side == "prefill")
+        object.__setattr__(self, "prefill_side", names)
 
 
 def derive(cand: Candidates, ctx: RequestCtx, cm: CostModel) -> View:
@@ -98,6 +106,7 @@ class PairCosts:
     prefill_of: np.ndarray  # (1 + L, kd) candidate position of the pair's prefill pod; -1 = none
     prefill: np.ndarray  # (kp,) candidate positions
     decode: np.ndarray  # (kd,) candidate positions
+    is_prefill_mask: np.ndarray  # (k,) bool: may compute the prompt for a pair
     prefill_class: np.ndarray  # (kp,) row - 1 of each prefill pod's link class
     transfer_s: np.ndarray  # (L, kd)
     after_transfer_s: np.ndarray  # (kd,) from the KV's arrival on D to the first token
@@ -110,37 +119,44 @@ class PairCosts:
 
     def ttft(self, prefill: int, col: int) -> float:
         """Predicted TTFT of prefill position ``prefill`` (-1: none) with decode column ``col``."""
-        d = self.decode[col]
+        return self._ttft(prefill, col, self._transfer(prefill, col))
+
+    def _ttft(self, prefill: int, col: int, transfer_s: float) -> float:
         if prefill < 0:
-            return float(self.route_s[d])
-        transfer = self.link_weight * self.transfer_s[self._row(prefill), col]
-        return float(self.route_s[prefill] + transfer + self.after_transfer_s[col])
+            return float(self.route_s[self.decode[col]])
+        return (
+            float(self.route_s[prefill]) + self.link_weight * transfer_s + float(self.after_transfer_s[col])
+        )
+
+    def _transfer(self, prefill: int, col: int) -> float:
+        if prefill < 0:
+            return 0.0
+        row = self.prefill_class[np.searchsorted(self.prefill, prefill)]
+        return float(self.transfer_s[row, col])
 
     def breakdown(self, prefill: int, col: int) -> dict[str, float]:
         """The terms behind one choice, for debug headers, logs and the demo's "why"."""
-        d = self.decode[col]
+        d = int(self.decode[col])
         p = d if prefill < 0 else prefill
-        ttft = self.ttft(prefill, col)
+        transfer = self._transfer(prefill, col)
+        ttft = self._ttft(prefill, col, transfer)
+        uncached = float(self.view.uncached[p])
         out = {
             "cost": (ttft + float(self.column_s[d])) / self.ttft_slo_s,
             "ttft_s": ttft,
             "tpot_s": float(self.view.tpot_s[d]),
-            "transfer_s": 0.0 if prefill < 0 else float(self.transfer_s[self._row(prefill), col]),
-            "cached_tokens": float(self.view.ctx.prompt_tokens - self.view.uncached[p]),
-            "uncached_tokens": float(self.view.uncached[p]),
+            "transfer_s": transfer,
+            "cached_tokens": self.view.ctx.prompt_tokens - uncached,
+            "uncached_tokens": uncached,
         }
+        prefill_side = self.prefill_side
         for name, values in self.terms.items():
-            out[f"{name}_s"] = float(values[p if name in self.prefill_side else d])
+            out[name + "_s"] = float(values[p if name in prefill_side else d])
         return out
 
     def is_prefill(self, position: int) -> bool:
         """Whether candidate ``position`` may compute the prompt for a pair in this matrix."""
-        i = int(np.searchsorted(self.prefill, position))
-        return i < len(self.prefill) and int(self.prefill[i]) == position
-
-    def _row(self, prefill: int) -> int:
-        """The transfer row (link class) of prefill position ``prefill``."""
-        return int(self.prefill_class[np.searchsorted(self.prefill, prefill)])
+        return 0 <= position < len(self.is_prefill_mask) and bool(self.is_prefill_mask[position])
 
     def prefill_order(self, col: int, exclude: int) -> np.ndarray:
         """Candidate positions of prefill pods by pair cost with decode column ``col``, best first.
@@ -162,10 +178,8 @@ def pair_costs(
     ``links``: ``cm.links`` laid over the pool's link labels (rebuilt only when labels change)."""
     cand, ctx, model = view.cand, view.ctx, cm.model
     k = len(cand)
-    route = np.zeros(k)
-    column = np.zeros(k)
+    route = column = _ZEROS
     values: dict[str, np.ndarray] = {}
-    prefill_side = []
     for weighted in cm.terms:
         term = weighted.term
         seconds = term.seconds(view)
@@ -179,14 +193,14 @@ def pair_costs(
             with np.errstate(invalid="ignore"):
                 seconds = np.where(np.isinf(seconds), seconds, seconds * weighted.weight)
         values[term.name] = seconds
+        # New arrays, never in place: a term may return a View array as it is.
         if term.side == "prefill":
-            route += seconds
-            prefill_side.append(term.name)
+            route = route + seconds
         else:
-            column += seconds
-    # NaN survives addition, so one check over each sum covers every term; only a failure looks
-    # for the culprit.
-    if np.isnan(route).any() or np.isnan(column).any():
+            column = column + seconds
+    # NaN survives addition (and terms never return -inf), so one sum covers every term and
+    # every candidate; only a failure looks for the culprit.
+    if math.isnan(route.sum() + column.sum()):
         culprit = next(name for name, v in values.items() if np.isnan(v).any())
         raise TermContractError(f"cost term {culprit!r} returned NaN")
 
@@ -210,10 +224,7 @@ def pair_costs(
     # sets), the pair uses the class's runner-up instead.
     same_pod = prefill[best][:, None] == decode[None, :]
     chosen = np.where(same_pod, second[:, None], best[:, None])
-    with np.errstate(invalid="ignore"):
-        pair_ttft = np.where(
-            chosen >= 0, p_route[chosen] + cm.link_weight * transfer + after_transfer, np.inf
-        )
+    pair_ttft = np.where(chosen >= 0, p_route[chosen] + cm.link_weight * transfer + after_transfer, np.inf)
     chosen = np.where(chosen >= 0, prefill[chosen], -1)
 
     ttft = np.empty((1 + len(classes), kd))
@@ -229,13 +240,14 @@ def pair_costs(
         prefill_of=prefill_of,
         prefill=prefill,
         decode=decode,
+        is_prefill_mask=is_prefill,
         prefill_class=p_class,
         transfer_s=transfer,
         after_transfer_s=after_transfer,
         route_s=route,
         column_s=column,
         terms=values,
-        prefill_side=frozenset(prefill_side),
+        prefill_side=cm.prefill_side,
         link_weight=cm.link_weight,
         ttft_slo_s=slo,
     )

@@ -46,8 +46,10 @@ class KVPressure:
 
     def seconds(self, view: View) -> np.ndarray:
         o = view.objectives
-        pen = penalty(view.cand, view.used_kv, view.need_kv, o.kv_soft_threshold) * o.ttft_slo_s
-        return np.where(fits(view.cand, view.need_kv), pen, np.inf)
+        pen = penalty(view.cand, view.used_kv, view.need_kv, o.kv_soft_threshold)
+        pen *= o.ttft_slo_s
+        pen[~fits(view.cand, view.need_kv)] = np.inf
+        return pen
 
 
 def term() -> KVPressure:
