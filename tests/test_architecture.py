@@ -154,3 +154,10 @@ def test_a_backward_arrow_is_reported(importer: str, source: str) -> None:
 
 def test_the_table_covers_every_module() -> None:
     assert all(group_of(_module_name(path)) is not None for path in project_files())
+
+
+def test_every_package_directory_is_a_regular_package() -> None:
+    # setuptools' package discovery skips folders without __init__.py: a wheel (a container
+    # image) would ship without them while an editable install hides the gap.
+    folders = {path.parent for path in project_files()}
+    assert not [str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists()]

@@ -1,0 +1,1 @@
+"""Observation: scraping engine /metrics, and the router's own Prometheus metrics."""
