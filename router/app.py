@@ -17,6 +17,8 @@ import random
 import time
 from contextlib import AsyncExitStack
 
+import aiohttp
+
 from kvindex.base import PrefixIndex
 from kvindex.chat_template import ChatTemplate
 from kvindex.events import KVEventConsumer
@@ -27,23 +29,47 @@ from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
 from router.adapters.extproc import ExtProcListener
 from router.adapters.health import HealthState
 from router.adapters.openai import ProxyListener
-from router.compose import picker_from, pool_from
+from router.compose import gate_settings_from, picker_from
 from router.config import PoolConfig, RedisConfig
+from router.control.discovery.static import StaticDiscovery
+from router.control.gate import Gate
+from router.control.groups import ControlSettings, GroupController
+from router.control.model import DiscoverySource
 from router.extension import Producer
 from router.flow import RequestFlow
+from router.http.exchange import TwoLegExchange
 from router.http.session import upstream_session
 from router.kv_sink import IndexEventSink
-from router.observe.metrics import IndexCollector, MetricsListener, RouterMetrics
+from router.observe.metrics import (
+    ControlMetrics,
+    GroupCollector,
+    IndexCollector,
+    MetricsListener,
+    RouterMetrics,
+)
 from router.observe.scrape import ScrapeError, Scraper
+from router.pool import Pool
 from router.producers import PreciseKeys, SharedLookup
 
 log = logging.getLogger(__name__)
 
 
 class App:
-    def __init__(self, config: PoolConfig, *, pool_name: str = "pd-router", seed: int | None = None) -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        pool_name: str = "pd-router",
+        seed: int | None = None,
+        discovery: DiscoverySource | None = None,
+    ) -> None:
+        """``discovery``: where groups come from; the configured ``endpoints`` by default."""
         self.config = config
-        self.pool = pool_from(config)
+        # Empty until discovery publishes: endpoints join unadmitted, and only a group epoch that
+        # passed the ready gate is ever a candidate.
+        self.pool = Pool(config.scrape.stale_after_ms / 1000.0, config.scrape.eject_after_failures)
+        self.discovery: DiscoverySource = discovery or StaticDiscovery(config.endpoints)
+        self.control: GroupController | None = None
         local = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
         # Several replicas share what each routed where through Redis; pick() reads a local mirror.
         self.shared = None if config.index.redis is None else self._shared_index(config.index.redis, local)
@@ -104,6 +130,7 @@ class App:
         stack = self._stack
         session = await stack.enter_async_context(upstream_session())
         self._scraper = Scraper(session, cfg.scrape.timeout_ms / 1000.0)
+        await self._start_control(session)
         await self.scrape_once()
         scrape_task = asyncio.create_task(self._scrape_loop(), name="scrape-loop")
         stack.push_async_callback(_cancel, scrape_task)
@@ -126,11 +153,40 @@ class App:
                 ExtProcListener(self.flow, cfg.extproc, self.health)
             )
         if cfg.metrics.enabled:
+            view = None if self.control is None else self.control.view
             self.metrics_listener = await stack.enter_async_context(
-                MetricsListener(self.metrics, cfg.metrics)
+                MetricsListener(self.metrics, cfg.metrics, debug_view=view)
             )
         self.ready = True
         self.health.set_ready(True)
+
+    async def _start_control(self, session: aiohttp.ClientSession) -> None:
+        """Discovery → the group controller → the first gate round, before anything listens."""
+        cfg = self.config
+        assert self._scraper is not None
+        exchange = TwoLegExchange(session, cfg.proxy.connect_timeout_s, cfg.proxy.request_timeout_s)
+        gate = Gate(gate_settings_from(cfg), self.pool, session, self._scraper, exchange)
+        control = self.control = GroupController(
+            self.pool,
+            gate,
+            ControlSettings(cfg.gate.retry_base_s, cfg.gate.retry_max_s, cfg.gate.drain_timeout_s),
+            ControlMetrics(self.metrics.registry),
+        )
+        self.metrics.registry.register(GroupCollector(control.counts, self.pool))
+        self._stack.push_async_callback(control.stop)
+        discovery = asyncio.create_task(
+            self.discovery.run(control.apply), name=f"discovery-{self.discovery.name}"
+        )
+        self._stack.push_async_callback(_cancel, discovery)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.gate.initial_wait_s
+        while not self.discovery.synced and not discovery.done() and loop.time() < deadline:
+            await asyncio.sleep(0.01)  # a watch's first list; the static file is immediate
+        if discovery.done() and discovery.exception() is not None:
+            raise discovery.exception()  # type: ignore[misc]
+        await control.settle(max(0.0, deadline - loop.time()))
+        control_loop = asyncio.create_task(control.run(), name="group-control")
+        self._stack.push_async_callback(_cancel, control_loop)
 
     def _shared_index(self, cfg: RedisConfig, local: MemoryPrefixIndex) -> SharedPrefixIndex:
         from redis.asyncio import Redis

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from kvindex.base import PrefixIndex
 from router.config import PoolConfig
+from router.control.gate import GateSettings
 from router.filters import SubsetHint
 from router.picker import Picker, PickerSettings
 from router.pool import Pool
@@ -20,7 +21,20 @@ from scorers.pair_pickers import POLICIES
 from scorers.registry import load_term
 
 
+def gate_settings_from(config: PoolConfig) -> GateSettings:
+    gate = config.gate
+    return GateSettings(
+        model=config.model,
+        checks=tuple(gate.checks),
+        check_timeout_s=gate.check_timeout_s,
+        canary_max_tokens=gate.canary_max_tokens,
+        canary_min_interval_s=gate.canary_min_interval_s,
+    )
+
+
 def pool_from(config: PoolConfig) -> Pool:
+    """The configured endpoints, admitted without a gate: for unit tests and benchmarks of the
+    picker alone (the service's pool is filled by discovery and the gate, ``router.app``)."""
     pool = Pool(
         stale_after_s=config.scrape.stale_after_ms / 1000.0,
         eject_after_failures=config.scrape.eject_after_failures,

@@ -44,6 +44,12 @@ class EndpointConfig(_Strict):
     link: str = Field("default", description="topology label used by the link-cost scorer")
     name: str | None = Field(None, description="endpoint id; default: the address")
     kv_events: KVEventsConfig | None = Field(None, description="precise mode: the engine's KV events")
+    rank: Annotated[int, Field(ge=0)] = Field(0, description="rank within its group; 0 is the leader")
+    group_size: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="ranks its group needs (default: the group's configured members)"
+    )
+    revision: str | None = Field(None, description="artifact revision; every rank of a group must agree")
+    serves: bool = Field(True, description="false for a worker rank that holds a rank but serves no HTTP")
 
     @field_validator("address")
     @classmethod
@@ -202,6 +208,36 @@ class ExtProcConfig(_Strict):
     grace_s: NonNegative = Field(10.0, description="on shutdown, how long open streams may finish")
 
 
+GateCheck = Literal["ranks", "revision", "model", "kv_capacity", "canary", "canary_pair", "kv_events"]
+
+
+class GateConfig(_Strict):
+    """The ready gate every group's epoch passes before any of its endpoints gets traffic."""
+
+    checks: list[GateCheck] = Field(
+        ["ranks", "revision", "kv_capacity"],
+        description="run in this order; add model, canary, canary_pair (P/D), kv_events (precise mode)",
+    )
+    check_timeout_s: Positive = 10.0
+    canary_max_tokens: Annotated[int, Field(ge=1, le=2)] = 1
+    canary_min_interval_s: NonNegative = Field(30.0, description="at most one canary per group this often")
+    retry_base_s: Positive = Field(1.0, description="a failed gate is retried after this, doubling")
+    retry_max_s: Positive = 60.0
+    drain_timeout_s: NonNegative = Field(
+        600.0, description="a draining group leaves at the latest after this"
+    )
+    initial_wait_s: NonNegative = Field(
+        30.0, description="at start, how long to wait for the first gate round before listening"
+    )
+
+    @field_validator("checks")
+    @classmethod
+    def _unique(cls, checks: list[str]) -> list[str]:
+        if len(set(checks)) != len(checks):
+            raise ValueError("each check at most once")
+        return checks
+
+
 class MetricsConfig(_Strict):
     """A separate Prometheus listener (the proxy also serves /metrics on its own port)."""
 
@@ -229,6 +265,7 @@ class PoolConfig(_Strict):
     proxy: ProxyConfig = ProxyConfig()
     extproc: ExtProcConfig = ExtProcConfig()
     metrics: MetricsConfig = MetricsConfig()
+    gate: GateConfig = GateConfig()
 
     @field_validator("weights")
     @classmethod
@@ -254,10 +291,17 @@ class PoolConfig(_Strict):
     @model_validator(mode="after")
     def _unique_endpoints(self) -> PoolConfig:
         seen: set[str] = set()
+        sizes: dict[str, int] = {}
         for i, endpoint in enumerate(self.endpoints):
             if endpoint.id in seen:
                 raise ValueError(f"endpoints.{i}: duplicate endpoint {endpoint.id!r}")
             seen.add(endpoint.id)
+            group = endpoint.group or endpoint.id
+            if (
+                endpoint.group_size is not None
+                and sizes.setdefault(group, endpoint.group_size) != endpoint.group_size
+            ):
+                raise ValueError(f"endpoints.{i}: group {group!r} has two group_size values")
         return self
 
     def request_limits(self) -> RequestLimits:

@@ -1,4 +1,4 @@
-"""Endpoints, groups and the per-slot feature arrays the picker reads; reservations.
+"""Endpoints and the per-slot feature arrays the picker reads; reservations.
 
 Every endpoint owns one *slot*: an index into flat numpy arrays (scraped metrics, our own
 in-flight reservations, role and freshness masks), so ``Picker.pick()`` gathers a candidate set
@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,15 +23,6 @@ if TYPE_CHECKING:
     from router.types import EngineMetrics
 
 log = logging.getLogger(__name__)
-
-
-class GroupState(StrEnum):
-    DISCOVERED = "discovered"
-    GATING = "gating"
-    ADMITTED = "admitted"
-    DRAINING = "draining"
-    FAILED = "failed"
-    GONE = "gone"
 
 
 @dataclass(eq=False)
@@ -59,16 +49,6 @@ class Endpoint:
 
 
 @dataclass(eq=False)
-class Group:
-    """The unit of admission. Static configuration admits every group at once."""
-
-    name: str
-    members: list[Endpoint] = field(default_factory=list)
-    epoch: int = 0
-    state: GroupState = GroupState.ADMITTED
-
-
-@dataclass(eq=False)
 class Reservation:
     """Predicted work charged to a (prefill, decode) choice until the request ends.
 
@@ -83,22 +63,32 @@ class Reservation:
     kv_tokens: float
     prefill_open: bool = True
     open: bool = True
+    # The slots' generations when charged: a slot freed (its endpoint removed) and reused by
+    # another endpoint meanwhile is not charged back for a request it never had.
+    decode_generation: int = 0
+    prefill_generation: int = 0
 
     def finish_prefill(self) -> None:
         """The prompt's prefill is done (prefill leg answered / first token): free the queue charge."""
         if self.prefill_open:
             self.prefill_open = False
-            slot = self.decode_slot if self.prefill_slot is None else self.prefill_slot
-            self.pool.queued_prefill_tokens[slot] -= self.prefill_tokens
-            self.pool.queued_prefill_requests[slot] -= 1
+            slot, generation = (
+                (self.decode_slot, self.decode_generation)
+                if self.prefill_slot is None
+                else (self.prefill_slot, self.prefill_generation)
+            )
+            if self.pool.generation[slot] == generation:
+                self.pool.queued_prefill_tokens[slot] -= self.prefill_tokens
+                self.pool.queued_prefill_requests[slot] -= 1
 
     def release(self) -> None:
         if self.open:
             self.finish_prefill()
             self.open = False
-            self.pool.reserved_kv_tokens[self.decode_slot] -= self.kv_tokens
-            self.pool.inflight_requests[self.decode_slot] -= 1
             self.pool.outstanding -= 1
+            if self.pool.generation[self.decode_slot] == self.decode_generation:
+                self.pool.reserved_kv_tokens[self.decode_slot] -= self.kv_tokens
+                self.pool.inflight_requests[self.decode_slot] -= 1
 
 
 class Pool:
@@ -110,7 +100,7 @@ class Pool:
         self.endpoints: dict[str, Endpoint] = {}
         self.by_slot: list[Endpoint | None] = []
         self.slot_by_address: dict[str, int] = {}
-        self.groups: dict[str, Group] = {}
+        self.generation: list[int] = []  # per slot, bumped when its endpoint leaves
         self.links: dict[str, int] = {}
         self.outstanding = 0
         self.typical_prompt_tokens = 512.0
@@ -130,10 +120,13 @@ class Pool:
             setattr(self, feature.name, fresh)
         self._candidate_arrays = [(name, getattr(self, name)) for name in CANDIDATE]
         self.by_slot.extend([None] * (capacity - old))
+        self.generation.extend([0] * (capacity - old))
         self._free_slots.extend(range(capacity - 1, old - 1, -1))
 
     # -- membership ---------------------------------------------------------------------------
-    def add(self, config: EndpointConfig) -> Endpoint:
+    def add(self, config: EndpointConfig, *, admitted: bool = True) -> Endpoint:
+        """A new endpoint; ``admitted=False`` keeps it out of the candidates until its group's
+        epoch passes the ready gate (``router.control``)."""
         if config.id in self.endpoints:
             raise ValueError(f"endpoint {config.id!r} is already in the pool")
         if not self._free_slots:
@@ -150,10 +143,8 @@ class Pool:
         self.endpoints[endpoint.id] = endpoint
         self.by_slot[slot] = endpoint
         self.slot_by_address[endpoint.address] = slot
-        group = self.groups.setdefault(endpoint.group, Group(endpoint.group))
-        group.members.append(endpoint)
         self.in_use[slot] = True
-        self.admitted[slot] = group.state is GroupState.ADMITTED
+        self.admitted[slot] = admitted
         self.can_prefill[slot] = endpoint.can_prefill
         self.can_decode[slot] = endpoint.can_decode
         self.link_index[slot] = self.links.setdefault(endpoint.link, len(self.links))
@@ -162,10 +153,7 @@ class Pool:
     def remove(self, endpoint_id: str) -> Endpoint:
         endpoint = self.endpoints.pop(endpoint_id)
         slot = endpoint.slot
-        group = self.groups[endpoint.group]
-        group.members.remove(endpoint)
-        if not group.members:
-            del self.groups[endpoint.group]
+        self.generation[slot] += 1
         self.by_slot[slot] = None
         if self.slot_by_address.get(endpoint.address) == slot:
             del self.slot_by_address[endpoint.address]
@@ -204,7 +192,20 @@ class Pool:
         self.reserved_kv_tokens[decode_slot] += kv_tokens
         self.inflight_requests[decode_slot] += 1
         self.outstanding += 1
-        return Reservation(self, decode_slot, prefill_slot, prefill_tokens, kv_tokens)
+        generation = self.generation
+        return Reservation(
+            self,
+            decode_slot,
+            prefill_slot,
+            prefill_tokens,
+            kv_tokens,
+            decode_generation=generation[decode_slot],
+            prefill_generation=0 if prefill_slot is None else generation[prefill_slot],
+        )
+
+    def busy(self, slots: list[int]) -> bool:
+        """Whether any of these slots still has a request of ours in flight (drain waits for none)."""
+        return bool(self.inflight_requests[slots].any() or self.queued_prefill_requests[slots].any())
 
     # -- scrape results -----------------------------------------------------------------------
     def apply_metrics(self, endpoint: Endpoint, metrics: EngineMetrics, now: float) -> None:

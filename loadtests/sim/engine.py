@@ -215,6 +215,8 @@ class SimEngine:
         self._block_chars = max(1, round(spec.block_tokens * spec.chars_per_token))
         templates = ImmutableSandboxedEnvironment(keep_trailing_newline=True)
         self._chat_template = templates.from_string(CHAT_TEMPLATE)
+        self._failing: int | None = None
+        self._pull_broken = False
         self._tokenizer: Tokenizer | None = None
         self._hasher: VllmBlockHasher | None = None
         if spec.tokenizer is not None:
@@ -279,6 +281,16 @@ class SimEngine:
     def set_stall(self, seconds: float) -> None:
         """Fault injection: delay the start of every response (including /metrics) by ``seconds``."""
         self._stall = max(0.0, seconds)
+
+    def set_failing(self, status: int | None) -> None:
+        """Fault injection: answer every completion with HTTP ``status`` (None: serve again), as an
+        engine with bad weights or a broken runtime would; ``/metrics`` and ``/v1/models`` still work."""
+        self._failing = status
+
+    def set_pull_broken(self, broken: bool) -> None:
+        """Fault injection: a KV connector that only works one way: this engine cannot pull a
+        remote prefill's KV (a decode leg with ``do_remote_prefill`` fails with 500)."""
+        self._pull_broken = broken
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -461,6 +473,10 @@ class SimEngine:
             return _error(400, f"engine {self.spec.name} is decode-only: cannot serve do_remote_decode")
         if remote_prefill and role == "prefill":
             return _error(400, f"engine {self.spec.name} is prefill-only: cannot serve do_remote_prefill")
+        if self._failing is not None:
+            return _error(self._failing, f"engine {self.spec.name} is failing (fault injection)")
+        if remote_prefill and self._pull_broken:
+            return _error(500, f"engine {self.spec.name}: KV transfer from the prefill engine failed")
         token_ids, block_keys = self._tokenize(text)
         prompt_tokens = (
             len(token_ids) if token_ids is not None else estimate_tokens(text, self.spec.chars_per_token)

@@ -7,10 +7,11 @@ path only increments counters.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from router.picker import RouteDecision
     from router.pool import Pool
 
+_GATE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
 _REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
 
@@ -76,6 +78,79 @@ class RouterMetrics:
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class ControlMetrics:
+    """The control plane's startup trace: gate checks, the group barrier, registration, failures."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.check_duration = Histogram(
+            "pd_router_gate_check_duration_seconds",
+            "Time one ready-gate check took, by check (passed or failed).",
+            ["check"],
+            buckets=_GATE_BUCKETS,
+            registry=registry,
+        )
+        self.barrier_duration = Histogram(
+            "pd_router_group_barrier_seconds",
+            "From a group epoch's first rank seen to its last rank Ready.",
+            buckets=_GATE_BUCKETS,
+            registry=registry,
+        )
+        self.registration_duration = Histogram(
+            "pd_router_group_registration_seconds",
+            "From a group epoch discovered to admitted (router registration).",
+            buckets=_GATE_BUCKETS,
+            registry=registry,
+        )
+        self.failures = Counter(
+            "pd_router_gate_failures",
+            "Ready-gate runs that failed, by the failing check.",
+            ["check"],
+            registry=registry,
+        )
+
+    def check(self, result: Any) -> None:
+        self.check_duration.labels(result.name).observe(result.seconds)
+
+    def barrier(self, seconds: float) -> None:
+        self.barrier_duration.observe(seconds)
+
+    def registered(self, seconds: float) -> None:
+        self.registration_duration.observe(seconds)
+
+    def failed(self, check: str) -> None:
+        self.failures.labels(check).inc()
+
+
+class GroupCollector:
+    """Groups by state and role, and endpoints discovered vs admitted per role, at scrape time."""
+
+    def __init__(self, counts: Callable[[], dict[tuple[str, str], int]], pool: Pool) -> None:
+        self.counts = counts
+        self.pool = pool
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        groups = GaugeMetricFamily(
+            "pd_router_groups", "Groups by admission state and serving role.", labels=["state", "role"]
+        )
+        for (state, role), n in sorted(self.counts().items()):
+            groups.add_metric([state, role], float(n))
+        yield groups
+        endpoints = GaugeMetricFamily(
+            "pd_router_endpoints",
+            "Serving endpoints by role: discovered (in the pool) and admitted (gate passed, current epoch).",
+            labels=["role", "state"],
+        )
+        pool = self.pool
+        for role in ("prefill", "decode", "prefill-decode"):
+            slots = [e.slot for e in pool.endpoints.values() if e.role == role]
+            endpoints.add_metric([role, "discovered"], float(len(slots)))
+            endpoints.add_metric([role, "admitted"], float(pool.admitted[slots].sum()) if slots else 0.0)
+        yield endpoints
 
 
 class _PoolCollector:
@@ -215,11 +290,15 @@ class IndexCollector:
 
 
 class MetricsListener:
-    """``GET /metrics`` on its own listener (``metrics.host:port``) while the context is open."""
+    """``GET /metrics`` on its own listener (``metrics.host:port``) while the context is open, and
+    the read-only ``GET /debug/pool`` (JSON) when given a view."""
 
-    def __init__(self, metrics: RouterMetrics, config: MetricsConfig) -> None:
+    def __init__(
+        self, metrics: RouterMetrics, config: MetricsConfig, debug_view: Callable[[], Any] | None = None
+    ) -> None:
         self.metrics = metrics
         self.config = config
+        self.debug_view = debug_view
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
@@ -227,9 +306,15 @@ class MetricsListener:
         body, content_type = self.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+    async def _debug(self, _: web.Request) -> web.Response:
+        assert self.debug_view is not None
+        return web.Response(body=orjson.dumps(self.debug_view()), content_type="application/json")
+
     async def __aenter__(self) -> MetricsListener:
         app = web.Application()
         app.router.add_get("/metrics", self._exposition)
+        if self.debug_view is not None:
+            app.router.add_get("/debug/pool", self._debug)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         try:

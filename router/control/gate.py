@@ -1,0 +1,273 @@
+"""The ready gate: the checks one group epoch must pass, in order, before it gets any traffic.
+
+Each check has its own timeout and a recorded duration; the first failure stops the run with a
+reason that names what differed (``revision mismatch: rank 0 has a1, rank 1 has b2``). Checks only
+ever talk to the addresses discovery reported for the group being gated.
+
+* ``ranks`` — every expected rank present and Ready (a partial group hangs requests in a collective).
+* ``revision`` — one artifact revision across the ranks.
+* ``model`` — ``GET /v1/models`` on every serving address lists the pool's model.
+* ``kv_capacity`` — ``/metrics`` scrapes and reports a KV capacity (``vllm:cache_config_info``).
+* ``canary`` — a minimal completion (``max_tokens`` ≤ 2) on the group's serving address; at most
+  one per group per ``canary_min_interval_s``.
+* ``canary_pair`` — for P/D, the real prefill → decode exchange (``kv_transfer_params``) with one
+  admitted peer of the other role: a KV connector that only works one way fails. A decode group
+  without an admitted prefill peer skips it (it can serve alone); a prefill group waits for an
+  admitted decode peer (it is only ever used in a pair), so decode pods are admitted first.
+* ``kv_events`` — precise mode: the engine's KV-event stream is complete (``kv_covered``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.control.model import GroupSpec
+from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
+from router.observe.scrape import ScrapeError, Scraper
+from router.pool import Pool
+
+CANARY_HEADER = "x-pd-router-canary"  # engines (and their logs) can tell a canary from traffic
+
+
+class GateFailed(Exception):
+    """A check failed; ``str()`` is the reason shown in the debug view and the logs."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    name: str
+    ok: bool
+    seconds: float
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class GateSettings:
+    model: str
+    checks: tuple[str, ...]
+    check_timeout_s: float = 10.0
+    canary_max_tokens: int = 1
+    canary_min_interval_s: float = 30.0
+
+
+class Gate:
+    """Runs the configured checks against one group epoch; stateless but for canary pacing."""
+
+    def __init__(
+        self,
+        settings: GateSettings,
+        pool: Pool,
+        session: aiohttp.ClientSession,
+        scraper: Scraper,
+        exchange: TwoLegExchange,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.session = session
+        self.scraper = scraper
+        self.exchange = exchange
+        self.clock = clock
+        self._last_canary: dict[str, float] = {}
+        self._checks: dict[str, Callable[[GroupSpec], Awaitable[str]]] = {
+            "ranks": self._ranks,
+            "revision": self._revision,
+            "model": self._model,
+            "kv_capacity": self._kv_capacity,
+            "canary": self._canary,
+            "canary_pair": self._canary_pair,
+            "kv_events": self._kv_events,
+        }
+        unknown = [name for name in settings.checks if name not in self._checks]
+        if unknown:
+            raise ValueError(f"unknown gate checks: {unknown}")
+
+    async def run(self, group: GroupSpec, record: Callable[[CheckResult], None]) -> None:
+        """Every check in order; ``record`` sees each result; raises ``GateFailed`` at the first failure."""
+        for name in self.settings.checks:
+            started = self.clock()
+            try:
+                async with asyncio.timeout(self.settings.check_timeout_s):
+                    detail = await self._checks[name](group)
+            except TimeoutError:
+                failure = f"{name}: no answer within {self.settings.check_timeout_s:g}s"
+                record(CheckResult(name, False, self.clock() - started, failure))
+                raise GateFailed(failure) from None
+            except GateFailed as exc:
+                record(CheckResult(name, False, self.clock() - started, f"{name}: {exc}"))
+                raise GateFailed(f"{name}: {exc}") from None
+            record(CheckResult(name, True, self.clock() - started, detail))
+
+    # -- the checks: each returns a detail for the debug view, or raises GateFailed ---------------
+    async def _ranks(self, group: GroupSpec) -> str:
+        present = {m.rank: m for m in group.members}
+        for rank in range(group.expected_size):
+            member = present.get(rank)
+            if member is None:
+                raise GateFailed(f"rank {rank} of {group.expected_size} is missing")
+            if not member.ready:
+                raise GateFailed(f"rank {rank} ({member.name}) is not Ready")
+        return f"{group.expected_size} of {group.expected_size} ranks Ready"
+
+    async def _revision(self, group: GroupSpec) -> str:
+        by_revision: dict[str | None, int] = {}
+        for member in sorted(group.members, key=lambda m: m.rank):
+            by_revision.setdefault(member.revision, member.rank)
+        if len(by_revision) > 1:
+            (first, rank_a), (second, rank_b) = list(by_revision.items())[:2]
+            raise GateFailed(f"revision mismatch: rank {rank_a} has {first}, rank {rank_b} has {second}")
+        return f"revision {next(iter(by_revision), None)}"
+
+    async def _model(self, group: GroupSpec) -> str:
+        model = self.settings.model
+        for address in _serving(group):
+            try:
+                async with self.session.get(f"http://{address}/v1/models") as resp:
+                    payload = await resp.read()
+                    status = resp.status
+            except (aiohttp.ClientError, OSError) as exc:
+                raise GateFailed(f"{address}/v1/models failed: {type(exc).__name__}") from None
+            if status != 200:
+                raise GateFailed(f"{address}/v1/models answered HTTP {status}")
+            ids = _model_ids(payload)
+            if model not in ids:
+                raise GateFailed(f"{address} serves {sorted(ids)[:4]}, not {model!r}")
+        return f"serves {model!r}"
+
+    async def _kv_capacity(self, group: GroupSpec) -> str:
+        capacities = []
+        for address in _serving(group):
+            try:
+                metrics = await self.scraper.scrape(address)
+            except ScrapeError as exc:
+                raise GateFailed(f"metrics: {exc}") from None
+            capacity = metrics.kv_capacity_tokens
+            if not capacity:
+                raise GateFailed(f"{address} reports no KV capacity (vllm:cache_config_info num_gpu_blocks)")
+            capacities.append(f"{capacity:.0f}")
+        return "KV tokens " + ", ".join(capacities)
+
+    async def _canary(self, group: GroupSpec) -> str:
+        address = _serving(group)[0]
+        await self._pace(group.key)
+        body = {"model": self.settings.model, "prompt": "ping", "max_tokens": self.settings.canary_max_tokens}
+        headers = {"content-type": "application/json", CANARY_HEADER: "1"}
+        try:
+            async with self.session.post(
+                f"http://{address}/v1/completions", data=orjson.dumps(body), headers=headers
+            ) as resp:
+                payload = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, OSError) as exc:
+            raise GateFailed(f"canary to {address} failed: {type(exc).__name__}") from None
+        if status != 200:
+            raise GateFailed(f"canary to {address} answered HTTP {status}")
+        if not _has_choices(payload):
+            raise GateFailed(f"canary to {address} answered without choices")
+        return f"completion from {address}"
+
+    async def _canary_pair(self, group: GroupSpec) -> str:
+        roles = {m.role for m in group.members if m.addresses}
+        if roles <= {"prefill-decode"}:
+            return "not a P/D role: skipped"
+        address = _serving(group)[0]
+        own = "prefill" if "prefill" in roles else "decode"
+        peer = self._admitted_peer("decode" if own == "prefill" else "prefill", exclude=group.key)
+        if peer is None:
+            # A decode pod can serve on its own (local prefill); a prefill pod is only ever useful
+            # in a pair, so it waits for a decode peer to prove its connector against.
+            if own == "prefill":
+                raise GateFailed("no admitted decode peer to run the pair canary with yet")
+            return "no admitted prefill peer yet: skipped"
+        prefill, decode = (address, peer) if own == "prefill" else (peer, address)
+        await self._pace(group.key)
+        body: dict[str, Any] = {
+            "model": self.settings.model,
+            "prompt": "ping",
+            "max_tokens": self.settings.canary_max_tokens,
+        }
+        leg = Leg("/v1/completions", {CANARY_HEADER: "1"})
+        try:
+            params = await self.exchange.prefill(prefill, leg, body)
+            answer = await self._decode_once(decode, leg, decode_body(body, params))
+        except UpstreamError as exc:
+            raise GateFailed(f"pair {prefill} -> {decode}: {exc.reason}") from None
+        if not _has_choices(answer):
+            raise GateFailed(f"pair {prefill} -> {decode}: the decode leg answered without choices")
+        return f"pair {prefill} -> {decode}"
+
+    async def _kv_events(self, group: GroupSpec) -> str:
+        slots = [self.pool.slot_by_address[a] for a in _serving(group) if a in self.pool.slot_by_address]
+        while not all(self.pool.kv_covered[slot] for slot in slots):
+            await asyncio.sleep(0.05)  # the consumer flips kv_covered; the check's timeout bounds it
+        return "KV-event streams complete"
+
+    # -- helpers ----------------------------------------------------------------------------------
+    async def _pace(self, key: str) -> None:
+        """At most one canary per group per interval: wait for the next slot, within the timeout."""
+        now = self.clock()
+        last = self._last_canary.get(key)
+        interval = self.settings.canary_min_interval_s
+        if last is not None and now - last < interval:
+            wait = interval - (now - last)
+            if wait > self.settings.check_timeout_s:
+                raise GateFailed(f"canary rate limit: the next canary for this group in {wait:.0f}s")
+            await asyncio.sleep(wait)
+        self._last_canary[key] = self.clock()
+
+    def _admitted_peer(self, role: str, exclude: str) -> str | None:
+        pool = self.pool
+        mask = pool.admitted & pool.in_use & (pool.can_decode if role == "decode" else pool.can_prefill)
+        for slot in mask.nonzero()[0].tolist():
+            endpoint = pool.by_slot[slot]
+            if (
+                endpoint is not None
+                and endpoint.group != exclude
+                and endpoint.role in (role, "prefill-decode")
+            ):
+                return endpoint.address
+        return None
+
+    async def _decode_once(self, address: str, leg: Leg, data: bytes) -> bytes:
+        try:
+            async with self.session.post(
+                f"http://{address}{leg.path}",
+                data=data,
+                headers={**leg.headers, "content-type": "application/json"},
+                timeout=self.exchange.timeout,
+            ) as resp:
+                payload = await resp.read()
+                if resp.status != 200:
+                    raise UpstreamError(address, f"decode leg answered HTTP {resp.status}")
+                return payload
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise UpstreamError(address, f"decode leg failed: {type(exc).__name__}") from None
+
+
+def _serving(group: GroupSpec) -> Sequence[str]:
+    addresses = [a for m in sorted(group.members, key=lambda m: m.rank) for a in m.addresses]
+    if not addresses:
+        raise GateFailed("no rank serves an address")
+    return addresses
+
+
+def _model_ids(payload: bytes) -> set[str]:
+    try:
+        data = orjson.loads(payload)["data"]
+        return {entry["id"] for entry in data if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        raise GateFailed("/v1/models answered something other than an OpenAI model list") from None
+
+
+def _has_choices(payload: bytes) -> bool:
+    try:
+        return bool(orjson.loads(payload).get("choices"))
+    except (orjson.JSONDecodeError, AttributeError):
+        return False

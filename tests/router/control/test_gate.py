@@ -1,0 +1,139 @@
+"""The ready gate against simulated vLLM engines over real HTTP: what fails it, and that a group
+that did not pass gets no traffic, counted from the engines' own request logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from helpers import eventually, router_for
+
+from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from router.control.gate import CANARY_HEADER
+
+FAST = TimeModel(speed=20.0)
+
+
+def traffic(cluster: SimCluster, name: str) -> int:
+    """Completions an engine served that were not the gate's canaries (its own log says which)."""
+    seen = cluster.engines[name].requests_seen
+    return sum(1 for _, headers, _ in seen if CANARY_HEADER not in headers)
+
+
+async def send(base: str, n: int, **extra: Any) -> list[int]:
+    statuses = []
+    async with aiohttp.ClientSession() as http:
+        for i in range(n):
+            body = {"model": "sim-model", "prompt": f"request {i} " * 30, "max_tokens": 2, **extra}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                await resp.read()
+                statuses.append(resp.status)
+    return statuses
+
+
+def endpoints(cluster: SimCluster, *entries: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"address": cluster.address(e["name"]), "role": cluster.engines[e["name"]].spec.role, **e}
+        for e in entries
+    ]
+
+
+async def debug_pool(app) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{app.metrics_port}/debug/pool"
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        assert resp.status == 200
+        return {g["key"]: g for g in orjson.loads(await resp.read())["groups"]}
+
+
+SECTIONS = {"metrics": {"enabled": True, "port": 0}}
+
+
+async def test_a_rank_with_another_revision_fails_the_gate_and_never_gets_traffic() -> None:
+    specs = [EngineSpec(n, "prefill-decode", time=FAST) for n in ("e0", "e1", "e2")]
+    async with SimCluster(specs) as cluster:
+        eps = endpoints(
+            cluster,
+            {"name": "e0", "group": "tp", "rank": 0, "revision": "a1"},
+            {"name": "e1", "group": "tp", "rank": 1, "revision": "b2", "serves": False},
+            {"name": "e2"},
+        )
+        async with router_for({"endpoints": eps, **SECTIONS}) as (app, base):
+            assert set(await send(base, 6)) == {200}
+            view = await debug_pool(app)
+    assert view["tp"]["state"] == "failed"
+    assert view["tp"]["last_failure"] == "revision: revision mismatch: rank 0 has a1, rank 1 has b2"
+    assert view["e2"]["state"] == "admitted"
+    assert traffic(cluster, "e0") == 0 and traffic(cluster, "e2") == 6
+
+
+async def test_a_group_with_a_missing_rank_gets_no_traffic_until_the_rank_exists() -> None:
+    specs = [EngineSpec(n, "prefill-decode", time=FAST) for n in ("e0", "e1")]
+    async with SimCluster(specs) as cluster:
+        eps = endpoints(cluster, {"name": "e0", "group": "tp", "group_size": 2}, {"name": "e1"})
+        async with router_for({"endpoints": eps, **SECTIONS}) as (app, base):
+            assert set(await send(base, 4)) == {200}
+            view = await debug_pool(app)
+            assert view["tp"]["state"] == "discovered" and view["tp"]["checks"] == []
+            # The last rank comes up: the group is gated and admitted.
+            from router.control.model import GroupSpec, Member
+
+            spec = app.control.groups["tp"].spec
+            late = Member("e0-worker", "uid-w", 1, True, (), None, "prefill-decode")
+            app.control.apply([GroupSpec("tp", 2, (*spec.members, late)), app.control.groups["e1"].spec])
+            await eventually(lambda: app.control.groups["tp"].state.value == "admitted", 5, "admitted")
+            assert traffic(cluster, "e0") == 0
+            assert set(await send(base, 12)) == {200}
+    assert traffic(cluster, "e0") > 0
+
+
+async def test_a_failing_canary_fails_the_gate_until_the_engine_recovers() -> None:
+    specs = [EngineSpec(n, "prefill-decode", time=FAST) for n in ("e0", "e1")]
+    async with SimCluster(specs) as cluster:
+        cluster.engines["e0"].set_failing(500)
+        eps = endpoints(cluster, {"name": "e0"}, {"name": "e1"})
+        gate = {
+            "checks": ["ranks", "kv_capacity", "canary"],
+            "canary_min_interval_s": 0,
+            "retry_base_s": 0.05,
+        }
+        async with router_for({"endpoints": eps, "gate": gate, **SECTIONS}) as (app, base):
+            view = await debug_pool(app)
+            assert view["e0"]["state"] == "failed"
+            assert "canary to" in view["e0"]["last_failure"] and "HTTP 500" in view["e0"]["last_failure"]
+            assert set(await send(base, 4)) == {200}
+            assert traffic(cluster, "e0") == 0
+            cluster.engines["e0"].set_failing(None)
+            await eventually(lambda: app.control.groups["e0"].state.value == "admitted", 5, "recovered")
+            url = f"http://127.0.0.1:{app.metrics_port}/metrics"
+            async with aiohttp.ClientSession() as http, http.get(url) as resp:
+                text = await resp.text()
+    assert 'pd_router_gate_failures_total{check="canary"}' in text
+    assert "pd_router_group_registration_seconds_count" in text
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["two-way", "one-way"])
+async def test_a_one_way_kv_connector_fails_the_pair_canary(broken: bool) -> None:
+    specs = [EngineSpec("p0", "prefill", time=FAST), EngineSpec("d0", "decode", time=FAST)]
+    async with SimCluster(specs) as cluster:
+        cluster.engines["d0"].set_pull_broken(broken)
+        eps = endpoints(cluster, {"name": "p0"}, {"name": "d0"})
+        gate = {
+            "checks": ["ranks", "kv_capacity", "canary_pair"],
+            "canary_min_interval_s": 0,
+            "retry_base_s": 0.05,
+        }
+        async with router_for({"endpoints": eps, "gate": gate, **SECTIONS}) as (app, base):
+            # d0 is admitted first (it can serve alone); p0 proves its connector against it.
+            await eventually(lambda: app.control.groups["d0"].state.value == "admitted", 5, "decode admitted")
+            p0 = app.control.groups["p0"]
+            if broken:
+                await eventually(lambda: "HTTP 500" in (p0.reason or ""), 5, "p0 tried the pair with d0")
+                assert p0.reason.startswith("canary_pair: pair ") and p0.state.value != "admitted"
+            else:
+                await eventually(lambda: p0.state.value == "admitted", 5, "pair passed")
+            assert set(await send(base, 4)) == {200}  # a broken pair still serves: d0 alone
+    # The engines' own logs: no client request ever went through the prefill pod that failed.
+    if broken:
+        assert traffic(cluster, "p0") == 0
