@@ -31,6 +31,7 @@ from router.adapters.health import HealthState
 from router.adapters.openai import ProxyListener
 from router.compose import gate_settings_from, picker_from
 from router.config import PoolConfig, RedisConfig
+from router.control.admin import control_routes
 from router.control.discovery.static import StaticDiscovery
 from router.control.gate import Gate
 from router.control.groups import ControlSettings, GroupController
@@ -68,7 +69,9 @@ class App:
         # Empty until discovery publishes: endpoints join unadmitted, and only a group epoch that
         # passed the ready gate is ever a candidate.
         self.pool = Pool(config.scrape.stale_after_ms / 1000.0, config.scrape.eject_after_failures)
-        self.discovery: DiscoverySource = discovery or StaticDiscovery(config.endpoints)
+        if discovery is None and config.kubernetes is None:
+            discovery = StaticDiscovery(config.endpoints)
+        self.discovery: DiscoverySource | None = discovery  # Kubernetes: built at start (needs I/O)
         self.control: GroupController | None = None
         local = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
         # Several replicas share what each routed where through Redis; pick() reads a local mirror.
@@ -153,12 +156,57 @@ class App:
                 ExtProcListener(self.flow, cfg.extproc, self.health)
             )
         if cfg.metrics.enabled:
-            view = None if self.control is None else self.control.view
-            self.metrics_listener = await stack.enter_async_context(
-                MetricsListener(self.metrics, cfg.metrics, debug_view=view)
+            routes = (
+                []
+                if self.control is None
+                else control_routes(self.control, cfg.admin.token if cfg.admin.enabled else None)
             )
+            self.metrics_listener = await stack.enter_async_context(
+                MetricsListener(self.metrics, cfg.metrics, routes)
+            )
+        if self.discovery.synced:
+            self._set_ready()
+        else:  # serve health and metrics, but not ready until the pool has been read once
+            log.warning("discovery %s has not read the pool yet: not ready", self.discovery.name)
+            waiter = asyncio.create_task(self._ready_once_synced(), name="ready-once-synced")
+            stack.push_async_callback(_cancel, waiter)
+
+    async def _kubernetes(self) -> DiscoverySource:
+        from kubernetes_asyncio import client
+        from kubernetes_asyncio import config as kube_config
+
+        from router.control.discovery.kubernetes import KubernetesDiscovery
+
+        kube = self.config.kubernetes
+        assert kube is not None
+        configuration = client.Configuration()
+        try:  # in a pod: the service account; elsewhere: the kubeconfig
+            kube_config.load_incluster_config(client_configuration=configuration)
+        except kube_config.ConfigException:
+            await kube_config.load_kube_config(client_configuration=configuration)
+        api = client.ApiClient(configuration)
+        self._stack.push_async_callback(api.close)
+        return KubernetesDiscovery(
+            api,
+            kube.namespace,
+            pool_name=kube.pool_name,
+            selector=kube.selector or None,
+            target_ports=kube.target_ports,
+            workers_serve=kube.workers_serve,
+            **({"group_label": kube.group_label} if kube.group_label else {}),
+        )
+
+    def _set_ready(self) -> None:
         self.ready = True
         self.health.set_ready(True)
+
+    async def _ready_once_synced(self) -> None:
+        while not self.discovery.synced:
+            await asyncio.sleep(0.1)
+        if self.control is not None:
+            await self.control.settle(self.config.gate.initial_wait_s)
+        self._set_ready()
+        log.info("discovery %s has read the pool: ready", self.discovery.name)
 
     async def _start_control(self, session: aiohttp.ClientSession) -> None:
         """Discovery → the group controller → the first gate round, before anything listens."""
@@ -174,6 +222,8 @@ class App:
         )
         self.metrics.registry.register(GroupCollector(control.counts, self.pool))
         self._stack.push_async_callback(control.stop)
+        if self.discovery is None:
+            self.discovery = await self._kubernetes()
         discovery = asyncio.create_task(
             self.discovery.run(control.apply), name=f"discovery-{self.discovery.name}"
         )

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -66,9 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, help="serve ext_proc on this port (enables extproc)")
     serve.add_argument("--grpc-health-port", type=int, help="gRPC health port (extproc.health_port)")
     serve.add_argument("--metrics-port", type=int, help="serve /metrics on this port (enables metrics)")
+    _discovery_args(serve)
 
     check = sub.add_parser("check-config", help="validate a configuration file and exit")
     config_args(check)
+    _discovery_args(check)
 
     sidecar = sub.add_parser("sidecar", help="decode-side P/D proxy for Envoy/InferencePool deployments")
     sidecar.add_argument("--decode", required=True, metavar="IP:PORT", help="the local decode engine")
@@ -88,6 +91,15 @@ def _parser() -> argparse.ArgumentParser:
     for entry in entry_points(group="pd_router.commands"):
         entry.load()(sub)
     return parser
+
+
+def _discovery_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pool-name", help="discover from this InferencePool (kubernetes.pool_name)")
+    parser.add_argument(
+        "--pool-namespace", help="its namespace (kubernetes.namespace; default: $NAMESPACE, else default)"
+    )
+    parser.add_argument("--endpoint-selector", metavar="K=V,...", help="without an InferencePool: pod labels")
+    parser.add_argument("--endpoint-target-ports", metavar="PORT,...", help="with --endpoint-selector")
 
 
 def config_args(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +126,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pd-router: invalid configuration: {exc}", file=sys.stderr)
         return 2
     if args.command == "check-config":
-        print(f"{args.config}: ok ({len(config.endpoints)} endpoints, model {config.model!r})")
+        kube = config.kubernetes
+        where = (
+            f"{len(config.endpoints)} endpoints"
+            if kube is None
+            else f"discovered in namespace {kube.namespace!r} from "
+            + (
+                f"InferencePool {kube.pool_name!r}"
+                if kube.pool_name
+                else f"pods {kube.selector} ports {kube.target_ports}"
+            )
+        )
+        print(f"{args.config}: ok ({where}, model {config.model!r})")
         return 0
     return run(serve(config))
 
@@ -132,7 +155,26 @@ def config_from(args: argparse.Namespace) -> PoolConfig:
         overrides.append(f"extproc.health_port={args.grpc_health_port}")
     if getattr(args, "metrics_port", None) is not None:
         overrides += ["metrics.enabled=true", f"metrics.port={args.metrics_port}"]
+    overrides += _kubernetes_overrides(args)
     return load_config(args.config, overrides)
+
+
+def _kubernetes_overrides(args: argparse.Namespace) -> list[str]:
+    """The reference picker's flag names, as ``kubernetes.*`` overrides (values as YAML)."""
+    out = []
+    if getattr(args, "pool_name", None):
+        out.append(f"kubernetes.pool_name={args.pool_name}")
+    selector = getattr(args, "endpoint_selector", None)
+    if selector:
+        pairs = dict(item.split("=", 1) for item in selector.split(",") if "=" in item)
+        out.append("kubernetes.selector=" + orjson.dumps(pairs).decode())
+    ports = getattr(args, "endpoint_target_ports", None)
+    if ports:
+        out.append("kubernetes.target_ports=[" + ports + "]")
+    namespace = getattr(args, "pool_namespace", None) or (os.environ.get("NAMESPACE") if out else None)
+    if namespace:
+        out.append(f"kubernetes.namespace={namespace}")
+    return out
 
 
 async def serve(config: PoolConfig) -> int:

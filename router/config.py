@@ -238,6 +238,48 @@ class GateConfig(_Strict):
         return checks
 
 
+class KubernetesConfig(_Strict):
+    """Discover the pool from Kubernetes: one InferencePool, or a plain label selector."""
+
+    namespace: str = Field("default", description="the pool's namespace (the picker's own, usually)")
+    pool_name: str | None = Field(
+        None, description="the InferencePool (inference.networking.k8s.io/v1) to follow"
+    )
+    selector: dict[str, str] = Field(
+        default_factory=dict, description="without an InferencePool: the pods' labels (matchLabels)"
+    )
+    target_ports: list[Annotated[int, Field(gt=0, lt=65536)]] = Field(
+        default_factory=list, description="without an InferencePool: the serving ports"
+    )
+    group_label: str | None = Field(
+        None, description="group ranks by this label instead of LeaderWorkerSet's group-key"
+    )
+    workers_serve: bool = Field(
+        False, description="every rank serves (wide-EP), not only each group's leader"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KubernetesConfig:
+        if (self.pool_name is None) == (not self.selector):
+            raise ValueError("set exactly one of pool_name and selector")
+        if self.selector and not self.target_ports:
+            raise ValueError("selector needs target_ports")
+        return self
+
+
+class AdminConfig(_Strict):
+    """Drain, undrain and re-gate groups over HTTP on the metrics listener; off by default."""
+
+    enabled: bool = False
+    token: str | None = Field(None, description="bearer token every admin request must carry")
+
+    @model_validator(mode="after")
+    def _token_when_on(self) -> AdminConfig:
+        if self.enabled and not self.token:
+            raise ValueError("admin.enabled needs admin.token")
+        return self
+
+
 class MetricsConfig(_Strict):
     """A separate Prometheus listener (the proxy also serves /metrics on its own port)."""
 
@@ -249,7 +291,9 @@ class MetricsConfig(_Strict):
 class PoolConfig(_Strict):
     model: str = Field(min_length=1)
     strict_model: bool = Field(True, description="404 for any other model name")
-    endpoints: list[EndpointConfig] = Field(min_length=1)
+    endpoints: list[EndpointConfig] = Field(
+        default_factory=list, description="the static pool; with kubernetes, may be empty"
+    )
     slo: SLOConfig = SLOConfig()
     engine: EngineModelConfig = EngineModelConfig()
     links: LinksConfig = LinksConfig()
@@ -266,6 +310,8 @@ class PoolConfig(_Strict):
     extproc: ExtProcConfig = ExtProcConfig()
     metrics: MetricsConfig = MetricsConfig()
     gate: GateConfig = GateConfig()
+    kubernetes: KubernetesConfig | None = Field(None, description="discover the pool from Kubernetes")
+    admin: AdminConfig = AdminConfig()
 
     @field_validator("weights")
     @classmethod
@@ -290,6 +336,8 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> PoolConfig:
+        if not self.endpoints and self.kubernetes is None:
+            raise ValueError("endpoints: at least one endpoint, or a kubernetes section to discover them")
         seen: set[str] = set()
         sizes: dict[str, int] = {}
         for i, endpoint in enumerate(self.endpoints):
@@ -360,7 +408,9 @@ def _describe(exc: ValidationError) -> str:
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"]) or "config"
         message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden":
+        if not error["loc"] or (error["type"] == "value_error" and isinstance(error.get("input"), dict)):
+            lines.append(message if not error["loc"] else f"{where}: {message}")  # a rule over many fields
+        elif error["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown field")
         elif error["type"] == "missing":
             lines.append(f"{where}: required field is missing")

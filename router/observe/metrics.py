@@ -7,11 +7,10 @@ path only increments counters.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -290,15 +289,15 @@ class IndexCollector:
 
 
 class MetricsListener:
-    """``GET /metrics`` on its own listener (``metrics.host:port``) while the context is open, and
-    the read-only ``GET /debug/pool`` (JSON) when given a view."""
+    """``GET /metrics`` on its own listener (``metrics.host:port``) while the context is open, plus
+    any other operator routes given (the control plane's debug view and admin verbs)."""
 
     def __init__(
-        self, metrics: RouterMetrics, config: MetricsConfig, debug_view: Callable[[], Any] | None = None
+        self, metrics: RouterMetrics, config: MetricsConfig, routes: Sequence[web.RouteDef] = ()
     ) -> None:
         self.metrics = metrics
         self.config = config
-        self.debug_view = debug_view
+        self.routes = list(routes)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
@@ -306,15 +305,10 @@ class MetricsListener:
         body, content_type = self.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
-    async def _debug(self, _: web.Request) -> web.Response:
-        assert self.debug_view is not None
-        return web.Response(body=orjson.dumps(self.debug_view()), content_type="application/json")
-
     async def __aenter__(self) -> MetricsListener:
         app = web.Application()
         app.router.add_get("/metrics", self._exposition)
-        if self.debug_view is not None:
-            app.router.add_get("/debug/pool", self._debug)
+        app.add_routes(self.routes)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         try:

@@ -37,10 +37,19 @@ def test_minimal_config_gets_sane_defaults() -> None:
             "weights: nosuch: no scorer 'nosuch': expected a module scorers.nosuch with a term() function",
         ),
         ({**MINIMAL, "picker": {"policy": "random"}}, "picker.policy: Input should be 'joint',"),
+        (
+            {**MINIMAL, "kubernetes": {"namespace": "x"}},
+            "kubernetes: set exactly one of pool_name and selector",
+        ),
+        ({**MINIMAL, "admin": {"enabled": True}}, "admin: admin.enabled needs admin.token"),
+        ({**MINIMAL, "gate": {"checks": ["ranks", "ranks"]}}, "gate.checks: each check at most once"),
         ({**MINIMAL, "scorers": {}}, "scorers: unknown field"),
         ({**MINIMAL, "slo": {"ttft": 5}}, "slo.ttft: unknown field"),
         ({"endpoints": MINIMAL["endpoints"]}, "model: required field is missing"),
-        ({**MINIMAL, "endpoints": []}, "endpoints: List should have at least 1 item"),
+        (
+            {**MINIMAL, "endpoints": []},
+            "endpoints: at least one endpoint, or a kubernetes section to discover them",
+        ),
         (
             {**MINIMAL, "endpoints": [{"address": "127.0.0.1:1"}, {"address": "127.0.0.1:1"}]},
             "duplicate endpoint '127.0.0.1:1'",
@@ -84,3 +93,26 @@ def test_cli_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_the_example_pool_file_is_valid() -> None:
     config = load_config(Path(__file__).parents[2] / "examples" / "pool.yaml")
     assert {e.role for e in config.endpoints} == {"prefill", "decode"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        (["--pool-name", "qwen", "--pool-namespace", "llm"], {}, "namespace 'llm' from InferencePool 'qwen'"),
+        (["--pool-name", "qwen"], {"NAMESPACE": "prod"}, "namespace 'prod' from InferencePool 'qwen'"),
+        (
+            ["--endpoint-selector", "app=vllm,tier=a", "--endpoint-target-ports", "8000,8001"],
+            {},
+            "pods {'app': 'vllm', 'tier': 'a'} ports [8000, 8001]",
+        ),
+    ],
+)
+def test_the_reference_pickers_discovery_flags(tmp_path, capsys, monkeypatch, flags, env, expected) -> None:
+    from router.cli import main
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "pool.yaml"
+    path.write_text("model: m\n")
+    assert main(["check-config", "--config", str(path), *flags]) == 0
+    assert expected in capsys.readouterr().out

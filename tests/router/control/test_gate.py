@@ -137,3 +137,42 @@ async def test_a_one_way_kv_connector_fails_the_pair_canary(broken: bool) -> Non
     # The engines' own logs: no client request ever went through the prefill pod that failed.
     if broken:
         assert traffic(cluster, "p0") == 0
+
+
+async def test_the_admin_api_drains_undrains_and_regates_with_a_bearer_token() -> None:
+    specs = [EngineSpec(n, "prefill-decode", time=FAST) for n in ("e0", "e1")]
+    async with SimCluster(specs) as cluster:
+        eps = endpoints(cluster, {"name": "e0"}, {"name": "e1"})
+        admin = {"enabled": True, "token": "s3cret"}
+        async with router_for({"endpoints": eps, "admin": admin, **SECTIONS}) as (app, base):
+            root = f"http://127.0.0.1:{app.metrics_port}/admin/groups"
+            auth = {"Authorization": "Bearer s3cret"}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"{root}/e0/drain") as resp:
+                    assert resp.status == 401
+                async with http.post(f"{root}/e0/drain", headers={"Authorization": "Bearer nope"}) as resp:
+                    assert resp.status == 401
+                async with http.post(f"{root}/nosuch/drain", headers=auth) as resp:
+                    assert resp.status == 404
+                async with http.post(f"{root}/e0/drain", headers=auth) as resp:
+                    assert resp.status == 200 and (await resp.json())["state"] == "draining"
+                before = traffic(cluster, "e0")
+                assert set(await send(base, 6)) == {200}
+                assert traffic(cluster, "e0") == before  # drained: nothing new
+                async with http.post(f"{root}/e0/undrain", headers=auth) as resp:
+                    assert resp.status == 200
+                await eventually(lambda: app.control.groups["e0"].state.value == "admitted", 5, "back")
+                async with http.post(f"{root}/e0/regate", headers=auth) as resp:
+                    assert resp.status == 200
+                await eventually(lambda: app.control.groups["e0"].state.value == "admitted", 5, "re-gated")
+
+
+async def test_without_admin_there_is_no_admin_api() -> None:
+    specs = [EngineSpec("e0", "prefill-decode", time=FAST)]
+    async with SimCluster(specs) as cluster:
+        eps = endpoints(cluster, {"name": "e0"})
+        async with router_for({"endpoints": eps, **SECTIONS}) as (app, _):
+            url = f"http://127.0.0.1:{app.metrics_port}/admin/groups/e0/drain"
+            async with aiohttp.ClientSession() as http, http.post(url) as resp:
+                assert resp.status in (404, 405)
+            assert app.control.groups["e0"].state.value == "admitted"

@@ -1,0 +1,51 @@
+"""HTTP views of the control plane, served on the metrics listener.
+
+* ``GET /debug/pool`` (always, read-only): every group with its state, epoch, members, each check's
+  result and duration, and the last failure.
+* ``POST /admin/groups/{key}/{drain|undrain|regate}`` (only with ``admin.enabled``): each needs
+  ``Authorization: Bearer <admin.token>``; a wrong or missing token is 401, an unknown group 404.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import orjson
+from aiohttp import web
+
+from router.control.groups import GroupController
+
+log = logging.getLogger(__name__)
+
+VERBS = ("drain", "undrain", "regate")
+
+
+def control_routes(controller: GroupController, admin_token: str | None) -> list[web.RouteDef]:
+    """The debug view, plus the admin verbs when ``admin_token`` is set."""
+
+    async def pool_view(_: web.Request) -> web.Response:
+        return _json(200, controller.view())
+
+    async def admin(request: web.Request) -> web.Response:
+        assert admin_token is not None
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
+            return _json(401, {"error": "admin API: missing or wrong bearer token"})
+        key, verb = request.match_info["key"], request.match_info["verb"]
+        if verb not in VERBS:
+            return _json(404, {"error": f"unknown verb {verb!r}; one of {list(VERBS)}"})
+        if key not in controller.groups:
+            return _json(404, {"error": f"no group {key!r}"})
+        getattr(controller, verb)(key)
+        log.info("admin: %s group %s", verb, key)
+        return _json(200, {"group": key, "state": controller.groups[key].state.value})
+
+    routes = [web.get("/debug/pool", pool_view)]
+    if admin_token is not None:
+        routes.append(web.post("/admin/groups/{key}/{verb}", admin))
+    return routes
+
+
+def _json(status: int, value: object) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(value), content_type="application/json")
