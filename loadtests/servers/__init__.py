@@ -1,1 +1,2 @@
-"""Real servers the suite and the benchmarks start on loopback ports: Envoy, redis-server."""
+"""Real servers the suite and the benchmarks start on loopback ports (Envoy, redis-server), and a
+fake Kubernetes API server."""

@@ -9,8 +9,8 @@ from typing import Any
 
 import aiohttp
 from helpers import eventually
-from kube_fake import LWS_INDEX, LWS_KEY, LWS_SIZE, NS, FakeKube, pod, pool, serving
 
+from loadtests.servers.kube import LWS_INDEX, LWS_KEY, LWS_SIZE, NS, FakeKube, pod, pool, serving
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.app import App
 from router.config import parse_config

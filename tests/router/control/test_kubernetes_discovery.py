@@ -17,7 +17,9 @@ from typing import Any
 
 import pytest
 from helpers import eventually
-from kube_fake import (
+from kubernetes_asyncio.client import ApiClient
+
+from loadtests.servers.kube import (
     LWS_INDEX,
     LWS_KEY,
     LWS_REVISION,
@@ -28,8 +30,6 @@ from kube_fake import (
     pool,
     serving,
 )
-from kubernetes_asyncio.client import ApiClient
-
 from router.control.discovery.kubernetes import KubernetesDiscovery
 from router.control.model import GroupSpec, Member
 

@@ -1,4 +1,5 @@
-"""An in-process fake Kubernetes API server speaking Kubernetes' JSON, for discovery tests.
+"""An in-process fake Kubernetes API server speaking Kubernetes' JSON, for discovery tests and
+benchmarks (no cluster here).
 
 It keeps pods and InferencePools, answers LISTs (with ``labelSelector`` / ``fieldSelector``) and
 streams watches as newline-delimited events. Watches replay the events after the
@@ -359,4 +360,6 @@ async def serving() -> AsyncIterator[FakeKube]:
         yield fake
     finally:
         fake.end_all()
+        for api in fake.clients:  # the clients handed out: a test or benchmark need not close them
+            await api.close()
         await runner.cleanup()
