@@ -189,6 +189,8 @@ class SimEngine:
         self.port = spec.port
         self.stats = EngineStats()
         self.requests_seen: deque[tuple[str, dict[str, str], Any]] = deque(maxlen=SEEN_LIMIT)
+        # (time.monotonic(), headers) of each completion request, in arrival order
+        self.arrivals: deque[tuple[float, dict[str, str]]] = deque(maxlen=SEEN_LIMIT)
         self.alive = False
         self._cluster = cluster
         self._stall = 0.0
@@ -455,7 +457,9 @@ class SimEngine:
         except orjson.JSONDecodeError as exc:
             self.requests_seen.append((request.path, _lower_headers(request), None))
             return _error(400, f"request body is not valid JSON: {exc}")
-        self.requests_seen.append((request.path, _lower_headers(request), body))
+        headers = _lower_headers(request)
+        self.requests_seen.append((request.path, headers, body))
+        self.arrivals.append((time.monotonic(), headers))  # the engine's own log of when work came
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object")
         model = body.get("model", self.spec.model)
