@@ -16,6 +16,7 @@ import logging
 import random
 import time
 from contextlib import AsyncExitStack
+from typing import Any
 
 import aiohttp
 
@@ -36,6 +37,7 @@ from router.control.discovery.static import StaticDiscovery
 from router.control.gate import Gate
 from router.control.groups import ControlSettings, GroupController
 from router.control.model import DiscoverySource
+from router.control.shared import SharedGateResults
 from router.extension import Producer
 from router.flow import RequestFlow
 from router.http.exchange import TwoLegExchange
@@ -214,11 +216,16 @@ class App:
         assert self._scraper is not None
         exchange = TwoLegExchange(session, cfg.proxy.connect_timeout_s, cfg.proxy.request_timeout_s)
         gate = Gate(gate_settings_from(cfg), self.pool, session, self._scraper, exchange)
+        shared = None
+        if cfg.index.redis is not None and cfg.gate.share_results:
+            shared = SharedGateResults(_redis_client(cfg.index.redis.url), cfg.index.redis.namespace)
+            self._stack.push_async_callback(shared.client.aclose)
         control = self.control = GroupController(
             self.pool,
             gate,
             ControlSettings(cfg.gate.retry_base_s, cfg.gate.retry_max_s, cfg.gate.drain_timeout_s),
             ControlMetrics(self.metrics.registry),
+            shared=shared,
         )
         self.metrics.registry.register(GroupCollector(control.counts, self.pool))
         self._stack.push_async_callback(control.stop)
@@ -239,12 +246,7 @@ class App:
         self._stack.push_async_callback(_cancel, control_loop)
 
     def _shared_index(self, cfg: RedisConfig, local: MemoryPrefixIndex) -> SharedPrefixIndex:
-        from redis.asyncio import Redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        # No client retries: every call has its own timeout and the index's probe does the retrying.
-        client = Redis.from_url(cfg.url, decode_responses=False, retry=Retry(NoBackoff(), 0))
+        client = _redis_client(cfg.url)
         pool = self.pool
 
         def slot_of(name: str) -> int | None:
@@ -316,6 +318,15 @@ class App:
                 await self.scrape_once()
             except Exception:  # a bug here must not stop scraping forever
                 log.exception("scrape round failed")
+
+
+def _redis_client(url: str) -> Any:
+    from redis.asyncio import Redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # No client retries: every call has its own timeout, and each user has its own fallback.
+    return Redis.from_url(url, decode_responses=False, retry=Retry(NoBackoff(), 0))
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

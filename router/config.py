@@ -229,6 +229,9 @@ class GateConfig(_Strict):
     initial_wait_s: NonNegative = Field(
         30.0, description="at start, how long to wait for the first gate round before listening"
     )
+    share_results: bool = Field(
+        True, description="with index.redis: replicas share gate results, one gate run (canary) per epoch"
+    )
 
     @field_validator("checks")
     @classmethod

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 from router.config import EndpointConfig
 from router.control.gate import CheckResult, Gate, GateFailed
 from router.control.model import GroupSpec
+from router.control.shared import SharedGateResults, SharedVerdict
 from router.pool import Pool
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class GroupRecord:
     drain_deadline: float | None = None
     drained: bool = False
     admin_drain: bool = False
+    regated_at: float | None = None  # wall clock of an admin re-gate: older shared verdicts are stale
     endpoint_ids: list[str] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
 
@@ -99,9 +101,12 @@ class GroupController:
         settings: ControlSettings = ControlSettings(),
         observer: ControlObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedGateResults | None = None,
     ) -> None:
+        """``shared``: gate results shared with other replicas (one gate run per epoch)."""
         self.pool = pool
         self.gate = gate
+        self.shared = shared
         self.settings = settings
         self.observer = observer
         self.clock = clock
@@ -222,6 +227,7 @@ class GroupController:
     def regate(self, key: str) -> None:
         """Run the gate again for the current epoch (the admin verb); revoked until it passes."""
         record = self.groups[key]
+        record.regated_at = time.time()
         if record.state in (GroupState.ADMITTED, GroupState.FAILED, GroupState.GATING):
             self._revoke(record, "re-gate")
             record.state = GroupState.DISCOVERED
@@ -274,7 +280,7 @@ class GroupController:
 
         spec = record.spec
         try:
-            await self.gate.run(spec, note)
+            await self._run_gate(record, spec, note)
         except GateFailed as exc:
             if record.epoch != epoch or self.groups.get(record.key) is not record:
                 return  # a newer epoch took over: this result means nothing
@@ -308,6 +314,46 @@ class GroupController:
         if self.observer is not None:
             self.observer.registered(now - record.discovered_at)
         self._log(record, f"admitted after {now - record.discovered_at:.2f}s")
+
+    async def _run_gate(
+        self, record: GroupRecord, spec: GroupSpec, note: Callable[[CheckResult], None]
+    ) -> None:
+        """The gate's checks, or another replica's verdict on this very epoch (``shared``)."""
+        shared = self.shared
+        if shared is None:
+            await self.gate.run(spec, note)
+            return
+        key, fingerprint = record.key, record.fingerprint
+        newer_than = record.regated_at or 0.0
+        verdict = await shared.get(key, fingerprint)
+        if verdict is not None and verdict.at < newer_than:
+            verdict = None  # re-gated since: that verdict is stale
+        if verdict is None and not await shared.claim(key, fingerprint):
+            verdict = await shared.wait(key, fingerprint, newer_than)
+        if verdict is not None:
+            record.checks = [
+                CheckResult(c["name"], c["ok"], c["seconds"], f"{c['detail']} (replica {verdict.by})")
+                for c in verdict.checks
+            ]
+            if not verdict.ok:
+                raise GateFailed(verdict.reason or "failed on another replica")
+            return
+        ran: list[CheckResult] = []
+
+        def both(result: CheckResult) -> None:
+            ran.append(result)
+            note(result)
+
+        def checks() -> list[dict[str, object]]:
+            return [{"name": c.name, "ok": c.ok, "seconds": c.seconds, "detail": c.detail} for c in ran]
+
+        try:
+            await self.gate.run(spec, both)
+        except GateFailed as exc:
+            verdict = SharedVerdict(False, str(exc), checks(), shared.replica, time.time())
+            await shared.put(key, fingerprint, verdict)
+            raise
+        await shared.put(key, fingerprint, SharedVerdict(True, None, checks(), shared.replica, time.time()))
 
     async def settle(self, timeout_s: float) -> None:
         """Wait until no group is gating (or the timeout): the first gate round at start."""
