@@ -227,7 +227,7 @@ class App:
             ControlMetrics(self.metrics.registry),
             shared=shared,
         )
-        self.metrics.registry.register(GroupCollector(control.counts, self.pool))
+        self.metrics.registry.register(GroupCollector(control.counts, control.endpoint_counts))
         self._stack.push_async_callback(control.stop)
         if self.discovery is None:
             self.discovery = await self._kubernetes()

@@ -139,11 +139,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"{args.config}: ok ({where}, model {config.model!r})")
         return 0
-    return run(serve(config))
+    return run(serve(config, args))
 
 
 def config_from(args: argparse.Namespace) -> PoolConfig:
     """The ``--config`` file with ``--set`` and the listener flags applied; raises ``ConfigError``."""
+    return load_config(args.config, config_overrides(args))
+
+
+def config_overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.set)
     if getattr(args, "host", None):
         overrides.append(f"proxy.host={args.host}")
@@ -155,8 +159,7 @@ def config_from(args: argparse.Namespace) -> PoolConfig:
         overrides.append(f"extproc.health_port={args.grpc_health_port}")
     if getattr(args, "metrics_port", None) is not None:
         overrides += ["metrics.enabled=true", f"metrics.port={args.metrics_port}"]
-    overrides += _kubernetes_overrides(args)
-    return load_config(args.config, overrides)
+    return overrides + _kubernetes_overrides(args)
 
 
 def _kubernetes_overrides(args: argparse.Namespace) -> list[str]:
@@ -177,11 +180,15 @@ def _kubernetes_overrides(args: argparse.Namespace) -> list[str]:
     return out
 
 
-async def serve(config: PoolConfig) -> int:
+async def serve(config: PoolConfig, args: argparse.Namespace | None = None) -> int:
     """Run until SIGTERM/SIGINT, then drain: not ready, stop accepting, finish streams, exit."""
     from router.app import App
+    from router.control.discovery.static import StaticDiscovery
 
-    return await until_signal(App(config))
+    discovery = None
+    if config.kubernetes is None and args is not None:  # the file's endpoints, re-read on change
+        discovery = StaticDiscovery(config.endpoints, path=args.config, overrides=config_overrides(args))
+    return await until_signal(App(config, discovery=discovery))
 
 
 def _run_sidecar(args: argparse.Namespace) -> int:

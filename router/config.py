@@ -49,6 +49,9 @@ class EndpointConfig(_Strict):
         None, description="ranks its group needs (default: the group's configured members)"
     )
     revision: str | None = Field(None, description="artifact revision; every rank of a group must agree")
+    incarnation: str | None = Field(
+        None, description="changes when the rank restarts (a new value starts a new group epoch)"
+    )
     serves: bool = Field(True, description="false for a worker rank that holds a rank but serves no HTTP")
 
     @field_validator("address")

@@ -35,7 +35,8 @@ def engine_model_for(time_model: TimeModel, kv_bytes_per_token: int) -> dict[str
 
 
 def specs_from(config: PoolConfig, time_model: TimeModel, num_gpu_blocks: int = 2048) -> list[EngineSpec]:
-    """One simulated engine per configured endpoint, on the endpoint's own port."""
+    """One simulated engine per serving endpoint, on the endpoint's own port (a worker-only rank,
+    ``serves: false``, holds a rank but no engine: the router never sends it anything)."""
     return [
         EngineSpec(
             name=endpoint.id,
@@ -50,4 +51,5 @@ def specs_from(config: PoolConfig, time_model: TimeModel, num_gpu_blocks: int = 
             kv_bytes_per_token=config.engine.kv_bytes_per_token,
         )
         for endpoint in config.endpoints
+        if endpoint.serves
     ]

@@ -284,6 +284,19 @@ class SimEngine:
         """Fault injection: delay the start of every response (including /metrics) by ``seconds``."""
         self._stall = max(0.0, seconds)
 
+    async def _fault(self, request: web.Request) -> web.Response:
+        """``POST /sim/fault?fail=500`` (or ``fail=off``) and ``?pull_broken=1`` (or ``0``)."""
+        query = request.query
+        try:
+            if "fail" in query:
+                self.set_failing(None if query["fail"] == "off" else int(query["fail"]))
+            if "pull_broken" in query:
+                self.set_pull_broken(query["pull_broken"] == "1")
+        except ValueError:
+            return _error(400, "fail must be an HTTP status or off; pull_broken 0 or 1")
+        state = {"failing": self._failing, "pull_broken": self._pull_broken}
+        return web.Response(body=orjson.dumps(state), content_type="application/json")
+
     def set_failing(self, status: int | None) -> None:
         """Fault injection: answer every completion with HTTP ``status`` (None: serve again), as an
         engine with bad weights or a broken runtime would; ``/metrics`` and ``/v1/models`` still work."""
@@ -305,6 +318,9 @@ class SimEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        # Fault injection over HTTP, so `pd-router sim` can play a failing canary or a one-way KV
+        # connector without a cluster (simulator only; a real engine has no such routes).
+        app.router.add_post("/sim/fault", self._fault)
         app.on_response_prepare.append(self._echo_request_id)
         # aiohttp already sets TCP_NODELAY on every accepted connection (BaseProtocol.connection_made),
         # so each SSE chunk leaves as its own segment without Nagle delay.

@@ -391,6 +391,25 @@ class GroupController:
                 out[(record.state.value, role)] = out.get((record.state.value, role), 0) + 1
         return out
 
+    def endpoint_counts(self) -> dict[tuple[str, str], int]:
+        """(role, stage) -> serving endpoints: ``discovered`` (in the pool), ``provisioned`` (its
+        group has every rank Ready), ``admitted`` (its current epoch passed the gate)."""
+        out: dict[tuple[str, str], int] = {}
+        pool = self.pool
+        for record in self.groups.values():
+            for endpoint_id in record.endpoint_ids:
+                endpoint = pool.endpoints.get(endpoint_id)
+                if endpoint is None:
+                    continue
+                stages = ["discovered"]
+                if record.spec.complete:
+                    stages.append("provisioned")
+                if pool.admitted[endpoint.slot]:
+                    stages.append("admitted")
+                for stage in stages:
+                    out[(endpoint.role, stage)] = out.get((endpoint.role, stage), 0) + 1
+        return out
+
     def view(self) -> dict[str, Any]:
         """The read-only debug view (``GET /debug/pool``)."""
         now = self.clock()

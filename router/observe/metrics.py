@@ -123,11 +123,15 @@ class ControlMetrics:
 
 
 class GroupCollector:
-    """Groups by state and role, and endpoints discovered vs admitted per role, at scrape time."""
+    """Groups by state and role, and serving endpoints per role and stage, at scrape time."""
 
-    def __init__(self, counts: Callable[[], dict[tuple[str, str], int]], pool: Pool) -> None:
-        self.counts = counts
-        self.pool = pool
+    def __init__(
+        self,
+        groups: Callable[[], dict[tuple[str, str], int]],
+        endpoints: Callable[[], dict[tuple[str, str], int]],
+    ) -> None:
+        self.groups = groups
+        self.endpoints = endpoints
 
     def describe(self) -> list[Metric]:
         return []
@@ -136,19 +140,19 @@ class GroupCollector:
         groups = GaugeMetricFamily(
             "pd_router_groups", "Groups by admission state and serving role.", labels=["state", "role"]
         )
-        for (state, role), n in sorted(self.counts().items()):
+        for (state, role), n in sorted(self.groups().items()):
             groups.add_metric([state, role], float(n))
         yield groups
         endpoints = GaugeMetricFamily(
             "pd_router_endpoints",
-            "Serving endpoints by role: discovered (in the pool) and admitted (gate passed, current epoch).",
-            labels=["role", "state"],
+            "Serving endpoints by role and stage: discovered, provisioned (every rank of the group "
+            "Ready), admitted (the group's current epoch passed the gate).",
+            labels=["role", "stage"],
         )
-        pool = self.pool
+        counts = self.endpoints()
         for role in ("prefill", "decode", "prefill-decode"):
-            slots = [e.slot for e in pool.endpoints.values() if e.role == role]
-            endpoints.add_metric([role, "discovered"], float(len(slots)))
-            endpoints.add_metric([role, "admitted"], float(pool.admitted[slots].sum()) if slots else 0.0)
+            for stage in ("discovered", "provisioned", "admitted"):
+                endpoints.add_metric([role, stage], float(counts.get((role, stage), 0)))
         yield endpoints
 
 

@@ -110,6 +110,8 @@ async def test_a_failing_canary_fails_the_gate_until_the_engine_recovers() -> No
             async with aiohttp.ClientSession() as http, http.get(url) as resp:
                 text = await resp.text()
     assert 'pd_router_gate_failures_total{check="canary"}' in text
+    for stage in ("discovered", "provisioned", "admitted"):
+        assert f'pd_router_endpoints{{role="prefill-decode",stage="{stage}"}} 2.0' in text
     assert "pd_router_group_registration_seconds_count" in text
 
 

@@ -1,0 +1,73 @@
+"""Playing group events without a cluster: the static file re-read on change (a late rank, a
+restart, a new revision) and the simulator's fault routes (a failing canary)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import yaml
+from helpers import eventually
+
+from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from router.app import App
+from router.config import load_config
+from router.control.discovery.static import StaticDiscovery
+
+
+def write(path: Path, endpoints: list[dict]) -> None:
+    data = {
+        "model": "sim-model",
+        "endpoints": endpoints,
+        "proxy": {"port": 0},
+        "scrape": {"interval_ms": 50, "stale_after_ms": 1000},
+        "gate": {
+            "checks": ["ranks", "revision", "kv_capacity", "canary"],
+            "canary_min_interval_s": 0,
+            "retry_base_s": 0.05,
+        },
+    }
+    path.write_text(yaml.safe_dump(data))
+
+
+async def test_the_static_file_plays_a_late_rank_a_restart_a_revision_and_a_failing_canary(
+    tmp_path: Path,
+) -> None:
+    specs = [EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20.0))]
+    async with SimCluster(specs) as cluster:
+        e0 = cluster.address("e0")
+        leader = {"address": e0, "name": "e0", "group": "tp", "rank": 0, "group_size": 2, "revision": "a"}
+        worker = {
+            "address": "127.0.0.1:9",
+            "name": "e0-w",
+            "group": "tp",
+            "rank": 1,
+            "serves": False,
+            "revision": "a",
+        }
+        path = tmp_path / "pool.yaml"
+        write(path, [leader])
+        config = load_config(path)
+        source = StaticDiscovery(config.endpoints, path=path, poll_s=0.02)
+        async with App(config, discovery=source) as app:
+            group = app.control.groups["tp"]
+            assert group.state.value == "discovered"  # one rank of two: waits at the barrier
+            write(path, [leader, worker])  # the late rank
+            await eventually(lambda: group.state.value == "admitted", 5, "admitted once complete")
+            write(path, [leader, {**worker, "incarnation": "2"}])  # the worker restarted
+            await eventually(lambda: group.epoch == 2 and group.state.value == "admitted", 5, "new epoch")
+            write(path, [leader, {**worker, "incarnation": "2", "revision": "b"}])  # a bad rollout
+            await eventually(lambda: group.state.value == "failed", 5, "revision mismatch")
+            assert "rank 0 has a, rank 1 has b" in group.reason
+            path.write_text("model: [not valid")  # a broken edit is ignored
+            write(path, [leader, {**worker, "incarnation": "2"}])
+            await eventually(lambda: group.state.value == "admitted", 5, "rolled back")
+            async with aiohttp.ClientSession() as http:
+                async with http.post(f"http://{e0}/sim/fault?fail=500") as resp:
+                    assert resp.status == 200
+                app.control.regate("tp")
+                await eventually(lambda: group.state.value == "failed", 5, "the canary fails")
+                assert "HTTP 500" in group.reason
+                async with http.post(f"http://{e0}/sim/fault?fail=off") as resp:
+                    assert resp.status == 200
+            await eventually(lambda: group.state.value == "admitted", 5, "recovered")
