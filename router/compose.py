@@ -20,12 +20,22 @@ from scorers.link import LinkCosts
 from scorers.pair_pickers import POLICIES
 from scorers.registry import load_term
 
+# A file's endpoints are what the operator wrote: cheap checks. A cluster's pods come and go with
+# rollouts, so their weights and connectors are proven before traffic.
+STATIC_CHECKS = ("ranks", "revision", "kv_capacity")
+KUBERNETES_CHECKS = ("ranks", "revision", "model", "kv_capacity", "canary", "canary_pair")
+
 
 def gate_settings_from(config: PoolConfig) -> GateSettings:
     gate = config.gate
+    checks = (
+        gate.checks
+        if gate.checks is not None
+        else (KUBERNETES_CHECKS if config.kubernetes is not None else STATIC_CHECKS)
+    )
     return GateSettings(
         model=config.model,
-        checks=tuple(gate.checks),
+        checks=tuple(checks),
         check_timeout_s=gate.check_timeout_s,
         canary_max_tokens=gate.canary_max_tokens,
         canary_min_interval_s=gate.canary_min_interval_s,

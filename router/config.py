@@ -217,9 +217,10 @@ GateCheck = Literal["ranks", "revision", "model", "kv_capacity", "canary", "cana
 class GateConfig(_Strict):
     """The ready gate every group's epoch passes before any of its endpoints gets traffic."""
 
-    checks: list[GateCheck] = Field(
-        ["ranks", "revision", "kv_capacity"],
-        description="run in this order; add model, canary, canary_pair (P/D), kv_events (precise mode)",
+    checks: list[GateCheck] | None = Field(
+        None,
+        description="run in this order; default: ranks, revision, kv_capacity for a static file, and "
+        "ranks, revision, model, kv_capacity, canary, canary_pair on Kubernetes (kv_events: precise mode)",
     )
     check_timeout_s: Positive = 10.0
     canary_max_tokens: Annotated[int, Field(ge=1, le=2)] = 1
@@ -238,8 +239,8 @@ class GateConfig(_Strict):
 
     @field_validator("checks")
     @classmethod
-    def _unique(cls, checks: list[str]) -> list[str]:
-        if len(set(checks)) != len(checks):
+    def _unique(cls, checks: list[str] | None) -> list[str] | None:
+        if checks is not None and len(set(checks)) != len(checks):
             raise ValueError("each check at most once")
         return checks
 

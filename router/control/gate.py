@@ -9,7 +9,7 @@ ever talk to the addresses discovery reported for the group being gated.
 * ``model`` — ``GET /v1/models`` on every serving address lists the pool's model.
 * ``kv_capacity`` — ``/metrics`` scrapes and reports a KV capacity (``vllm:cache_config_info``).
 * ``canary`` — a minimal completion (``max_tokens`` ≤ 2) on the group's serving address; at most
-  one per group per ``canary_min_interval_s``.
+  one per group epoch per ``canary_min_interval_s`` (a new epoch's first canary is not held back).
 * ``canary_pair`` — for P/D, the real prefill → decode exchange (``kv_transfer_params``) with one
   admitted peer of the other role: a KV connector that only works one way fails. A decode group
   without an admitted prefill peer skips it (it can serve alone); a prefill group waits for an
@@ -75,7 +75,7 @@ class Gate:
         self.scraper = scraper
         self.exchange = exchange
         self.clock = clock
-        self._last_canary: dict[str, float] = {}
+        self._last_canary: dict[str, tuple[float, bool]] = {}  # key -> (when, passed)
         self._checks: dict[str, Callable[[GroupSpec], Awaitable[str]]] = {
             "ranks": self._ranks,
             "revision": self._revision,
@@ -156,7 +156,9 @@ class Gate:
 
     async def _canary(self, group: GroupSpec) -> str:
         address = _serving(group)[0]
-        await self._pace(group.key)
+        recent = await self._pace(group, "canary")
+        if recent is not None:
+            return recent
         body = {"model": self.settings.model, "prompt": "ping", "max_tokens": self.settings.canary_max_tokens}
         headers = {"content-type": "application/json", CANARY_HEADER: "1"}
         try:
@@ -171,6 +173,7 @@ class Gate:
             raise GateFailed(f"canary to {address} answered HTTP {status}")
         if not _has_choices(payload):
             raise GateFailed(f"canary to {address} answered without choices")
+        self._passed(group, "canary")
         return f"completion from {address}"
 
     async def _canary_pair(self, group: GroupSpec) -> str:
@@ -187,7 +190,9 @@ class Gate:
                 raise GateFailed("no admitted decode peer to run the pair canary with yet")
             return "no admitted prefill peer yet: skipped"
         prefill, decode = (address, peer) if own == "prefill" else (peer, address)
-        await self._pace(group.key)
+        recent = await self._pace(group, "canary_pair")
+        if recent is not None:
+            return recent
         body: dict[str, Any] = {
             "model": self.settings.model,
             "prompt": "ping",
@@ -201,6 +206,7 @@ class Gate:
             raise GateFailed(f"pair {prefill} -> {decode}: {exc.reason}") from None
         if not _has_choices(answer):
             raise GateFailed(f"pair {prefill} -> {decode}: the decode leg answered without choices")
+        self._passed(group, "canary_pair")
         return f"pair {prefill} -> {decode}"
 
     async def _kv_events(self, group: GroupSpec) -> str:
@@ -210,17 +216,29 @@ class Gate:
         return "KV-event streams complete"
 
     # -- helpers ----------------------------------------------------------------------------------
-    async def _pace(self, key: str) -> None:
-        """At most one canary per group per interval: wait for the next slot, within the timeout."""
+    async def _pace(self, group: GroupSpec, kind: str) -> str | None:
+        """At most one canary of a kind per group epoch per interval. A pass within the interval
+        stands in for a new one (a rank that flapped Ready is not kept out); after a failure, wait
+        for the slot within the timeout. A new epoch's first canary goes at once."""
+        key = f"{kind}\0{group.key}\0{group.fingerprint()}"
         now = self.clock()
         last = self._last_canary.get(key)
         interval = self.settings.canary_min_interval_s
-        if last is not None and now - last < interval:
-            wait = interval - (now - last)
+        if last is not None and now - last[0] < interval:
+            if last[1]:
+                return f"passed {now - last[0]:.1f}s ago for this epoch"
+            wait = interval - (now - last[0])
             if wait > self.settings.check_timeout_s:
                 raise GateFailed(f"canary rate limit: the next canary for this group in {wait:.0f}s")
             await asyncio.sleep(wait)
-        self._last_canary[key] = self.clock()
+        self._last_canary[key] = (self.clock(), False)
+        if len(self._last_canary) > 4096:  # one entry per epoch ever seen: forget the old ones
+            horizon = self.clock() - interval
+            self._last_canary = {k: v for k, v in self._last_canary.items() if v[0] >= horizon}
+        return None
+
+    def _passed(self, group: GroupSpec, kind: str) -> None:
+        self._last_canary[f"{kind}\0{group.key}\0{group.fingerprint()}"] = (self.clock(), True)
 
     def _admitted_peer(self, role: str, exclude: str) -> str | None:
         pool = self.pool
