@@ -471,6 +471,7 @@ class ExtProcListener:
             max_message_bytes=max_message,
         )
         health_server = H2GrpcServer(health.methods())
+        health.set_ready(False)  # alive (liveness SERVING), not ready until the App says so
         try:
             self.port = await server.start(cfg.host, cfg.port)
             self._servers.append((server, cfg.grace_s))

@@ -152,6 +152,11 @@ class Gate:
             if not capacity:
                 raise GateFailed(f"{address} reports no KV capacity (vllm:cache_config_info num_gpu_blocks)")
             capacities.append(f"{capacity:.0f}")
+            # Fresh metrics: once admitted, the endpoint is a candidate at once, not a scrape later.
+            slot = self.pool.slot_by_address.get(address)
+            endpoint = None if slot is None else self.pool.by_slot[slot]
+            if endpoint is not None:
+                self.pool.apply_metrics(endpoint, metrics, time.monotonic())
         return "KV tokens " + ", ".join(capacities)
 
     async def _canary(self, group: GroupSpec) -> str:

@@ -178,3 +178,27 @@ async def test_without_admin_there_is_no_admin_api() -> None:
             async with aiohttp.ClientSession() as http, http.post(url) as resp:
                 assert resp.status in (404, 405)
             assert app.control.groups["e0"].state.value == "admitted"
+
+
+async def test_a_draining_group_finishes_its_stream_and_gets_nothing_new() -> None:
+    specs = [EngineSpec(n, "prefill-decode", time=TimeModel(speed=1.0)) for n in ("e0", "e1")]
+    async with SimCluster(specs) as cluster:
+        eps = endpoints(cluster, {"name": "e0"}, {"name": "e1"})
+        async with router_for({"endpoints": eps, **SECTIONS}) as (app, base), aiohttp.ClientSession() as http:
+            body = {"model": "sim-model", "prompt": "a long answer " * 20, "max_tokens": 150, "stream": True}
+            async with http.post(f"{base}/v1/completions", json=body) as stream:
+                assert stream.status == 200
+                serving = stream.headers["x-pd-router-decode"]
+                other = "e1" if serving == "e0" else "e0"
+                first = await stream.content.readline()  # the stream is under way
+                assert first.startswith(b"data: ")
+                app.control.drain(serving)  # e.g. the autoscaler scales this replica down
+                record = app.control.groups[serving]
+                before = traffic(cluster, serving)
+                assert set(await send(base, 6)) == {200}
+                assert traffic(cluster, serving) == before  # nothing new while draining
+                assert not record.drained  # the long decode still runs there
+                rest = await stream.read()
+            assert rest.rstrip().endswith(b"data: [DONE]")  # the stream was not cut
+            await eventually(lambda: record.drained, 5, "drained once the stream ended")
+            assert traffic(cluster, other) >= 6

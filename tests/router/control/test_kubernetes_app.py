@@ -91,3 +91,31 @@ async def test_traffic_follows_the_admitted_epoch_of_a_kubernetes_group() -> Non
         kube.put("pods", lws("g1-0", 0, deleting=True))  # scale-down: the leader is being deleted
         await eventually(lambda: app.control.groups["g1"].state.value == "draining", 5, "draining")
         assert set(await statuses(base)) == {503} and served(cluster) == 8
+
+
+async def test_not_ready_until_the_pool_has_been_read_once() -> None:
+    from grpc_health.v1 import health_pb2
+
+    serving_status = health_pb2.HealthCheckResponse.SERVING
+
+    spec = EngineSpec("e0", "prefill-decode", time=FAST)
+    async with serving() as kube, SimCluster([spec]) as cluster:
+        port = int(cluster.address("e0").rsplit(":", 1)[1])
+        config = parse_config(
+            {
+                "model": "sim-model",
+                "kubernetes": {"namespace": NS, "pool_name": "qwen"},
+                "proxy": {"port": 0},
+                "extproc": {"enabled": True, "port": 0, "health_port": 0},
+                "gate": {"initial_wait_s": 0.3},
+            }
+        )
+        source = KubernetesDiscovery(kube.client(), NS, pool_name="qwen", backoff_initial_s=0.01)
+        async with App(config, discovery=source) as app:  # the InferencePool does not exist yet
+            assert not app.ready
+            assert app.health.statuses["readiness"] != serving_status
+            kube.put("pools", pool("qwen", ports=(port,)))
+            kube.put("pods", pod("solo", "127.0.0.1"))
+            await eventually(lambda: app.ready, 5, "ready once the pool was read")
+            assert app.health.statuses["readiness"] == serving_status
+            assert set(await statuses(f"http://127.0.0.1:{app.proxy_port}", 2)) == {200}
