@@ -128,15 +128,7 @@ class Gate:
     async def _model(self, group: GroupSpec) -> str:
         model = self.settings.model
         for address in _serving(group):
-            try:
-                async with self.session.get(f"http://{address}/v1/models") as resp:
-                    payload = await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, OSError) as exc:
-                raise GateFailed(f"{address}/v1/models failed: {type(exc).__name__}") from None
-            if status != 200:
-                raise GateFailed(f"{address}/v1/models answered HTTP {status}")
-            ids = _model_ids(payload)
+            ids = _model_ids(await self._request("GET", address, "/v1/models", f"{address}/v1/models"))
             if model not in ids:
                 raise GateFailed(f"{address} serves {sorted(ids)[:4]}, not {model!r}")
         return f"serves {model!r}"
@@ -166,16 +158,8 @@ class Gate:
             return recent
         body = {"model": self.settings.model, "prompt": "ping", "max_tokens": self.settings.canary_max_tokens}
         headers = {"content-type": "application/json", CANARY_HEADER: "1"}
-        try:
-            async with self.session.post(
-                f"http://{address}/v1/completions", data=orjson.dumps(body), headers=headers
-            ) as resp:
-                payload = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, OSError) as exc:
-            raise GateFailed(f"canary to {address} failed: {type(exc).__name__}") from None
-        if status != 200:
-            raise GateFailed(f"canary to {address} answered HTTP {status}")
+        what = f"canary to {address}"
+        payload = await self._request("POST", address, "/v1/completions", what, orjson.dumps(body), headers)
         if not _has_choices(payload):
             raise GateFailed(f"canary to {address} answered without choices")
         self._passed(group, "canary")
@@ -221,6 +205,28 @@ class Gate:
         return "KV-event streams complete"
 
     # -- helpers ----------------------------------------------------------------------------------
+    async def _request(
+        self,
+        method: str,
+        address: str,
+        path: str,
+        what: str,
+        data: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> bytes:
+        """One request to a group's own address; anything but a 200 is a ``GateFailed`` naming ``what``."""
+        try:
+            async with self.session.request(
+                method, f"http://{address}{path}", data=data, headers=headers
+            ) as resp:
+                payload = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, OSError) as exc:
+            raise GateFailed(f"{what} failed: {type(exc).__name__}") from None
+        if status != 200:
+            raise GateFailed(f"{what} answered HTTP {status}")
+        return payload
+
     async def _pace(self, group: GroupSpec, kind: str) -> str | None:
         """At most one canary of a kind per group epoch per interval. A pass within the interval
         stands in for a new one (a rank that flapped Ready is not kept out); after a failure, wait

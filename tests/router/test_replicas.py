@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -15,14 +14,6 @@ from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 pytestmark = pytest.mark.integration
 
 PROMPT = "a long shared system prompt about routing " * 40
-
-
-@pytest.fixture
-def redis(tmp_path: Path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def _sections(cluster: SimCluster, redis: RedisServer) -> dict:

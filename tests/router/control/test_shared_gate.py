@@ -4,7 +4,6 @@ epoch, not per replica, and both admit the same groups; without Redis each gates
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import pytest
 from helpers import eventually, router_for
@@ -14,14 +13,6 @@ from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.gate import CANARY_HEADER
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def redis(tmp_path: Path):
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.kill()
 
 
 def canaries(cluster: SimCluster, name: str) -> int:
