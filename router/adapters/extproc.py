@@ -18,6 +18,9 @@ Body modes, detected from the first message's ``protocol_config``:
   body is complete, then the body goes back as ``streamed_response`` chunks of ≤ 62,000 bytes.
 * ``BUFFERED`` (and ``BUFFERED_PARTIAL``): headers answered at once; Envoy sends the buffered body
   as one message (``end_of_stream`` is false when trailers follow) and routing rides on its answer.
+* ``NONE`` and ``STREAMED``: Envoy picks the upstream before the picker could see the body, so the
+  request is routed on its headers (one pod, load only, no prefix locality), every body chunk
+  passes through unanswered-for, and a warning says which mode to use instead.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from envoy.config.core.v3 import base_pb2
@@ -55,6 +58,7 @@ _Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
 BUFFERED = _Mode.BUFFERED
 _WHOLE_BODY_MODES = (_Mode.BUFFERED, _Mode.BUFFERED_PARTIAL)
+_HEADER_ROUTED_MODES = (_Mode.NONE, _Mode.STREAMED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,7 @@ class ExtProcSettings:
     # Without response processing the stream closes once routed; the reservation then lapses
     # after the predicted duration of the request (capped), since no end-of-response will come.
     max_unobserved_s: float = 600.0
+    warned_modes: set[int] = field(default_factory=set)  # body modes already warned about
 
 
 class ExtProcStream:
@@ -85,6 +90,7 @@ class ExtProcStream:
         self.body_done = False  # the request body is complete (end_of_stream, trailers, or buffered)
         self.trailers = False
         self.engine_response = False
+        self.routed_on_headers = False  # NONE/STREAMED body modes: the body never decides anything
         self.finished = False  # True once we want the stream closed (answered everything we will)
 
     @property
@@ -96,7 +102,9 @@ class ExtProcStream:
         kind = message.WhichOneof("request")
         if self.mode is None:
             self.mode = _body_mode(message)
-            self.response_mode = message.protocol_config.response_body_mode
+            # Without protocol_config (older Envoy) both directions are the InferencePool's mode.
+            has_config = message.HasField("protocol_config")
+            self.response_mode = message.protocol_config.response_body_mode if has_config else FULL_DUPLEX
         if self.flight is None and kind != "request_headers":
             self.flight = self.flow.start({})  # out of order, but a body still parses on its own
         if kind == "request_headers":
@@ -148,11 +156,18 @@ class ExtProcStream:
         if message.request_headers.end_of_stream:
             self.flight.headers_only(self.subset)
             return self._route()
+        if self.mode in _HEADER_ROUTED_MODES:
+            _warn_header_routing(self.mode, self.settings.warned_modes)
+            self.routed_on_headers = True
+            self.flight.headers_only(self.subset)
+            return self._route()
         if self.mode in _WHOLE_BODY_MODES:
             return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
         return []  # FULL_DUPLEX: answer once the body is known
 
     def _on_request_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if self.routed_on_headers:  # STREAMED: each chunk is answered, unchanged
+            return [] if self.finished else [pb.ProcessingResponse(request_body=pb.BodyResponse())]
         if self.body_done or self.finished:
             return []
         self.body += body.body
@@ -168,7 +183,9 @@ class ExtProcStream:
         self.trailers = True
         if self.finished:
             return []
-        if self.body_done:  # routed on the buffered body already: just let the trailers through
+        if (
+            self.body_done or self.routed_on_headers
+        ):  # routed on the buffered body already: just let the trailers through
             return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         return self._on_body_complete()
 
@@ -254,7 +271,7 @@ class ExtProcStream:
     def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.flight is not None:
             self.flight.prefill_done()  # the first byte: prefill is over
-        if self.mode != FULL_DUPLEX:
+        if self.response_mode != FULL_DUPLEX:  # the response's own mode, not the request's
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if body.end_of_stream and self.flight is not None:
             self.flight.close()
@@ -363,6 +380,18 @@ class ExtProcCall:
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+def _warn_header_routing(mode: int, warned: set[int]) -> None:
+    # Once per mode and listener: a configuration choice, not a per-request event.
+    if mode not in warned:
+        warned.add(mode)
+        log.warning(
+            "ext_proc request_body_mode %s: Envoy picks the upstream before the body is seen, so "
+            "requests are routed on their headers only (no prefix locality, no P/D pair); use "
+            "FULL_DUPLEX_STREAMED (the InferencePool protocol) or BUFFERED",
+            _Mode.BodySendMode.Name(mode),
+        )
+
+
 def _body_mode(message: pb.ProcessingRequest) -> int:
     if message.HasField("protocol_config"):
         return message.protocol_config.request_body_mode

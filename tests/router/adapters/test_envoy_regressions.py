@@ -189,6 +189,7 @@ async def gateway(
     *,
     attributes: bool = True,
     request_trailer_mode: str | None = None,
+    request_body_mode: str | None = None,
     message_timeout: str | None = None,
     **sections: Any,
 ) -> AsyncIterator[Gateway]:
@@ -211,6 +212,8 @@ async def gateway(
             del ext_proc["response_attributes"]
         if request_trailer_mode is not None:
             ext_proc["processing_mode"]["request_trailer_mode"] = request_trailer_mode
+        if request_body_mode is not None:
+            ext_proc["processing_mode"]["request_body_mode"] = request_body_mode
         if message_timeout is not None:
             ext_proc["message_timeout"] = message_timeout
         async with run_envoy(config, tmp_path, admin):
@@ -369,3 +372,32 @@ async def test_header_only_get_without_local_prefill_goes_to_a_decode_pod_withou
                 return await gw.outstanding() == 0
 
             await eventually(released, what="the GET's reservation released")
+
+
+@pytest.mark.parametrize("body_mode", ["NONE", "STREAMED"])
+async def test_body_modes_that_cannot_route_on_the_body_are_routed_on_headers(
+    tmp_path: Path, body_mode: str
+) -> None:
+    # Configurations we did not write: Envoy picks the upstream before any body is seen. The
+    # picker routes on the headers (one pod, no prompt) instead of leaving Envoy to time out.
+    async with (
+        engines(("e0", 200), ("e1", 200)) as pool,
+        gateway(
+            tmp_path,
+            "full-duplex",
+            [{"address": e.address, "name": name} for name, e in pool.items()],
+            request_body_mode=body_mode,
+            message_timeout="2s",
+        ) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        for _ in range(4):
+            headers = {"content-type": "application/json"}
+            async with http.post(f"{gw.url}/v1/completions", data=completion_body(), headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+        seen = [len(e.requests("/v1/completions")) for e in pool.values()]
+        assert sum(seen) == 4
+        stats = await gw.extproc_stats()
+        watched = ("message_timeouts", "failure_mode_allowed", "spurious_msgs_received")
+        assert {name: stats.get(name, 0) for name in watched} == dict.fromkeys(watched, 0), stats
+        await eventually(lambda: gw.app.pool.outstanding == 0, what="released")

@@ -48,8 +48,11 @@ def headers(
     *,
     eos: bool = False,
     mode: int | None = Mode.FULL_DUPLEX_STREAMED,
+    response_mode: int | None = None,
     subset: list[str] | str | None = None,
 ) -> pb.ProcessingRequest:
+    """The first message as Envoy sends it; ``response_mode`` defaults to ``mode`` (as the example
+    configs set both)."""
     values = {":method": "POST" if not eos else "GET", ":path": "/v1/completions", "x-request-id": "r1"}
     values.update(extra or {})
     message = pb.ProcessingRequest(
@@ -62,6 +65,7 @@ def headers(
     )
     if mode is not None:
         message.protocol_config.request_body_mode = mode
+        message.protocol_config.response_body_mode = mode if response_mode is None else response_mode
     if subset is not None:
         hint = struct_pb2.Struct()
         hint.update({"x-gateway-destination-endpoint-subset": subset})
@@ -258,7 +262,7 @@ def test_cancelled_stream_releases_the_reservation() -> None:
 def test_without_response_processing_the_stream_ends_after_routing_and_the_charge_lapses() -> None:
     timers = []
     stream, pool = make_stream(response_processing=False, later=lambda delay, fn: timers.append((delay, fn)))
-    stream.on_message(headers())
+    stream.on_message(headers(response_mode=Mode.NONE))  # Envoy sends no response to the picker
     out = stream.on_message(body(BODY, eos=True))
     assert out and stream.finished
     stream.close()
@@ -415,3 +419,16 @@ def test_a_stream_that_starts_without_request_headers_is_answered_not_crashed(fi
         assert out.HasField("response_body")
     stream.close()
     assert pool.outstanding == 0
+
+
+def test_the_response_is_answered_in_its_own_body_mode_not_the_requests() -> None:
+    # A BUFFERED request with a FULL_DUPLEX_STREAMED response: each response chunk must come back
+    # as a streamed_response (a plain BodyResponse would be a spurious message to Envoy).
+    stream, pool = make_stream()
+    stream.on_message(headers(mode=Mode.BUFFERED, response_mode=Mode.FULL_DUPLEX_STREAMED))
+    stream.on_message(body(BODY, eos=True))
+    (echo,) = stream.on_message(
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x", end_of_stream=True))
+    )
+    assert echo.response_body.response.body_mutation.streamed_response.body == b"x"
+    assert pool.outstanding == 0  # the end of the streamed response released it
