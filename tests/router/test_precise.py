@@ -184,3 +184,21 @@ async def test_the_router_hashes_chat_requests_through_the_template_and_only_the
     rendered = ChatTemplate(template_path).render(CHAT * 8)
     assert route.precise_keys is not None and len(route.precise_keys) > 2
     assert np.array_equal(route.precise_keys, app.precise_keys.chat_tokenizer.block_keys_sync(rendered))
+
+
+async def test_the_gate_waits_for_a_complete_kv_event_stream(tmp_path: Path) -> None:
+    tokenizer, specs = await _precise_gateway(tmp_path, ["e0"])
+    async with SimCluster(specs) as cluster:
+        sections = _sections(cluster, tokenizer)
+        sections["gate"] = {
+            "checks": ["ranks", "kv_capacity", "kv_events"],
+            "check_timeout_s": 5,
+            "initial_wait_s": 0.2,
+        }
+        async with router_for(sections) as (app, _):
+            group = app.control.groups["e0"]
+            assert group.state.value == "gating"  # admitted only once its events are known
+            assert not app.pool.admitted[app.pool.endpoints["e0"].slot]
+            await _until_covered(app, cluster)
+            await eventually(lambda: group.state.value == "admitted", 5, "admitted once covered")
+            assert group.checks[-1].name == "kv_events" and group.checks[-1].ok
