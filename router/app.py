@@ -53,6 +53,7 @@ from router.observe.metrics import (
 from router.observe.scrape import ScrapeError, Scraper
 from router.pool import Pool
 from router.producers import PreciseKeys, SharedLookup
+from router.signals.pool import SignalsCollector
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class App:
             producers.append(SharedLookup(self.shared, self.pool))
         self.picker = picker_from(config, self.pool, self.index, precise=self.precise_index, seed=seed)
         self.metrics = RouterMetrics(self.pool, pool_name)
+        self.metrics.registry.register(SignalsCollector(self.pool, pool_name))
         self.flow = RequestFlow(self.picker, self.metrics, config.request_limits(), config.model, producers)
         self.health = HealthState()
         self.ready = False

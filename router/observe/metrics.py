@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -172,25 +171,6 @@ class _PoolCollector:
         yield _gauge(
             "pd_router_outstanding_reservations", "Requests routed and not yet released.", pool.outstanding
         )
-        yield _gauge(
-            "llm_d_epp_ready_endpoints",
-            "Endpoints that may take traffic (admitted, fresh metrics).",
-            len(ready),
-            name=self.pool_name,
-        )
-        if len(ready):
-            yield _gauge(
-                "llm_d_epp_average_queue_size",
-                "Mean scraped waiting requests over ready endpoints.",
-                float(np.nanmean(pool.waiting[ready])) if np.isfinite(pool.waiting[ready]).any() else 0.0,
-                name=self.pool_name,
-            )
-            yield _gauge(
-                "llm_d_epp_average_kv_cache_utilization",
-                "Mean scraped KV-cache usage (0..1) over ready endpoints.",
-                float(np.nanmean(pool.kv_usage[ready])) if np.isfinite(pool.kv_usage[ready]).any() else 0.0,
-                name=self.pool_name,
-            )
         per_endpoint = {
             "pd_router_endpoint_queued_prefill_tokens": (
                 "Uncached prompt tokens we routed, not yet prefilled.",

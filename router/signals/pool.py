@@ -1,0 +1,198 @@
+"""Pool-level saturation signals per role, computed from the pool's arrays when Prometheus scrapes.
+
+The *stages* are the roles as autoscalers see them: ``prefill`` (pods that compute prompts:
+``prefill`` and ``prefill-decode``) and ``decode`` (``decode`` and ``prefill-decode``); a
+``prefill-decode`` pod counts in both. Only admitted endpoints count; a stage is computed over its
+*fresh* endpoints (metrics younger than the staleness threshold).
+
+* **Saturation** per endpoint is ``max(waiting / queue_threshold, kv_usage / kv_threshold)``
+  (defaults 5 and 0.8, as the reference picker's utilization detector); an endpoint whose metrics
+  are stale or unknown scores 1.0 (fail closed). A stage's saturation is the mean over its
+  admitted endpoints, an empty stage reads 1.0, nothing is clamped, and ``effective`` is the max of
+  the stages. Exported under llm-d's and the Inference Extension's names so existing alerts and
+  ScaledObjects keep working.
+* **Per-role load**: queued uncached prompt tokens (ours, or scraped waiting × typical prompt,
+  whichever is larger), running and waiting requests, KV usage (mean, max, sample std-dev).
+* **Pool averages** under both families (``llm_d_epp_*`` and ``inference_pool_*``): means over
+  fresh endpoints of KV usage, waiting (queue) and running requests, their std-devs, the number of
+  fresh endpoints, and the per-endpoint queue size.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from router.pool import Pool
+
+STAGES = ("prefill", "decode")
+
+
+@dataclass(frozen=True, slots=True)
+class SaturationSettings:
+    queue_threshold: float = 5.0  # waiting requests at which an endpoint counts as saturated
+    kv_threshold: float = 0.8  # KV usage at which an endpoint counts as saturated
+
+
+@dataclass(frozen=True, slots=True)
+class StageSignals:
+    """One stage (role) at one instant."""
+
+    endpoints: int  # admitted
+    fresh: int  # admitted with fresh metrics
+    saturation: float  # mean of the per-endpoint scores; 1.0 when empty
+    queued_prompt_tokens: float
+    running: float
+    waiting: float
+    kv_mean: float
+    kv_max: float
+    kv_stddev: float
+
+
+def endpoint_saturation(
+    pool: Pool, slots: np.ndarray, fresh: np.ndarray, s: SaturationSettings
+) -> np.ndarray:
+    """Per endpoint of ``slots``: the utilization score, 1.0 where stale or unknown (fail closed)."""
+    waiting = pool.waiting[slots]
+    kv = pool.kv_usage[slots]
+    score = np.maximum(waiting / s.queue_threshold, kv / s.kv_threshold)
+    return np.where(fresh & np.isfinite(score), score, 1.0)
+
+
+def stage_signals(pool: Pool, stage: str, s: SaturationSettings, now: float) -> StageSignals:
+    role_mask = pool.can_prefill if stage == "prefill" else pool.can_decode
+    slots = np.flatnonzero(pool.in_use & pool.admitted & ~pool.ejected & role_mask)
+    fresh = pool.scraped[slots] & ((now - pool.last_scrape_ok[slots]) <= pool.stale_after_s)
+    scores = endpoint_saturation(pool, slots, fresh, s)
+    live = slots[fresh]
+    waiting = np.nan_to_num(pool.waiting[live])
+    kv = pool.kv_usage[live]
+    kv = kv[np.isfinite(kv)]
+    queued = np.maximum(
+        pool.queued_prefill_tokens[slots], np.nan_to_num(pool.waiting[slots]) * pool.typical_prompt_tokens
+    )
+    return StageSignals(
+        endpoints=len(slots),
+        fresh=len(live),
+        saturation=float(scores.mean()) if len(slots) else 1.0,
+        queued_prompt_tokens=float(queued.sum()),
+        running=float(np.nan_to_num(pool.running[live]).sum()),
+        waiting=float(waiting.sum()),
+        kv_mean=float(kv.mean()) if kv.size else 0.0,
+        kv_max=float(kv.max()) if kv.size else 0.0,
+        kv_stddev=_sample_stddev(kv),
+    )
+
+
+def _sample_stddev(values: np.ndarray) -> float:
+    # The reference picker's rule: divide by n - 1, with a floor of 1.
+    if values.size == 0:
+        return 0.0
+    return float(math.sqrt(((values - values.mean()) ** 2).sum() / max(values.size - 1, 1)))
+
+
+class SignalsCollector:
+    """Exports the signals when Prometheus scrapes (nothing on the request path)."""
+
+    def __init__(
+        self, pool: Pool, pool_name: str, settings: SaturationSettings = SaturationSettings()
+    ) -> None:
+        self.pool = pool
+        self.pool_name = pool_name
+        self.settings = settings
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        now = time.monotonic()
+        pool = self.pool
+        stages = {stage: stage_signals(pool, stage, self.settings, now) for stage in STAGES}
+        effective = max(signals.saturation for signals in stages.values())
+        for family_name in (
+            "llm_d_epp_flow_control_pool_saturation",
+            "inference_extension_flow_control_pool_saturation",
+        ):
+            family = GaugeMetricFamily(
+                family_name,
+                "Pool saturation per stage: mean of max(waiting/queue threshold, KV/KV threshold) over "
+                "admitted endpoints, stale ones 1.0, empty 1.0; effective is the max.",
+                labels=["inference_pool", "stage"],
+            )
+            for stage, signals in stages.items():
+                family.add_metric([self.pool_name, stage], signals.saturation)
+            family.add_metric([self.pool_name, "effective"], effective)
+            yield family
+        per_role = {
+            "pd_router_pool_queued_prompt_tokens": (
+                "Uncached prompt tokens waiting for prefill.",
+                "queued_prompt_tokens",
+            ),
+            "pd_router_pool_running_requests": ("Requests decoding (scraped).", "running"),
+            "pd_router_pool_waiting_requests": ("Requests queued at engines (scraped).", "waiting"),
+            "pd_router_pool_endpoints": ("Admitted endpoints.", "endpoints"),
+            "pd_router_pool_fresh_endpoints": ("Admitted endpoints with fresh metrics.", "fresh"),
+        }
+        for name, (doc, field) in per_role.items():
+            family = GaugeMetricFamily(name, doc, labels=["role"])
+            for stage, signals in stages.items():
+                family.add_metric([stage], float(getattr(signals, field)))
+            yield family
+        kv = GaugeMetricFamily(
+            "pd_router_pool_kv_usage", "KV-cache usage (0..1) over fresh endpoints.", labels=["role", "stat"]
+        )
+        for stage, signals in stages.items():
+            kv.add_metric([stage, "mean"], signals.kv_mean)
+            kv.add_metric([stage, "max"], signals.kv_max)
+            kv.add_metric([stage, "stddev"], signals.kv_stddev)
+        yield kv
+        yield from self._pool_averages(now)
+
+    def _pool_averages(self, now: float) -> Iterator[Metric]:
+        """The pool gauges dashboards query, under llm-d's names and the Inference Extension's."""
+        pool = self.pool
+        ok = pool.in_use & pool.admitted & pool.scraped & ~pool.ejected
+        ok &= (now - pool.last_scrape_ok) <= pool.stale_after_s
+        slots = np.flatnonzero(ok)
+        series = {
+            "kv_cache_utilization": pool.kv_usage[slots],
+            "queue_size": pool.waiting[slots],
+            "running_requests": pool.running[slots],
+        }
+        name = [self.pool_name]
+        yield _gauge("llm_d_epp_ready_endpoints", "Endpoints with fresh metrics.", len(slots), name)
+        yield _gauge("inference_pool_ready_pods", "Endpoints with fresh metrics.", len(slots), name)
+        if not len(slots):
+            return  # as the reference picker: the averages keep no value without a fresh endpoint
+        for metric, values in series.items():
+            known = values[np.isfinite(values)]
+            mean = round(float(known.mean()), 2) if known.size else 0.0
+            doc = f"Mean {metric.replace('_', ' ')} over fresh endpoints."
+            yield _gauge(f"llm_d_epp_average_{metric}", doc, mean, name)
+            yield _gauge(f"inference_pool_average_{metric}", doc, mean, name)
+            std = round(_sample_stddev(known), 2)
+            yield _gauge(
+                f"llm_d_epp_std_dev_{metric}", f"Sample std-dev of {metric.replace('_', ' ')}.", std, name
+            )
+        per_endpoint = {
+            "llm_d_epp_per_endpoint_queue_size": "model_server_endpoint",
+            "inference_pool_per_pod_queue_size": "model_server_pod",
+        }
+        for metric, label in per_endpoint.items():
+            family = GaugeMetricFamily(metric, "Waiting requests per endpoint.", labels=["name", label])
+            for slot in slots.tolist():
+                endpoint = pool.by_slot[slot]
+                if endpoint is not None:
+                    family.add_metric([self.pool_name, endpoint.id], float(np.nan_to_num(pool.waiting[slot])))
+            yield family
+
+
+def _gauge(metric: str, doc: str, value: float, label_values: list[str]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(metric, doc, labels=["name"])
+    family.add_metric(label_values, float(value))
+    return family

@@ -1,0 +1,80 @@
+"""Pool saturation and load per stage, and the drop-in pool gauges, from the pool's arrays."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from helpers import PD_TWO_RACKS, SINGLE_PODS, Metrics, make_config, make_pool
+from prometheus_client import CollectorRegistry, generate_latest
+
+from router.signals.pool import SaturationSettings, SignalsCollector, stage_signals
+
+NOW = 100.0
+S = SaturationSettings(queue_threshold=5.0, kv_threshold=0.8)
+
+
+def pd_pool(**metrics):
+    config = make_config(PD_TWO_RACKS)
+    pool = make_pool(config, metrics, NOW)
+    pool.stale_after_s = 1e9
+    return pool
+
+
+def test_each_stage_scores_its_own_pods_and_effective_is_the_worst() -> None:
+    pool = pd_pool(
+        p0=Metrics(waiting=5, kv_usage=0.1),  # queue-saturated: 1.0
+        p1=Metrics(waiting=0, kv_usage=0.4),  # 0.5
+        d0=Metrics(waiting=0, kv_usage=0.8),  # KV-saturated: 1.0
+        d1=Metrics(waiting=10, kv_usage=0.0),  # 2.0: not clamped
+    )
+    prefill, decode = stage_signals(pool, "prefill", S, NOW), stage_signals(pool, "decode", S, NOW)
+    assert prefill.saturation == pytest.approx(0.75) and decode.saturation == pytest.approx(1.5)
+    assert prefill.waiting == 5 and decode.waiting == 10
+    assert decode.kv_max == pytest.approx(0.8) and decode.kv_mean == pytest.approx(0.4)
+    assert decode.kv_stddev == pytest.approx(math.sqrt(2 * 0.4**2))  # sample std-dev (n - 1)
+
+
+def test_a_stale_or_unknown_endpoint_counts_as_saturated_and_an_empty_stage_too() -> None:
+    pool = pd_pool(d0=Metrics(waiting=None, kv_usage=None))  # unknown: fails closed
+    assert stage_signals(pool, "decode", S, NOW).saturation == pytest.approx(0.5)
+    pool.stale_after_s = 1.0
+    assert stage_signals(pool, "decode", S, NOW + 10).saturation == pytest.approx(1.0)  # all stale
+    pool.admitted[:] = False
+    empty = stage_signals(pool, "prefill", S, NOW)
+    assert empty.endpoints == 0 and empty.saturation == 1.0
+
+
+def test_a_prefill_decode_pod_counts_in_both_stages_and_queued_tokens_are_ours_or_scraped() -> None:
+    config = make_config(SINGLE_PODS)
+    pool = make_pool(config, {"e0": Metrics(waiting=2)}, NOW)
+    pool.stale_after_s = 1e9
+    pool.queued_prefill_tokens[pool.endpoints["e1"].slot] = 3000.0
+    for stage in ("prefill", "decode"):
+        signals = stage_signals(pool, stage, S, NOW)
+        assert signals.endpoints == 3
+        assert signals.queued_prompt_tokens == pytest.approx(2 * pool.typical_prompt_tokens + 3000.0)
+
+
+def test_the_exposition_has_both_families_with_their_labels() -> None:
+    pool = pd_pool(p0=Metrics(waiting=4, kv_usage=0.5, running=3))
+    registry = CollectorRegistry()
+    registry.register(SignalsCollector(pool, "qwen"))
+    text = generate_latest(registry).decode()
+    for family in (
+        "llm_d_epp_flow_control_pool_saturation",
+        "inference_extension_flow_control_pool_saturation",
+    ):
+        for stage in ("prefill", "decode", "effective"):
+            assert f'{family}{{inference_pool="qwen",stage="{stage}"}}' in text
+    assert (
+        'llm_d_epp_ready_endpoints{name="qwen"} 4.0' in text
+        and 'inference_pool_ready_pods{name="qwen"} 4.0' in text
+    )
+    assert 'llm_d_epp_average_queue_size{name="qwen"} 1.0' in text
+    assert 'inference_pool_average_queue_size{name="qwen"} 1.0' in text
+    assert 'llm_d_epp_average_running_requests{name="qwen"} 0.75' in text
+    assert 'llm_d_epp_std_dev_queue_size{name="qwen"} 2.0' in text
+    assert 'llm_d_epp_per_endpoint_queue_size{model_server_endpoint="p0",name="qwen"} 4.0' in text
+    assert 'inference_pool_per_pod_queue_size{model_server_pod="p0",name="qwen"} 4.0' in text
+    assert 'pd_router_pool_kv_usage{role="prefill",stat="max"} 0.5' in text
