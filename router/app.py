@@ -48,6 +48,7 @@ from router.observe.metrics import (
     GroupCollector,
     IndexCollector,
     MetricsListener,
+    PickerCollector,
     RouterMetrics,
 )
 from router.observe.scrape import ScrapeError, Scraper
@@ -107,6 +108,7 @@ class App:
         self.picker = picker_from(config, self.pool, self.index, precise=self.precise_index, seed=seed)
         self.metrics = RouterMetrics(self.pool, pool_name)
         self.metrics.registry.register(SignalsCollector(self.pool, pool_name))
+        self.metrics.registry.register(PickerCollector(self.picker))
         self.flow = RequestFlow(self.picker, self.metrics, config.request_limits(), config.model, producers)
         self.health = HealthState()
         self.ready = False

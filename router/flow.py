@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from router.extension import Producer
 from router.observe.metrics import RouterMetrics
@@ -27,7 +28,10 @@ from router.types import RequestLimits, RouteRequest
 
 log = logging.getLogger(__name__)
 
+FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"  # a label of the request series (capped)
+
 # Outcomes besides "ok" and the rejection codes (``router.rejections.KINDS``).
+OK = "ok"
 CLIENT_GONE = "client_gone"  # the proxy's client disconnected mid-request
 CANCELLED = "cancelled"  # the client or the gateway went away before the response ended
 NO_ROUTE = "no_route"  # the stream ended before a request was complete enough to route
@@ -40,7 +44,7 @@ def response_outcome(status: int, *, gateway_reply: bool = False) -> str:
     if gateway_reply:
         return f"envoy_{status}"
     if status < 400:
-        return "ok"
+        return OK
     return "http_4xx" if status < 500 else "http_5xx"
 
 
@@ -82,7 +86,17 @@ class RequestFlow:
 class Flight:
     """One request's passage through the flow: its parse, its decision, its outcome."""
 
-    __slots__ = ("closed", "decision", "flow", "headers", "outcome", "request", "started")
+    __slots__ = (
+        "closed",
+        "decision",
+        "first_byte_at",
+        "flow",
+        "headers",
+        "outcome",
+        "request",
+        "series",
+        "started",
+    )
 
     def __init__(self, flow: RequestFlow, headers: Mapping[str, str]) -> None:
         self.flow = flow
@@ -92,6 +106,8 @@ class Flight:
         self.decision: RouteDecision | None = None
         self.outcome: str | None = None
         self.closed = False
+        self.series: Any = None  # the request's bound metric series, once picked
+        self.first_byte_at: float | None = None
 
     def parse(self, raw: bytes, subset: frozenset[str] | None = None) -> RouteRequest:
         """The body and headers as a ``RouteRequest``; raises a ``Rejection``."""
@@ -106,10 +122,27 @@ class Flight:
 
     def pick(self) -> RouteDecision:
         """Choose and reserve (never awaits); raises ``NoCapacity`` or ``Shed``."""
-        assert self.request is not None, "parse() or headers_only() first"
-        self.decision = self.flow.picker.pick(self.request)
-        self.flow.metrics.observe_pick(self.decision, time.perf_counter() - self.started)
+        request = self.request
+        assert request is not None, "parse() or headers_only() first"
+        self.decision = self.flow.picker.pick(request)
+        metrics = self.flow.metrics
+        metrics.observe_pick(self.decision, time.perf_counter() - self.started)
+        self.series = metrics.per_request.bind(
+            request.model, self._fairness_id(), request.priority, request.stream
+        )
+        for running in self.series.running:
+            running.inc()
         return self.decision
+
+    def _fairness_id(self) -> str:
+        return self.headers.get(FAIRNESS_HEADER, "")[:64]
+
+    def first_byte(self) -> None:
+        """The answer's first byte reached the client: its time to first token, observed once."""
+        if self.first_byte_at is None and self.series is not None:
+            self.first_byte_at = time.perf_counter()
+            for ttft in self.series.ttft:
+                ttft.observe(self.first_byte_at - self.started)
 
     def reject(self, rejection: Rejection) -> Answer:
         """The response for a rejection; the flight's outcome becomes its code."""
@@ -154,4 +187,26 @@ class Flight:
         if self.decision is not None:
             self.decision.reservation.release()
         self.outcome = outcome or self.outcome or (CANCELLED if self.decision is not None else NO_ROUTE)
-        self.flow.metrics.observe_request(self.outcome, time.perf_counter() - self.started)
+        seconds = time.perf_counter() - self.started
+        metrics = self.flow.metrics
+        metrics.observe_request(self.outcome, seconds)
+        self._count(seconds)
+
+    def _count(self, seconds: float) -> None:
+        """The drop-in request series: total, duration, running, and errors by code."""
+        per_request = self.flow.metrics.per_request
+        series = self.series
+        request = self.request
+        model = request.model if request is not None else "unknown"
+        priority = request.priority if request is not None else 0
+        if series is None:  # rejected before a pick: counted, never running
+            series = per_request.bind(model, self._fairness_id(), priority, False)
+        else:
+            for running in series.running:
+                running.dec()
+        for total in series.total:
+            total.inc()
+        for duration in series.duration:
+            duration.observe(seconds)
+        if self.outcome not in (OK, ROUTED):
+            per_request.error(series, model, self._fairness_id(), priority, self.outcome or NO_ROUTE)

@@ -113,6 +113,7 @@ class Picker:
         self.defer: Callable[..., object] = defer or _after_pick
         self._links: LinkTable | None = None
         self._links_version = -1
+        self.affinity_misses = 0  # picks that did not go to the best cache holder
 
     def _link_table(self) -> LinkTable:
         # Rebuilt only when discovery adds a link label.
@@ -196,6 +197,11 @@ class Picker:
         d_pos = int(costs.decode[choice.decode])
         d_slot = int(slots[d_pos])
         p_slot = None if choice.prefill < 0 else int(slots[choice.prefill])
+        # A signal for autoscaling: the pod holding most of this prompt was passed over (its load
+        # outweighed the cache), so the pool recomputes what it already has.
+        cached = costs.view.cached
+        if len(cached) and cached.max() > cached[d_pos if choice.prefill < 0 else choice.prefill]:
+            self.affinity_misses += 1
         reservation = self.pool.reserve(
             decode_slot=d_slot,
             prefill_slot=p_slot,

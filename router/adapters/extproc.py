@@ -271,6 +271,7 @@ class ExtProcStream:
     def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.flight is not None:
             self.flight.prefill_done()  # the first byte: prefill is over
+            self.flight.first_byte()
         if self.response_mode != FULL_DUPLEX:  # the response's own mode, not the request's
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if body.end_of_stream and self.flight is not None:

@@ -139,6 +139,7 @@ class Proxy:
         self, request: web.Request, upstream: aiohttp.ClientResponse, flight: Flight
     ) -> web.StreamResponse:
         flight.responded(upstream.status)
+        flight.first_byte()
         decision, route = flight.decision, flight.request
         assert decision is not None and route is not None
         response = web.StreamResponse(status=upstream.status)

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
     from router.config import MetricsConfig
-    from router.picker import RouteDecision
+    from router.picker import Picker, RouteDecision
     from router.pool import Pool
 
 _GATE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -62,6 +63,7 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_PoolCollector(pool, pool_name))
+        self.per_request = RequestMetrics(r)
         # Label children bound once per value: ``labels()`` costs a lock and a tuple per call.
         self._decision_children: dict[str, Counter] = {}
         self._request_children: dict[str, Counter] = {}
@@ -76,6 +78,151 @@ class RouterMetrics:
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+MAX_MODEL_LABELS = 1000  # as the reference pickers: past the cap, new values read "other"
+
+
+@dataclass(slots=True)
+class _RequestChildren:
+    """Every request series of one label set, bound once."""
+
+    total: tuple[Any, ...]
+    duration: tuple[Any, ...]
+    running: tuple[Any, ...]
+    ttft: tuple[Any, ...]
+    errors: dict[str, tuple[Any, ...]]
+
+
+class RequestMetrics:
+    """Per-request series under llm-d's names and the Inference Extension's (dual emission), so
+    dashboards and alerts written for either keep working. Labels are bounded: model names are
+    capped, and nothing per request or per prompt is ever a label."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        llm_d = ["model_name", "target_model_name", "fairness_id", "priority"]
+        gie = ["model_name", "target_model_name", "priority"]
+        r = registry
+        self._total = (
+            Counter("llm_d_epp_request", "Requests, by model and priority.", llm_d, registry=r),
+            Counter("inference_objective_request", "Requests, by model and priority.", gie, registry=r),
+        )
+        self._errors = (
+            Counter(
+                "llm_d_epp_request_error",
+                "Failed requests, by error code.",
+                [*llm_d, "error_code"],
+                registry=r,
+            ),
+            Counter(
+                "inference_objective_request_error",
+                "Failed requests, by error code.",
+                ["model_name", "target_model_name", "error_code"],
+                registry=r,
+            ),
+        )
+        self._duration = (
+            Histogram(
+                "llm_d_epp_request_duration_seconds",
+                "Request latency.",
+                llm_d,
+                buckets=_REQUEST_BUCKETS,
+                registry=r,
+            ),
+            Histogram(
+                "inference_objective_request_duration_seconds",
+                "Request latency.",
+                ["model_name", "target_model_name"],
+                buckets=_REQUEST_BUCKETS,
+                registry=r,
+            ),
+        )
+        self._running = (
+            Gauge("llm_d_epp_request_running", "Requests in flight.", llm_d, registry=r),
+            Gauge("inference_objective_running_requests", "Requests in flight.", ["model_name"], registry=r),
+        )
+        self._ttft = (
+            Histogram(
+                "llm_d_epp_request_ttft_seconds",
+                "Time to the first byte of the answer (the prefill, and a P/D pair's transfer).",
+                [*llm_d, "streaming"],
+                buckets=_TTFT_BUCKETS,
+                registry=r,
+            ),
+            Histogram(
+                "inference_objective_request_ttft_seconds",
+                "Time to the first byte of the answer.",
+                ["model_name", "target_model_name"],
+                buckets=_TTFT_BUCKETS,
+                registry=r,
+            ),
+        )
+        self._children: dict[tuple[str, str, str, bool], _RequestChildren] = {}
+        self._models: set[str] = set()
+        self._fairness: set[str] = set()
+
+    def bind(self, model: str, fairness_id: str, priority: int, streaming: bool) -> _RequestChildren:
+        """The series of one request's label set (bound once per distinct set)."""
+        model = _capped(model, self._models)
+        fairness_id = _capped(fairness_id, self._fairness)
+        key = (model, fairness_id, str(priority), streaming)
+        children = self._children.get(key)
+        if children is None:
+            llm_d = (model, model, fairness_id, key[2])
+            gie = (model, model, key[2])
+            children = self._children[key] = _RequestChildren(
+                total=(self._total[0].labels(*llm_d), self._total[1].labels(*gie)),
+                duration=(self._duration[0].labels(*llm_d), self._duration[1].labels(model, model)),
+                running=(self._running[0].labels(*llm_d), self._running[1].labels(model)),
+                ttft=(
+                    self._ttft[0].labels(*llm_d, str(streaming).lower()),
+                    self._ttft[1].labels(model, model),
+                ),
+                errors={},
+            )
+        return children
+
+    def error(
+        self, children: _RequestChildren, model: str, fairness_id: str, priority: int, code: str
+    ) -> None:
+        pair = children.errors.get(code)
+        if pair is None:
+            model = model if model in self._models else "other"
+            pair = children.errors[code] = (
+                self._errors[0].labels(model, model, fairness_id, str(priority), code),
+                self._errors[1].labels(model, model, code),
+            )
+        for child in pair:
+            child.inc()
+
+
+def _capped(value: str, seen: set[str]) -> str:
+    """``value`` while fewer than the cap of distinct values were seen, then "other" for new ones."""
+    if value in seen:
+        return value
+    if len(seen) >= MAX_MODEL_LABELS:
+        return "other"
+    seen.add(value)
+    return value
+
+
+class PickerCollector:
+    """What the picker counts itself (plain integers, read at scrape time)."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "pd_router_cache_affinity_missed",
+            "Picks whose prompt was cached best on another candidate that load ruled out.",
+        )
+        family.add_metric([], float(self.picker.affinity_misses))
+        yield family
 
 
 class ControlMetrics:

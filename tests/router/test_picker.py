@@ -203,3 +203,16 @@ def test_reservations_always_return_to_zero(requests: list[tuple[int, int]]) -> 
     assert pool.outstanding == 0
     assert np.allclose(pool.queued_prefill_tokens, 0) and np.allclose(pool.reserved_kv_tokens, 0)
     assert not pool.inflight_requests.any() and not pool.queued_prefill_requests.any()
+
+
+def test_a_pick_that_passes_over_the_best_cache_holder_is_counted() -> None:
+    endpoints = [{"address": f"10.0.0.{i}:8000", "name": f"e{i}"} for i in range(2)]
+    keys = list(range(1, 64))
+    index = DictIndex()
+    idle = picker_for(endpoints, index=index)
+    index.record(idle.pool.endpoints["e0"].slot, np.array(keys, dtype=np.uint64))
+    assert idle.pick(make_request(1024, keys), now=NOW).decode.id == "e0"
+    assert idle.affinity_misses == 0  # the holder was free: it got the request
+    loaded = picker_for(endpoints, {"e0": Metrics(waiting=40, running=60)}, index=index)
+    assert loaded.pick(make_request(1024, keys), now=NOW).decode.id == "e1"
+    assert loaded.affinity_misses == 1  # load outweighed the cache: a signal for scaling

@@ -1,0 +1,68 @@
+"""The drop-in request series (llm-d's and the Inference Extension's names), through the proxy."""
+
+from __future__ import annotations
+
+import aiohttp
+from helpers import eventually, router_on_sim
+from prometheus_client import CollectorRegistry
+
+from loadtests.sim.engine import EngineSpec
+from router.observe.metrics import MAX_MODEL_LABELS, RequestMetrics
+
+
+def sample(app, name: str, **labels: str) -> float:
+    value = app.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def test_requests_are_counted_under_both_families_with_ttft_and_errors() -> None:
+    specs = [EngineSpec("e0", "prefill-decode")]
+    async with router_on_sim(specs) as (_, app, base), aiohttp.ClientSession() as http:
+        headers = {"x-llm-d-inference-fairness-id": "team-a"}
+        for stream in (False, False, True):
+            body = {"model": "sim-model", "prompt": "hi " * 20, "max_tokens": 2, "stream": stream}
+            async with http.post(f"{base}/v1/completions", json=body, headers=headers) as resp:
+                assert resp.status == 200
+                await resp.read()
+        async with http.post(f"{base}/v1/completions", data=b"{not json", headers=headers) as resp:
+            assert resp.status == 400
+        llm_d = {
+            "model_name": "sim-model",
+            "target_model_name": "sim-model",
+            "fairness_id": "team-a",
+            "priority": "0",
+        }
+        await eventually(lambda: sample(app, "llm_d_epp_request_total", **llm_d) == 3, 5, "counted")
+        gie = {"model_name": "sim-model", "target_model_name": "sim-model", "priority": "0"}
+        assert sample(app, "inference_objective_request_total", **gie) == 3
+        assert sample(app, "llm_d_epp_request_running", **llm_d) == 0
+        assert sample(app, "inference_objective_running_requests", model_name="sim-model") == 0
+        assert sample(app, "llm_d_epp_request_ttft_seconds_count", **llm_d, streaming="false") == 2
+        assert sample(app, "llm_d_epp_request_ttft_seconds_count", **llm_d, streaming="true") == 1
+        assert sample(app, "llm_d_epp_request_duration_seconds_count", **llm_d) == 3
+        bad = {
+            "model_name": "unknown",
+            "target_model_name": "unknown",
+            "fairness_id": "team-a",
+            "priority": "0",
+        }
+        assert sample(app, "llm_d_epp_request_error_total", **bad, error_code="bad_request") == 1
+        assert (
+            sample(
+                app,
+                "inference_objective_request_error_total",
+                model_name="unknown",
+                target_model_name="unknown",
+                error_code="bad_request",
+            )
+            == 1
+        )
+
+
+def test_label_values_are_capped() -> None:
+    metrics = RequestMetrics(CollectorRegistry())
+    for i in range(MAX_MODEL_LABELS):
+        metrics.bind(f"m{i}", f"f{i}", 0, False)
+    overflow = metrics.bind("one-more", "and-another", 0, False)
+    assert overflow is metrics.bind("other", "other", 0, False)  # new values fold into "other"
+    assert metrics.bind("m3", "f3", 0, False) is metrics.bind("m3", "f3", 0, False)  # bound once
