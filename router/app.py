@@ -107,7 +107,15 @@ class App:
             producers.append(SharedLookup(self.shared, self.pool))
         self.picker = picker_from(config, self.pool, self.index, precise=self.precise_index, seed=seed)
         self.metrics = RouterMetrics(self.pool, pool_name)
-        self.metrics.registry.register(SignalsCollector(self.pool, pool_name))
+        self.metrics.registry.register(
+            SignalsCollector(
+                self.pool,
+                pool_name,
+                self.picker.cost_model,
+                typical_max_tokens=config.limits.default_max_tokens,
+                block_tokens=config.limits.block_tokens,
+            )
+        )
         self.metrics.registry.register(PickerCollector(self.picker))
         self.flow = RequestFlow(self.picker, self.metrics, config.request_limits(), config.model, producers)
         self.health = HealthState()

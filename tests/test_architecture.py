@@ -58,7 +58,7 @@ ALLOWED: dict[str, set[str]] = {
         "router.types",
     },
     "router.sidecar": {"router.http", "router.rejections", "router.request"},
-    "router.signals": {"router.pool", "router.types", "router.features"},
+    "router.signals": {"router.pool", "router.types", "router.features", "scorers"},
     "router.control": {"router.config", "router.pool", "router.http", "router.observe", "router.types"},
     # The composition root: builds and wires everything, imported by nothing above.
     "router.compose": COMPOSITION,

@@ -13,6 +13,11 @@ The *stages* are the roles as autoscalers see them: ``prefill`` (pods that compu
   ScaledObjects keep working.
 * **Per-role load**: queued uncached prompt tokens (ours, or scraped waiting × typical prompt,
   whichever is larger), running and waiting requests, KV usage (mean, max, sample std-dev).
+* **Predicted latency and load**: the TTFT a typical new request would get from the best prefill
+  candidate (queue wait + prefill of a typical prompt, from the cost model's own terms) and the
+  TPOT it would get from the best decode candidate; ``load = predicted / SLO`` per role
+  (``load_prefill`` from TTFT, ``load_decode`` from TPOT). Absent while a stage has no fresh
+  endpoint (unknown, not zero).
 * **Pool averages** under both families (``llm_d_epp_*`` and ``inference_pool_*``): means over
   fresh endpoints of KV usage, waiting (queue) and running requests, their std-devs, the number of
   fresh endpoints, and the per-endpoint queue size.
@@ -29,6 +34,8 @@ import numpy as np
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from router.pool import Pool
+from scorers.base import RequestCtx
+from scorers.cost import CostModel, derive
 
 STAGES = ("prefill", "decode")
 
@@ -89,6 +96,24 @@ def stage_signals(pool: Pool, stage: str, s: SaturationSettings, now: float) -> 
     )
 
 
+def predicted_latency(
+    pool: Pool, cost_model: CostModel, stage: str, max_tokens: int, block_tokens: int, now: float
+) -> float | None:
+    """Seconds a typical new request would see on the best candidate of ``stage``: its TTFT for
+    ``prefill`` (queue wait + computing the whole prompt), its TPOT for ``decode``; None if empty."""
+    role_mask = pool.can_prefill if stage == "prefill" else pool.can_decode
+    ok = pool.in_use & pool.admitted & pool.scraped & ~pool.ejected & role_mask
+    ok &= (now - pool.last_scrape_ok) <= pool.stale_after_s
+    slots = np.flatnonzero(ok)
+    if not len(slots):
+        return None
+    typical = max(1, round(pool.typical_prompt_tokens))
+    ctx = RequestCtx(typical, max_tokens, block_tokens, pool.typical_prompt_tokens)
+    view = derive(pool.candidates(slots), ctx, cost_model)
+    seconds = view.wait_s + view.prefill_s if stage == "prefill" else view.tpot_s
+    return float(seconds.min())
+
+
 def _sample_stddev(values: np.ndarray) -> float:
     # The reference picker's rule: divide by n - 1, with a floor of 1.
     if values.size == 0:
@@ -100,11 +125,22 @@ class SignalsCollector:
     """Exports the signals when Prometheus scrapes (nothing on the request path)."""
 
     def __init__(
-        self, pool: Pool, pool_name: str, settings: SaturationSettings = SaturationSettings()
+        self,
+        pool: Pool,
+        pool_name: str,
+        cost_model: CostModel | None = None,
+        settings: SaturationSettings = SaturationSettings(),
+        *,
+        typical_max_tokens: int = 256,
+        block_tokens: int = 16,
     ) -> None:
+        """``cost_model``: the picker's, for predicted latency and load (omitted: not exported)."""
         self.pool = pool
         self.pool_name = pool_name
+        self.cost_model = cost_model
         self.settings = settings
+        self.typical_max_tokens = typical_max_tokens
+        self.block_tokens = block_tokens
 
     def describe(self) -> list[Metric]:
         return []
@@ -151,7 +187,37 @@ class SignalsCollector:
             kv.add_metric([stage, "max"], signals.kv_max)
             kv.add_metric([stage, "stddev"], signals.kv_stddev)
         yield kv
+        if self.cost_model is not None:
+            yield from self._predicted(now)
         yield from self._pool_averages(now)
+
+    def _predicted(self, now: float) -> Iterator[Metric]:
+        assert self.cost_model is not None
+        o = self.cost_model.objectives
+        ttft = predicted_latency(
+            self.pool, self.cost_model, "prefill", self.typical_max_tokens, self.block_tokens, now
+        )
+        tpot = predicted_latency(
+            self.pool, self.cost_model, "decode", self.typical_max_tokens, self.block_tokens, now
+        )
+        latency = GaugeMetricFamily(
+            "pd_router_pool_predicted_seconds",
+            "Predicted TTFT (prefill) and TPOT (decode) of a typical new request on the best candidate.",
+            labels=["role", "measure"],
+        )
+        load = GaugeMetricFamily(
+            "pd_router_pool_load",
+            "Predicted latency over its SLO per role: TTFT/ttft_ms for prefill, TPOT/tpot_ms for decode.",
+            labels=["role"],
+        )
+        if ttft is not None:
+            latency.add_metric(["prefill", "ttft"], ttft)
+            load.add_metric(["prefill"], ttft / o.ttft_slo_s)
+        if tpot is not None:
+            latency.add_metric(["decode", "tpot"], tpot)
+            load.add_metric(["decode"], tpot / o.tpot_slo_s)
+        yield latency
+        yield load
 
     def _pool_averages(self, now: float) -> Iterator[Metric]:
         """The pool gauges dashboards query, under llm-d's names and the Inference Extension's."""

@@ -78,3 +78,30 @@ def test_the_exposition_has_both_families_with_their_labels() -> None:
     assert 'llm_d_epp_per_endpoint_queue_size{model_server_endpoint="p0",name="qwen"} 4.0' in text
     assert 'inference_pool_per_pod_queue_size{model_server_pod="p0",name="qwen"} 4.0' in text
     assert 'pd_router_pool_kv_usage{role="prefill",stat="max"} 0.5' in text
+
+
+def test_predicted_latency_and_load_follow_the_queue_and_the_batch() -> None:
+    from helpers import make_picker
+
+    from router.signals.pool import predicted_latency
+
+    config = make_config(PD_TWO_RACKS, slo={"ttft_ms": 500, "tpot_ms": 50})
+    idle = make_pool(config, {}, NOW)
+    busy = make_pool(config, {n: Metrics(waiting=20, running=60) for n in ("p0", "p1", "d0", "d1")}, NOW)
+    for pool in (idle, busy):
+        pool.stale_after_s = 1e9
+    cm = make_picker(config, idle).cost_model
+    ttft = [predicted_latency(p, cm, "prefill", 256, 16, NOW) for p in (idle, busy)]
+    tpot = [predicted_latency(p, cm, "decode", 256, 16, NOW) for p in (idle, busy)]
+    assert 0 < ttft[0] < ttft[1] and 0 < tpot[0] < tpot[1]
+    # One prefill pod free again: the best candidate sets the pool's predicted TTFT.
+    busy.waiting[busy.endpoints["p1"].slot] = 0
+    assert predicted_latency(busy, cm, "prefill", 256, 16, NOW) == pytest.approx(ttft[0])
+    registry = CollectorRegistry()
+    registry.register(SignalsCollector(busy, "qwen", cm))
+    text = generate_latest(registry).decode()
+    assert f'pd_router_pool_load{{role="prefill"}} {ttft[0] / 0.5}' in text
+    assert 'pd_router_pool_predicted_seconds{measure="tpot",role="decode"}' in text
+    busy.admitted[:] = False  # no candidate: unknown, not zero
+    text = generate_latest(registry).decode()
+    assert "pd_router_pool_load{role=" not in text
