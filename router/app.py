@@ -29,6 +29,7 @@ from kvindex.tokenize import PromptTokenizer
 from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
 from router.adapters.extproc import ExtProcListener
 from router.adapters.health import HealthState
+from router.adapters.keda.scaler import KedaListener, KedaScaler, ScalerSignals
 from router.adapters.openai import ProxyListener
 from router.compose import gate_settings_from, picker_from
 from router.config import PoolConfig, RedisConfig
@@ -123,6 +124,7 @@ class App:
         self.proxy: ProxyListener | None = None
         self.extproc: ExtProcListener | None = None
         self.metrics_listener: MetricsListener | None = None
+        self.keda: KedaListener | None = None
         self._stack = AsyncExitStack()
         self._scraper: Scraper | None = None
 
@@ -169,6 +171,8 @@ class App:
             self.extproc = await stack.enter_async_context(
                 ExtProcListener(self.flow, cfg.extproc, self.health)
             )
+        if cfg.keda.enabled:
+            self.keda = await stack.enter_async_context(KedaListener(self._keda_scaler(), cfg.keda))
         if cfg.metrics.enabled:
             routes = (
                 []
@@ -209,6 +213,13 @@ class App:
             workers_serve=kube.workers_serve,
             **({"group_label": kube.group_label} if kube.group_label else {}),
         )
+
+    def _keda_scaler(self) -> KedaScaler:
+        limits = self.config.limits
+        signals = ScalerSignals(
+            self.pool, self.picker.cost_model, limits.default_max_tokens, limits.block_tokens
+        )
+        return KedaScaler(signals.value)
 
     def _set_ready(self) -> None:
         self.ready = True

@@ -287,6 +287,15 @@ class AdminConfig(_Strict):
         return self
 
 
+class KedaConfig(_Strict):
+    """KEDA's external scaler (gRPC ``externalscaler.ExternalScaler``): scale prefill and decode
+    workloads on pd-router's per-role signals without a Prometheus in between."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, lt=65536)] = 9004
+
+
 class MetricsConfig(_Strict):
     """A separate Prometheus listener (the proxy also serves /metrics on its own port)."""
 
@@ -319,6 +328,7 @@ class PoolConfig(_Strict):
     gate: GateConfig = GateConfig()
     kubernetes: KubernetesConfig | None = Field(None, description="discover the pool from Kubernetes")
     admin: AdminConfig = AdminConfig()
+    keda: KedaConfig = KedaConfig()
 
     @field_validator("weights")
     @classmethod

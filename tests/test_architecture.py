@@ -48,6 +48,9 @@ ALLOWED: dict[str, set[str]] = {
     "router.http": {"router.rejections"},
     "router.transport": set(),
     "router.adapters": {
+        "router.signals",
+        "router.pool",
+        "scorers",
         "router.flow",
         "router.http",
         "router.transport",

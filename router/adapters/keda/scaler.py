@@ -1,0 +1,229 @@
+"""KEDA's ``externalscaler.ExternalScaler`` over the pool's signals, on the HTTP/2 gRPC server.
+
+A ScaledObject's trigger metadata selects what to scale on, so the prefill and the decode
+workloads scale independently from one pd-router, without a Prometheus in between::
+
+    triggers:
+      - type: external            # or external-push (StreamIsActive)
+        metadata:
+          scalerAddress: pd-router-epp.llm:9004
+          role: decode            # prefill | decode
+          signal: load            # see SIGNALS
+          target: "0.8"           # the value per replica the HPA aims for
+          activation: "0"         # IsActive is true above this
+
+``GetMetricSpec`` names the metric ``<role>-<signal>`` with ``targetSizeFloat`` = ``target``;
+``GetMetrics`` returns the current value (floats: KEDA reads ``*Float`` fields when > 0).
+Bad metadata is ``INVALID_ARGUMENT`` naming the key; ``StreamMetricSpec`` is ``UNIMPLEMENTED``
+(KEDA then polls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError, Message
+
+from router.adapters.keda import externalscaler_pb2 as pb
+from router.config import KedaConfig
+from router.pool import Pool
+from router.signals.pool import STAGES, SaturationSettings, predicted_latency, stage_signals
+from router.transport.h2grpc import INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer
+from scorers.cost import CostModel
+
+log = logging.getLogger(__name__)
+
+SERVICE = "/externalscaler.ExternalScaler/"
+# signal name -> what it reads; per-replica targets make sense for all of them with AverageValue.
+SIGNALS = (
+    "load",  # predicted latency / SLO: TTFT for prefill, TPOT for decode
+    "saturation",  # mean of max(waiting/5, kv/0.8) over the role's admitted endpoints
+    "queuedPromptTokens",
+    "waitingRequests",
+    "runningRequests",
+    "kvUsage",  # mean over fresh endpoints
+)
+
+
+class BadMetadata(ValueError):
+    """The ScaledObject's trigger metadata does not say what to scale on."""
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    role: str
+    signal: str
+    target: float
+    activation: float
+
+    @property
+    def metric_name(self) -> str:
+        return f"{self.role}-{self.signal}"
+
+
+def selection_of(metadata: dict[str, str]) -> Selection:
+    role = metadata.get("role", "")
+    if role not in STAGES:
+        raise BadMetadata(f"metadata role must be one of {list(STAGES)}, got {role!r}")
+    signal = metadata.get("signal", "load")
+    if signal not in SIGNALS:
+        raise BadMetadata(f"metadata signal must be one of {list(SIGNALS)}, got {signal!r}")
+    try:
+        target = float(metadata.get("target", "1"))
+        activation = float(metadata.get("activation", "0"))
+    except ValueError:
+        raise BadMetadata("metadata target and activation must be numbers") from None
+    if not target > 0:
+        raise BadMetadata(f"metadata target must be > 0, got {target}")
+    return Selection(role, signal, target, activation)
+
+
+class ScalerSignals:
+    """Reads one signal of one role from the pool now (the same numbers ``/metrics`` exports)."""
+
+    def __init__(self, pool: Pool, cost_model: CostModel, typical_max_tokens: int, block_tokens: int) -> None:
+        self.pool = pool
+        self.cost_model = cost_model
+        self.typical_max_tokens = typical_max_tokens
+        self.block_tokens = block_tokens
+        self.settings = SaturationSettings()
+
+    def value(self, role: str, signal: str) -> float:
+        now = time.monotonic()
+        if signal == "load":
+            seconds = predicted_latency(
+                self.pool, self.cost_model, role, self.typical_max_tokens, self.block_tokens, now
+            )
+            if seconds is None:
+                return 0.0  # no fresh endpoint of this role: nothing to measure load on
+            o = self.cost_model.objectives
+            return seconds / (o.ttft_slo_s if role == "prefill" else o.tpot_slo_s)
+        s = stage_signals(self.pool, role, self.settings, now)
+        return {
+            "saturation": s.saturation,
+            "queuedPromptTokens": s.queued_prompt_tokens,
+            "waitingRequests": s.waiting,
+            "runningRequests": s.running,
+            "kvUsage": s.kv_mean,
+        }[signal]
+
+
+class KedaScaler:
+    """The service's methods, for an ``H2GrpcServer``'s method table."""
+
+    def __init__(self, signals: Callable[[str, str], float], push_interval_s: float = 1.0) -> None:
+        self.signals = signals
+        self.push_interval_s = push_interval_s
+
+    def methods(self) -> dict[str, Callable[[Call], CallHandler]]:
+        return {
+            SERVICE + "IsActive": lambda call: _Unary(call, pb.ScaledObjectRef, self._is_active),
+            SERVICE + "GetMetricSpec": lambda call: _Unary(call, pb.ScaledObjectRef, self._metric_spec),
+            SERVICE + "GetMetrics": lambda call: _Unary(call, pb.GetMetricsRequest, self._metrics),
+            SERVICE + "StreamIsActive": lambda call: _StreamIsActive(call, self),
+        }
+
+    def active(self, ref: pb.ScaledObjectRef) -> bool:
+        selection = selection_of(dict(ref.scalerMetadata))
+        return self.signals(selection.role, selection.signal) > selection.activation
+
+    def _is_active(self, ref: pb.ScaledObjectRef) -> Message:
+        return pb.IsActiveResponse(result=self.active(ref))
+
+    def _metric_spec(self, ref: pb.ScaledObjectRef) -> Message:
+        selection = selection_of(dict(ref.scalerMetadata))
+        spec = pb.MetricSpec(metricName=selection.metric_name, targetSizeFloat=selection.target)
+        return pb.GetMetricSpecResponse(metricSpecs=[spec])
+
+    def _metrics(self, request: pb.GetMetricsRequest) -> Message:
+        selection = selection_of(dict(request.scaledObjectRef.scalerMetadata))
+        value = self.signals(selection.role, selection.signal)
+        # KEDA strips its own "s<n>-" prefix; answer under the name it asked for.
+        name = request.metricName or selection.metric_name
+        return pb.GetMetricsResponse(metricValues=[pb.MetricValue(metricName=name, metricValueFloat=value)])
+
+
+class _Unary:
+    """One request message, one answer; bad input is INVALID_ARGUMENT with the reason."""
+
+    def __init__(self, call: Call, request_type: type[Message], handle: Callable[[Message], Message]) -> None:
+        self.call = call
+        self.request_type = request_type
+        self.handle = handle
+        self.request: Message | None = None
+
+    def on_message(self, data: bytes) -> None:
+        try:
+            self.request = self.request_type.FromString(data)
+        except DecodeError:
+            self.call.finish(INVALID_ARGUMENT, f"malformed {self.request_type.__name__}")
+
+    def on_end(self) -> None:
+        if self.request is None:
+            self.call.finish(INVALID_ARGUMENT, "no request message")
+            return
+        try:
+            answer = self.handle(self.request)
+        except BadMetadata as exc:
+            self.call.finish(INVALID_ARGUMENT, str(exc))
+            return
+        self.call.send(answer.SerializeToString())
+        self.call.finish()
+
+    def on_cancel(self) -> None:
+        pass
+
+
+class _StreamIsActive:
+    """``external-push``: the current activity at once, then every change, until KEDA cancels."""
+
+    def __init__(self, call: Call, scaler: KedaScaler) -> None:
+        self.call = call
+        self.scaler = scaler
+        self.task: asyncio.Task[None] | None = None
+
+    def on_message(self, data: bytes) -> None:
+        try:
+            ref = pb.ScaledObjectRef.FromString(data)
+            selection_of(dict(ref.scalerMetadata))
+        except (DecodeError, BadMetadata) as exc:
+            self.call.finish(INVALID_ARGUMENT, str(exc) or "malformed ScaledObjectRef")
+            return
+        self.task = asyncio.get_running_loop().create_task(self._push(ref))
+
+    async def _push(self, ref: pb.ScaledObjectRef) -> None:
+        last: bool | None = None
+        while True:
+            active = self.scaler.active(ref)
+            if active != last:
+                self.call.send(pb.IsActiveResponse(result=active).SerializeToString())
+                last = active
+            await asyncio.sleep(self.scaler.push_interval_s)
+
+    def on_end(self) -> None:
+        pass  # the stream lasts until KEDA cancels it
+
+    def on_cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+class KedaListener:
+    """The external scaler on its own gRPC port while the context is open."""
+
+    def __init__(self, scaler: KedaScaler, config: KedaConfig) -> None:
+        self.server = H2GrpcServer(scaler.methods())
+        self.config = config
+        self.port: int | None = None
+
+    async def __aenter__(self) -> KedaListener:
+        self.port = await self.server.start(self.config.host, self.config.port)
+        log.info("KEDA external scaler listening on %s:%s", self.config.host, self.port)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.server.stop(1.0)

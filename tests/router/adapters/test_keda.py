@@ -1,0 +1,96 @@
+"""KEDA's external scaler over grpcio (KEDA's own client is gRPC too), in front of simulated engines."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from helpers import router_on_sim
+
+from loadtests.sim.engine import EngineSpec
+from router.adapters.keda import externalscaler_pb2 as pb
+from router.adapters.keda.generate import MODULE, generated
+
+SERVICE = "/externalscaler.ExternalScaler/"
+
+
+def rpc(channel: grpc.aio.Channel, method: str, response: type):
+    return channel.unary_unary(
+        SERVICE + method,
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=response.FromString,
+    )
+
+
+def ref(**metadata: str) -> pb.ScaledObjectRef:
+    return pb.ScaledObjectRef(name="decode", namespace="llm", scalerMetadata=metadata)
+
+
+async def test_the_scaler_answers_keda_per_role_and_signal() -> None:
+    specs = [EngineSpec("p0", "prefill"), EngineSpec("d0", "decode")]
+    async with (
+        router_on_sim(specs, {"keda": {"enabled": True, "port": 0}}) as (_, app, _base),
+        grpc.aio.insecure_channel(f"127.0.0.1:{app.keda.port}") as channel,
+    ):
+        spec = await rpc(channel, "GetMetricSpec", pb.GetMetricSpecResponse)(
+            ref(role="decode", signal="load", target="0.8")
+        )
+        (metric,) = spec.metricSpecs
+        assert (metric.metricName, metric.targetSizeFloat) == ("decode-load", 0.8)
+        metrics = rpc(channel, "GetMetrics", pb.GetMetricsResponse)
+        request = pb.GetMetricsRequest(
+            scaledObjectRef=ref(role="decode", signal="load"), metricName="decode-load"
+        )
+        (value,) = (await metrics(request)).metricValues
+        assert value.metricName == "decode-load" and 0 < value.metricValueFloat < 1  # an idle pool
+        # Queue up prompts on the prefill pod: its signal moves, the decode pod's does not.
+        app.pool.queued_prefill_tokens[app.pool.endpoints["p0"].slot] = 50_000.0
+        prefill = pb.GetMetricsRequest(scaledObjectRef=ref(role="prefill", signal="queuedPromptTokens"))
+        assert (await metrics(prefill)).metricValues[0].metricValueFloat == 50_000.0
+        decode = pb.GetMetricsRequest(scaledObjectRef=ref(role="decode", signal="queuedPromptTokens"))
+        assert (await metrics(decode)).metricValues[0].metricValueFloat == 0.0
+        active = rpc(channel, "IsActive", pb.IsActiveResponse)
+        assert (await active(ref(role="prefill", signal="queuedPromptTokens", activation="1000"))).result
+        assert not (await active(ref(role="decode", signal="queuedPromptTokens", activation="1000"))).result
+        # external-push: the current activity at once, then the change.
+        stream = channel.unary_stream(
+            SERVICE + "StreamIsActive",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=pb.IsActiveResponse.FromString,
+        )(ref(role="prefill", signal="queuedPromptTokens", activation="1000"))
+        assert (await stream.read()).result is True
+        app.pool.queued_prefill_tokens[app.pool.endpoints["p0"].slot] = 0.0
+        assert (await stream.read()).result is False
+        stream.cancel()
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ({"signal": "load"}, "role must be one of"),
+        ({"role": "decode", "signal": "vibes"}, "signal must be one of"),
+        ({"role": "decode", "target": "lots"}, "must be numbers"),
+        ({"role": "decode", "target": "0"}, "target must be > 0"),
+    ],
+)
+async def test_bad_metadata_is_invalid_argument_naming_the_key(
+    metadata: dict[str, str], message: str
+) -> None:
+    async with (
+        router_on_sim([EngineSpec("e0", "prefill-decode")], {"keda": {"enabled": True, "port": 0}}) as (
+            _,
+            app,
+            _b,
+        ),
+        grpc.aio.insecure_channel(f"127.0.0.1:{app.keda.port}") as channel,
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rpc(channel, "GetMetricSpec", pb.GetMetricSpecResponse)(ref(**metadata))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await rpc(channel, "StreamMetricSpec", pb.GetMetricSpecResponse)(ref(role="decode"))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED  # KEDA then polls GetMetricSpec
+
+
+def test_the_generated_messages_match_the_proto() -> None:
+    # Regenerates from proto/externalscaler.proto; a stale module fails here, not in a cluster.
+    assert MODULE.read_text() == generated(), "run: python -m router.adapters.keda.generate"
