@@ -40,6 +40,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvindex.aio import stop_task
+
 logger = logging.getLogger(__name__)
 
 # --- framing constants (vLLM 0.33) -------------------------------------------------------------
@@ -764,9 +766,7 @@ class KVEventConsumer:
         tasks = [*(e.task for e in self._engines.values() if e.task is not None), *self._retiring]
         for engine in self._engines.values():
             engine.task = None
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(stop_task(task) for task in tasks))
         # Every socket is closed with linger 0 in its task's finally, so term() does not block.
         ctx.term()
 

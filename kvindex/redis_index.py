@@ -54,7 +54,6 @@ budget only wastes it; the probe is the retry) with ``decode_responses`` left Fa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -68,6 +67,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kvindex.aio import stop_task
 from kvindex.memory import MemoryPrefixIndex
 
 log = logging.getLogger(__name__)
@@ -366,9 +366,7 @@ class SharedPrefixIndex:
     async def close(self, timeout_s: float = 1.0) -> None:
         """Stop the background task and flush pending writes, best effort within ``timeout_s``."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_task(self._task)
             self._task = None
         if self.healthy and (self._ops or self._clears):
             try:
@@ -436,7 +434,12 @@ class SharedPrefixIndex:
             del self._unflushed[name]
 
     async def _run(self) -> None:
+        task = asyncio.current_task()
         while True:
+            # On Python 3.11 an asyncio.timeout() expiring as the task is cancelled can swallow the
+            # cancellation; the request is still counted, so leave instead of waiting forever.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             try:
                 if self.healthy:
                     await self._work.wait()  # also set by _went_down, so the probe starts

@@ -11,7 +11,6 @@ Adding an adapter is its module plus one ``enter_async_context`` line in ``start
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from kvindex.aio import stop_task
 from kvindex.base import PrefixIndex
 from kvindex.chat_template import ChatTemplate
 from kvindex.events import KVEventConsumer
@@ -152,7 +152,7 @@ class App:
         await self._start_control(session)
         await self.scrape_once()
         scrape_task = asyncio.create_task(self._scrape_loop(), name="scrape-loop")
-        stack.push_async_callback(_cancel, scrape_task)
+        stack.push_async_callback(stop_task, scrape_task)
         if self.precise_keys is not None:
             stack.callback(self.precise_keys.close)
             await self._start_kv_events()
@@ -187,7 +187,7 @@ class App:
         else:  # serve health and metrics, but not ready until the pool has been read once
             log.warning("discovery %s has not read the pool yet: not ready", self.discovery.name)
             waiter = asyncio.create_task(self._ready_once_synced(), name="ready-once-synced")
-            stack.push_async_callback(_cancel, waiter)
+            stack.push_async_callback(stop_task, waiter)
 
     async def _kubernetes(self) -> DiscoverySource:
         from kubernetes_asyncio import client
@@ -257,7 +257,7 @@ class App:
         discovery = asyncio.create_task(
             self.discovery.run(control.apply), name=f"discovery-{self.discovery.name}"
         )
-        self._stack.push_async_callback(_cancel, discovery)
+        self._stack.push_async_callback(stop_task, discovery)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.gate.initial_wait_s
         while not self.discovery.synced and not discovery.done() and loop.time() < deadline:
@@ -266,7 +266,7 @@ class App:
             raise discovery.exception()  # type: ignore[misc]
         await control.settle(max(0.0, deadline - loop.time()))
         control_loop = asyncio.create_task(control.run(), name="group-control")
-        self._stack.push_async_callback(_cancel, control_loop)
+        self._stack.push_async_callback(stop_task, control_loop)
 
     def _shared_index(self, cfg: RedisConfig, local: MemoryPrefixIndex) -> SharedPrefixIndex:
         client = _redis_client(cfg.url)
@@ -350,9 +350,3 @@ def _redis_client(url: str) -> Any:
 
     # No client retries: every call has its own timeout, and each user has its own fallback.
     return Redis.from_url(url, decode_responses=False, retry=Retry(NoBackoff(), 0))
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task

@@ -62,7 +62,14 @@ ALLOWED: dict[str, set[str]] = {
     },
     "router.sidecar": {"router.http", "router.rejections", "router.request"},
     "router.signals": {"router.pool", "router.types", "router.features", "scorers"},
-    "router.control": {"router.config", "router.pool", "router.http", "router.observe", "router.types"},
+    "router.control": {
+        "kvindex",
+        "router.config",
+        "router.pool",
+        "router.http",
+        "router.observe",
+        "router.types",
+    },
     # The composition root: builds and wires everything, imported by nothing above.
     "router.compose": COMPOSITION,
     "router.app": COMPOSITION,

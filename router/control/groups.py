@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from kvindex.aio import stop_task
 from router.config import EndpointConfig
 from router.control.gate import CheckResult, Gate, GateFailed
 from router.control.model import GroupSpec
@@ -377,9 +378,7 @@ class GroupController:
 
     async def stop(self) -> None:
         tasks = [r.task for r in self.groups.values() if r.task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(stop_task(task) for task in tasks))
 
     # -- views ------------------------------------------------------------------------------------------
     def counts(self) -> dict[tuple[str, str], int]:

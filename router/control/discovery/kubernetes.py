@@ -44,6 +44,7 @@ from kubernetes_asyncio import watch
 from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
 from kubernetes_asyncio.client.exceptions import ApiException
 
+from kvindex.aio import stop_task
 from router.control.model import GroupSpec, Member, Publish, Role
 
 log = logging.getLogger(__name__)
@@ -289,9 +290,7 @@ class KubernetesDiscovery:
     async def _stop_pods(self) -> None:
         task, self._pods_task = self._pods_task, None
         if task is not None:
-            task.cancel()
-            # wait() rather than awaiting the task: its CancelledError is not ours to raise.
-            await asyncio.wait([task])
+            await stop_task(task)  # its CancelledError is not ours to raise
 
     # -- list + watch ------------------------------------------------------------------------
 
