@@ -196,10 +196,9 @@ class Flight:
         """The drop-in request series: total, duration, running, and errors by code."""
         per_request = self.flow.metrics.per_request
         series = self.series
-        request = self.request
-        model = request.model if request is not None else "unknown"
-        priority = request.priority if request is not None else 0
         if series is None:  # rejected before a pick: counted, never running
+            request = self.request
+            model, priority = ("unknown", 0) if request is None else (request.model, request.priority)
             series = per_request.bind(model, self._fairness_id(), priority, False)
         else:
             for running in series.running:
@@ -209,4 +208,4 @@ class Flight:
         for duration in series.duration:
             duration.observe(seconds)
         if self.outcome not in (OK, ROUTED):
-            per_request.error(series, model, self._fairness_id(), priority, self.outcome or NO_ROUTE)
+            per_request.error(series, self.outcome or NO_ROUTE)

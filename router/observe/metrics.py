@@ -82,12 +82,14 @@ class RouterMetrics:
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 MAX_MODEL_LABELS = 1000  # as the reference pickers: past the cap, new values read "other"
+MAX_PRIORITY_LABELS = 16
 
 
 @dataclass(slots=True)
 class _RequestChildren:
     """Every request series of one label set, bound once."""
 
+    labels: tuple[str, str, str]  # (model, fairness id, priority), capped
     total: tuple[Any, ...]
     duration: tuple[Any, ...]
     running: tuple[Any, ...]
@@ -161,17 +163,21 @@ class RequestMetrics:
         self._children: dict[tuple[str, str, str, bool], _RequestChildren] = {}
         self._models: set[str] = set()
         self._fairness: set[str] = set()
+        self._priorities: set[str] = set()
 
     def bind(self, model: str, fairness_id: str, priority: int, streaming: bool) -> _RequestChildren:
         """The series of one request's label set (bound once per distinct set)."""
-        model = _capped(model, self._models)
-        fairness_id = _capped(fairness_id, self._fairness)
-        key = (model, fairness_id, str(priority), streaming)
+        model = _capped(model, self._models, MAX_MODEL_LABELS)
+        fairness_id = _capped(fairness_id, self._fairness, MAX_MODEL_LABELS)
+        # Clients choose the priority header's integer: a few values, then "other".
+        rank = _capped(str(priority), self._priorities, MAX_PRIORITY_LABELS)
+        key = (model, fairness_id, rank, streaming)
         children = self._children.get(key)
         if children is None:
-            llm_d = (model, model, fairness_id, key[2])
-            gie = (model, model, key[2])
+            llm_d = (model, model, fairness_id, rank)
+            gie = (model, model, rank)
             children = self._children[key] = _RequestChildren(
+                labels=(model, fairness_id, rank),
                 total=(self._total[0].labels(*llm_d), self._total[1].labels(*gie)),
                 duration=(self._duration[0].labels(*llm_d), self._duration[1].labels(model, model)),
                 running=(self._running[0].labels(*llm_d), self._running[1].labels(model)),
@@ -183,25 +189,24 @@ class RequestMetrics:
             )
         return children
 
-    def error(
-        self, children: _RequestChildren, model: str, fairness_id: str, priority: int, code: str
-    ) -> None:
+    def error(self, children: _RequestChildren, code: str) -> None:
+        """One failed request of ``children``'s label set; ``code`` is a bounded outcome name."""
         pair = children.errors.get(code)
         if pair is None:
-            model = model if model in self._models else "other"
+            model, fairness_id, rank = children.labels
             pair = children.errors[code] = (
-                self._errors[0].labels(model, model, fairness_id, str(priority), code),
+                self._errors[0].labels(model, model, fairness_id, rank, code),
                 self._errors[1].labels(model, model, code),
             )
         for child in pair:
             child.inc()
 
 
-def _capped(value: str, seen: set[str]) -> str:
-    """``value`` while fewer than the cap of distinct values were seen, then "other" for new ones."""
+def _capped(value: str, seen: set[str], cap: int) -> str:
+    """``value`` while fewer than ``cap`` distinct values were seen, then "other" for new ones."""
     if value in seen:
         return value
-    if len(seen) >= MAX_MODEL_LABELS:
+    if len(seen) >= cap:
         return "other"
     seen.add(value)
     return value

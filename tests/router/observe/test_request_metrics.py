@@ -7,7 +7,7 @@ from helpers import eventually, router_on_sim
 from prometheus_client import CollectorRegistry
 
 from loadtests.sim.engine import EngineSpec
-from router.observe.metrics import MAX_MODEL_LABELS, RequestMetrics
+from router.observe.metrics import MAX_MODEL_LABELS, MAX_PRIORITY_LABELS, RequestMetrics
 
 
 def sample(app, name: str, **labels: str) -> float:
@@ -60,9 +60,19 @@ async def test_requests_are_counted_under_both_families_with_ttft_and_errors() -
 
 
 def test_label_values_are_capped() -> None:
-    metrics = RequestMetrics(CollectorRegistry())
+    registry = CollectorRegistry()
+    metrics = RequestMetrics(registry)
     for i in range(MAX_MODEL_LABELS):
-        metrics.bind(f"m{i}", f"f{i}", 0, False)
+        metrics.bind(f"m{i}", f"f{i}", i % MAX_PRIORITY_LABELS, False)
     overflow = metrics.bind("one-more", "and-another", 0, False)
     assert overflow is metrics.bind("other", "other", 0, False)  # new values fold into "other"
-    assert metrics.bind("m3", "f3", 0, False) is metrics.bind("m3", "f3", 0, False)  # bound once
+    assert metrics.bind("m3", "f3", 3, False) is metrics.bind("m3", "f3", 3, False)  # bound once
+    # Clients choose the priority: past the cap a new one is "other", errors included.
+    flood = metrics.bind("m1", "f1", 10_000, False)
+    assert flood.labels == ("m1", "f1", "other")
+    metrics.error(flood, "no_capacity")
+    labels = {"model_name": "m1", "target_model_name": "m1", "fairness_id": "f1", "priority": "other"}
+    assert (
+        registry.get_sample_value("llm_d_epp_request_error_total", {**labels, "error_code": "no_capacity"})
+        == 1
+    )
