@@ -33,7 +33,9 @@ from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
 from router.observe.scrape import ScrapeError, Scraper
 from router.pool import Pool
 
-CANARY_HEADER = "x-pd-router-canary"  # engines (and their logs) can tell a canary from traffic
+CANARY_HEADER = "x-pd-router-canary"
+MAX_ANSWER_BYTES = 1 << 20  # what the gate reads of an engine's answer
+MAX_ANSWER_BYTES = 1 << 20  # engines (and their logs) can tell a canary from traffic
 
 
 class GateFailed(Exception):
@@ -219,13 +221,18 @@ class Gate:
             async with self.session.request(
                 method, f"http://{address}{path}", data=data, headers=headers
             ) as resp:
-                payload = await resp.read()
                 status = resp.status
+                # A model list or a one-token completion is small: a runaway answer is a failure.
+                payload = bytearray()
+                async for chunk in resp.content.iter_chunked(64 * 1024):
+                    payload += chunk
+                    if len(payload) > MAX_ANSWER_BYTES:
+                        raise GateFailed(f"{what} answered more than {MAX_ANSWER_BYTES} bytes")
         except (aiohttp.ClientError, OSError) as exc:
             raise GateFailed(f"{what} failed: {type(exc).__name__}") from None
         if status != 200:
             raise GateFailed(f"{what} answered HTTP {status}")
-        return payload
+        return bytes(payload)
 
     async def _pace(self, group: GroupSpec, kind: str) -> str | None:
         """At most one canary of a kind per group epoch per interval. A pass within the interval

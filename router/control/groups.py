@@ -439,6 +439,9 @@ class GroupController:
                         {"name": c.name, "ok": c.ok, "seconds": round(c.seconds, 4), "detail": c.detail}
                         for c in record.checks
                     ],
+                    "admitted_for_s": None
+                    if record.admitted_at is None
+                    else round(now - record.admitted_at, 2),
                     "last_failure": record.reason,
                     "retry_in_s": round(max(0.0, record.retry_at - now), 2)
                     if record.state is GroupState.FAILED

@@ -66,11 +66,9 @@ def make_index(client: aioredis.Redis, table: dict[str, int], **kwargs: float) -
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    srv = RedisServer(tmp_path)
-    srv.start()
-    yield srv
-    srv.kill()
+def server(redis: RedisServer) -> RedisServer:
+    """A throwaway redis-server per test (``tests/conftest.py``)."""
+    return redis
 
 
 @pytest.fixture(scope="module")

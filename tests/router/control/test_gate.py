@@ -202,3 +202,36 @@ async def test_a_draining_group_finishes_its_stream_and_gets_nothing_new() -> No
             assert rest.rstrip().endswith(b"data: [DONE]")  # the stream was not cut
             await eventually(lambda: record.drained, 5, "drained once the stream ended")
             assert traffic(cluster, other) >= 6
+
+
+async def test_a_runaway_answer_fails_the_check_instead_of_filling_memory() -> None:
+    import contextlib
+
+    from aiohttp import web
+
+    from router.control.gate import MAX_ANSWER_BYTES, Gate, GateFailed, GateSettings
+    from router.control.model import GroupSpec, Member
+    from router.pool import Pool
+
+    async def models(_: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(_)
+        for _i in range(MAX_ANSWER_BYTES // 65536 + 2):
+            await resp.write(b" " * 65536)
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    address = f"127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            gate = Gate(GateSettings("m", ("model",)), Pool(), http, None, None)  # type: ignore[arg-type]
+            group = GroupSpec("g", 1, (Member("g", "g", 0, True, (address,)),))
+            with pytest.raises(GateFailed, match="answered more than"):
+                await gate.run(group, lambda _: None)
+    finally:
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
