@@ -290,6 +290,19 @@ async def test_flushes_timed_out_while_the_scripts_are_checked_leak_no_connectio
         host=server.host, port=server.port, max_connections=2, retry=Retry(NoBackoff(), 0)
     )
     blocker, reader = client_for(server), client_for(server)
+    probes: list[aioredis.Redis] = []
+
+    async def server_busy() -> bool:
+        # A fresh connection's PING waits while the script runs: the server is blocked.
+        probe = client_for(server)
+        probes.append(probe)
+        try:
+            async with asyncio.timeout(0.01):
+                await probe.ping()
+        except TimeoutError:
+            return True
+        return False
+
     a = make_index(client, A_SLOTS, write_timeout_s=0.05)
     b = make_index(reader, B_SLOTS)
     try:
@@ -297,14 +310,14 @@ async def test_flushes_timed_out_while_the_scripts_are_checked_leak_no_connectio
             a.record(A_SLOTS["e0"], keys(50 + i))
             await client.ping()  # a connected connection in the pool, so the flush gets past connecting
             busy = asyncio.create_task(blocker.eval(BUSY_LUA, 0))
-            await asyncio.sleep(0.02)
+            await eventually(server_busy, 2, "the script holding the server")
             assert not await a.flush()  # the timeout fires during the pipeline's SCRIPT EXISTS
             await busy
         assert await client.ping()
         assert await a.flush()
         assert (await b.lookup(keys(50, 51, 52), slots_of(B_SLOTS, "e0"))).tolist() == [3]
     finally:
-        for c in (client, blocker, reader):
+        for c in (client, blocker, reader, *probes):
             await c.aclose()
 
 
