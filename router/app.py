@@ -31,7 +31,7 @@ from router.adapters.extproc import ExtProcListener
 from router.adapters.health import HealthState
 from router.adapters.keda.scaler import KedaListener, KedaScaler, ScalerSignals
 from router.adapters.openai import ProxyListener
-from router.compose import gate_settings_from, picker_from
+from router.compose import gate_settings_from, learn_settings_from, picker_from, scaling_settings_from
 from router.config import PoolConfig, RedisConfig
 from router.control.admin import control_routes
 from router.control.discovery.static import StaticDiscovery
@@ -55,7 +55,10 @@ from router.observe.metrics import (
 from router.observe.scrape import ScrapeError, Scraper
 from router.pool import Pool
 from router.producers import PreciseKeys, SharedLookup
+from router.signals.perf import PerformanceModel
 from router.signals.pool import SignalsCollector
+from router.signals.scaling import PoolSignals
+from scorers.cost import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +111,33 @@ class App:
             producers.append(SharedLookup(self.shared, self.pool))
         self.picker = picker_from(config, self.pool, self.index, precise=self.precise_index, seed=seed)
         self.metrics = RouterMetrics(self.pool, pool_name)
+        limits = config.limits
         self.metrics.registry.register(
             SignalsCollector(
                 self.pool,
                 pool_name,
-                self.picker.cost_model,
-                typical_max_tokens=config.limits.default_max_tokens,
-                block_tokens=config.limits.block_tokens,
+                self._cost_model,
+                typical_max_tokens=limits.default_max_tokens,
+                block_tokens=limits.block_tokens,
             )
         )
         self.metrics.registry.register(PickerCollector(self.picker))
-        self.flow = RequestFlow(self.picker, self.metrics, config.request_limits(), config.model, producers)
+        # The performance model learns from every answer; each accepted fit re-prices the picker.
+        self.control_metrics = ControlMetrics(self.metrics.registry)
+        self.scaling = PoolSignals(
+            self.pool,
+            PerformanceModel(self.picker.cost_model.model, learn_settings_from(config)),
+            self._cost_model,
+            self._reprice,
+            scaling_settings_from(config),
+            ready_times=lambda: self.control_metrics.ready_times,
+            typical_max_tokens=limits.default_max_tokens,
+            block_tokens=limits.block_tokens,
+        )
+        self.metrics.registry.register(self.scaling)
+        self.flow = RequestFlow(
+            self.picker, self.metrics, config.request_limits(), config.model, producers, self.scaling
+        )
         self.health = HealthState()
         self.ready = False
         self.proxy: ProxyListener | None = None
@@ -127,6 +146,12 @@ class App:
         self.keda: KedaListener | None = None
         self._stack = AsyncExitStack()
         self._scraper: Scraper | None = None
+
+    def _cost_model(self) -> CostModel:
+        return self.picker.cost_model
+
+    def _reprice(self, cost_model: CostModel) -> None:
+        self.picker.cost_model = cost_model
 
     @property
     def proxy_port(self) -> int | None:
@@ -153,6 +178,8 @@ class App:
         await self.scrape_once()
         scrape_task = asyncio.create_task(self._scrape_loop(), name="scrape-loop")
         stack.push_async_callback(stop_task, scrape_task)
+        signals_task = asyncio.create_task(self.scaling.run(), name="signals-tick")
+        stack.push_async_callback(stop_task, signals_task)
         if self.precise_keys is not None:
             stack.callback(self.precise_keys.close)
             await self._start_kv_events()
@@ -215,11 +242,7 @@ class App:
         )
 
     def _keda_scaler(self) -> KedaScaler:
-        limits = self.config.limits
-        signals = ScalerSignals(
-            self.pool, self.picker.cost_model, limits.default_max_tokens, limits.block_tokens
-        )
-        return KedaScaler(signals.value)
+        return KedaScaler(ScalerSignals(self.pool, self.scaling).value)
 
     def _set_ready(self) -> None:
         self.ready = True
@@ -247,7 +270,7 @@ class App:
             self.pool,
             gate,
             ControlSettings(cfg.gate.retry_base_s, cfg.gate.retry_max_s, cfg.gate.drain_timeout_s),
-            ControlMetrics(self.metrics.registry),
+            self.control_metrics,
             shared=shared,
         )
         self.metrics.registry.register(GroupCollector(control.counts, control.endpoint_counts))

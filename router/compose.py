@@ -14,6 +14,8 @@ from router.control.gate import GateSettings
 from router.filters import SubsetHint
 from router.picker import Picker, PickerSettings
 from router.pool import Pool
+from router.signals.perf import LearnSettings
+from router.signals.scaling import ScalingSettings
 from scorers.base import EngineModel, Objectives
 from scorers.cost import CostModel, WeightedTerm
 from scorers.link import LinkCosts
@@ -106,4 +108,26 @@ def picker_from(
         filters=(SubsetHint(pool),),
         precise=precise,
         defer=defer,
+    )
+
+
+def learn_settings_from(config: PoolConfig) -> LearnSettings:
+    signals = config.signals
+    return LearnSettings(
+        learn=signals.learn, min_samples=signals.min_samples, prior_samples=signals.prior_samples
+    )
+
+
+def scaling_settings_from(config: PoolConfig) -> ScalingSettings:
+    signals = config.signals
+    roles = ("prefill", "decode")
+    return ScalingSettings(
+        tick_s=signals.tick_ms / 1000.0,
+        ready_time_s=signals.ready_time_s,
+        scale_down_window_s=signals.scale_down_window_s,
+        trend_window_s=signals.trend_window_s,
+        backlog_drain_s=signals.backlog_drain_s,
+        kv_target=signals.kv_target,
+        min_replicas=tuple(getattr(signals.min_replicas, role) for role in roles),  # type: ignore[arg-type]
+        max_replicas=tuple(getattr(signals.max_replicas, role) for role in roles),  # type: ignore[arg-type]
     )

@@ -296,6 +296,40 @@ class KedaConfig(_Strict):
     port: Annotated[int, Field(ge=0, lt=65536)] = 9004
 
 
+class RoleCounts(_Strict):
+    prefill: Annotated[int, Field(ge=0)]
+    decode: Annotated[int, Field(ge=0)]
+
+
+class SignalsConfig(_Strict):
+    """The online performance model and the replica recommendation per role (``router/signals``)."""
+
+    tick_ms: Annotated[float, Field(ge=50)] = 1000.0
+    learn: bool = Field(True, description="route with the engine speeds fitted from observed TTFT/TPOT")
+    min_samples: Annotated[int, Field(ge=2)] = 16
+    prior_samples: NonNegative = Field(
+        0.1,
+        description="how many samples the configured engine model counts as once min_samples exist "
+        "(it still decides what the samples do not show)",
+    )
+    ready_time_s: Positive = Field(
+        480.0, description="how long a new replica takes to serve, until the gate has measured it"
+    )
+    scale_down_window_s: NonNegative = Field(300.0, description="scale down only to the max need over this")
+    trend_window_s: Positive = 120.0
+    backlog_drain_s: Positive = 30.0
+    kv_target: Annotated[float, Field(gt=0, le=1)] = 0.8
+    min_replicas: RoleCounts = RoleCounts(prefill=1, decode=1)
+    max_replicas: RoleCounts = RoleCounts(prefill=64, decode=64)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> SignalsConfig:
+        for role in ("prefill", "decode"):
+            if getattr(self.min_replicas, role) > getattr(self.max_replicas, role):
+                raise ValueError(f"min_replicas.{role} is above max_replicas.{role}")
+        return self
+
+
 class MetricsConfig(_Strict):
     """A separate Prometheus listener (the proxy also serves /metrics on its own port)."""
 
@@ -329,6 +363,7 @@ class PoolConfig(_Strict):
     kubernetes: KubernetesConfig | None = Field(None, description="discover the pool from Kubernetes")
     admin: AdminConfig = AdminConfig()
     keda: KedaConfig = KedaConfig()
+    signals: SignalsConfig = SignalsConfig()
 
     @field_validator("weights")
     @classmethod

@@ -24,6 +24,8 @@ from router.picker import Picker, RouteDecision
 from router.pool import Endpoint
 from router.rejections import Answer, Rejection, answer
 from router.request import headers_only_request, parse_request
+from router.response import ResponseMeter
+from router.signals.scaling import PoolSignals
 from router.types import RequestLimits, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -58,12 +60,15 @@ class RequestFlow:
         limits: RequestLimits,
         model: str,
         producers: Sequence[Producer] = (),
+        signals: PoolSignals | None = None,
     ) -> None:
+        """``signals``: where arrivals and observed latencies go (demand, the performance model)."""
         self.picker = picker
         self.metrics = metrics
         self.limits = limits
         self.model = model
         self.producers = tuple(producers)
+        self.signals = signals
 
     @property
     def prepares(self) -> bool:
@@ -92,8 +97,12 @@ class Flight:
         "first_byte_at",
         "flow",
         "headers",
+        "meter",
         "outcome",
+        "picked_at",
+        "prefill_leg_s",
         "request",
+        "retargeted",
         "series",
         "started",
     )
@@ -108,6 +117,10 @@ class Flight:
         self.closed = False
         self.series: Any = None  # the request's bound metric series, once picked
         self.first_byte_at: float | None = None
+        self.picked_at = 0.0
+        self.prefill_leg_s: float | None = None  # a P/D pair's prefill leg, pick to answer
+        self.meter: ResponseMeter | None = None  # the answer's tokens, once it flows
+        self.retargeted = False  # a failover happened: the timings are not one engine's
 
     def parse(self, raw: bytes, subset: frozenset[str] | None = None) -> RouteRequest:
         """The body and headers as a ``RouteRequest``; raises a ``Rejection``."""
@@ -125,8 +138,11 @@ class Flight:
         request = self.request
         assert request is not None, "parse() or headers_only() first"
         self.decision = self.flow.picker.pick(request)
+        self.picked_at = time.perf_counter()
         metrics = self.flow.metrics
-        metrics.observe_pick(self.decision, time.perf_counter() - self.started)
+        metrics.observe_pick(self.decision, self.picked_at - self.started)
+        if self.flow.signals is not None:
+            self.flow.signals.demand.arrived(self.decision.breakdown["uncached_tokens"])
         self.series = metrics.per_request.bind(
             request.model, self._fairness_id(), request.priority, request.stream
         )
@@ -144,6 +160,12 @@ class Flight:
             for ttft in self.series.ttft:
                 ttft.observe(self.first_byte_at - self.started)
 
+    def body(self, chunk: bytes) -> None:
+        """A piece of the engine's answer passed through (token counts and times are read)."""
+        if self.meter is None:
+            self.meter = ResponseMeter(self.request is not None and self.request.stream)
+        self.meter.feed(chunk)
+
     def reject(self, rejection: Rejection) -> Answer:
         """The response for a rejection; the flight's outcome becomes its code."""
         self.outcome = rejection.code
@@ -153,6 +175,12 @@ class Flight:
         """The response's status line is known (from the engine unless ``gateway_reply``)."""
         self.outcome = response_outcome(status, gateway_reply=gateway_reply)
 
+    def prefill_answered(self) -> None:
+        """A P/D pair's prefill leg answered: the prompt is computed (timed for the model)."""
+        if self.prefill_leg_s is None and not self.retargeted:
+            self.prefill_leg_s = time.perf_counter() - self.picked_at
+        self.prefill_done()
+
     def prefill_done(self) -> None:
         """The prompt is computed (prefill leg answered, or the first byte): free the queue charge."""
         if self.decision is not None:
@@ -161,6 +189,7 @@ class Flight:
     def retarget(self, *, prefill: Endpoint | None = None, decode: Endpoint | None = None) -> None:
         """Move the decision and its charge to a fallback endpoint after a failure."""
         assert self.decision is not None
+        self.retargeted = True
         self.flow.picker.retarget(self.decision, prefill=prefill, decode=decode)
 
     def upstream_failed(self, endpoint: Endpoint, reason: str, *, connect: bool) -> None:
@@ -191,6 +220,29 @@ class Flight:
         metrics = self.flow.metrics
         metrics.observe_request(self.outcome, seconds)
         self._count(seconds)
+        if self.outcome == OK and self.decision is not None and not self.retargeted:
+            self._learn(self.decision)
+
+    def _learn(self, decision: RouteDecision) -> None:
+        """What this answer teaches the performance model: the prompt's compute time, the TTFT
+        and TPOT against their predictions."""
+        signals, meter = self.flow.signals, self.meter
+        if signals is None:
+            return
+        if meter is not None:
+            meter.finish()
+        perf, b, now = signals.perf, decision.breakdown, time.monotonic()
+        work = b["queued_tokens"] + b["uncached_tokens"]
+        first = None if meter is None or not meter.streaming else meter.first_at
+        if self.prefill_leg_s is not None:
+            perf.observe_prefill(work, self.prefill_leg_s)
+        elif first is not None and decision.prefill is None:
+            perf.observe_prefill(work, first - self.picked_at)
+        if first is not None:
+            perf.observe_ttft(now, first - self.picked_at, b["ttft_s"])
+        tpot = None if meter is None else meter.tpot()
+        if tpot is not None:
+            perf.observe_tpot(now, tpot, b["tpot_s"], b["batch"], b["kv_tokens"])
 
     def _count(self, seconds: float) -> None:
         """The drop-in request series: total, duration, running, and errors by code."""

@@ -148,6 +148,10 @@ class PairCosts:
             "transfer_s": transfer,
             "cached_tokens": self.view.ctx.prompt_tokens - uncached,
             "uncached_tokens": uncached,
+            # What the performance model learns against (``router/signals/perf.py``).
+            "queued_tokens": float(self.view.wait_s[p]) * self.view.model.prefill_tokens_per_s,
+            "batch": float(self.view.batch[d]) + 1.0,
+            "kv_tokens": float(self.view.used_kv[d] + self.view.need_kv[d]),
         }
         prefill_side = self.prefill_side
         for name, values in self.terms.items():

@@ -272,6 +272,8 @@ class ExtProcStream:
         if self.flight is not None:
             self.flight.prefill_done()  # the first byte: prefill is over
             self.flight.first_byte()
+            if self.engine_response:
+                self.flight.body(body.body)
         if self.response_mode != FULL_DUPLEX:  # the response's own mode, not the request's
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if body.end_of_stream and self.flight is not None:

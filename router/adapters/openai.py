@@ -110,6 +110,7 @@ class Proxy:
                     data,
                     lambda upstream: self._start_response(request, upstream, flight),
                     flight.prefill_done,
+                    flight.body,
                 )
             except UpstreamError as exc:
                 last_error = exc
@@ -128,7 +129,7 @@ class Proxy:
             except UpstreamError as exc:
                 flight.upstream_failed(endpoint, exc.reason, connect=exc.connect)
                 continue
-            flight.prefill_done()
+            flight.prefill_answered()
             return params
         # Every prefill pod failed: the decode pod computes the prompt itself (slower, not lost).
         log.warning("request %s: every prefill leg failed; decoding with local prefill", route.request_id)

@@ -56,6 +56,10 @@ class ControlObserver(Protocol):
 
     def registered(self, seconds: float) -> None: ...
 
+    def ready_time(self, seconds: float) -> None:
+        """A group seen from before its ranks were Ready took ``seconds`` from first seen to
+        admitted: how long a new replica takes to serve (the horizon scaling plans over)."""
+
     def failed(self, check: str) -> None: ...
 
 
@@ -73,6 +77,7 @@ class GroupRecord:
     retry_at: float = 0.0
     barrier_at: float | None = None  # all ranks Ready (this epoch)
     admitted_at: float | None = None
+    seen_unready: bool = False  # this epoch was first seen before every rank was Ready
     drain_deadline: float | None = None
     drained: bool = False
     admin_drain: bool = False
@@ -126,7 +131,7 @@ class GroupController:
             fingerprint = spec.fingerprint()
             if record is None:
                 record = self.groups[spec.key] = GroupRecord(
-                    spec.key, spec, 1, fingerprint, GroupState.DISCOVERED, now
+                    spec.key, spec, 1, fingerprint, GroupState.DISCOVERED, now, seen_unready=not spec.complete
                 )
                 self._log(record, "discovered")
             elif fingerprint != record.fingerprint:
@@ -135,6 +140,7 @@ class GroupController:
                 record.fingerprint = fingerprint
                 record.spec = spec
                 record.discovered_at = now
+                record.seen_unready = not spec.complete
                 record.barrier_at = record.admitted_at = None
                 record.failures = 0
                 record.checks = []
@@ -314,6 +320,8 @@ class GroupController:
             self.pool.admitted[slots] = True
         if self.observer is not None:
             self.observer.registered(now - record.discovered_at)
+            if record.seen_unready:
+                self.observer.ready_time(now - record.discovered_at)
         self._log(record, f"admitted after {now - record.discovered_at:.2f}s")
 
     async def _run_gate(

@@ -102,8 +102,10 @@ class TwoLegExchange:
         data: bytes,
         start_response: Callable[[aiohttp.ClientResponse], Awaitable[web.StreamResponse]],
         on_first_byte: Callable[[], None],
+        on_body: Callable[[bytes], None] = lambda _: None,
     ) -> web.StreamResponse:
-        """Send the decode leg and stream its answer through ``start_response``.
+        """Send the decode leg and stream its answer through ``start_response``; ``on_body`` sees
+        every piece of it as it passes.
 
         Raises ``UpstreamError`` only while nothing has been sent to the client (so the caller can
         fail over); after that an engine failure ends the stream with an SSE error event.
@@ -130,6 +132,7 @@ class TwoLegExchange:
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise UpstreamError(address, f"decode answer cut: {type(exc).__name__}") from None
                 on_first_byte()
+                on_body(payload)
                 out = await start_response(resp)
                 await out.write(payload)
                 return out
@@ -140,6 +143,7 @@ class TwoLegExchange:
                     if out is None:
                         on_first_byte()
                         out = await start_response(resp)
+                    on_body(chunk)
                     await out.write(chunk)
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
                 if out is None:

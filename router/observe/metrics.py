@@ -7,6 +7,7 @@ path only increments counters.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -234,6 +235,8 @@ class ControlMetrics:
     """The control plane's startup trace: gate checks, the group barrier, registration, failures."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        # The last few first-seen-unready → admitted times: the ready time scaling plans over.
+        self.ready_times: deque[float] = deque(maxlen=32)
         self.check_duration = Histogram(
             "pd_router_gate_check_duration_seconds",
             "Time one ready-gate check took, by check (passed or failed).",
@@ -268,6 +271,9 @@ class ControlMetrics:
 
     def registered(self, seconds: float) -> None:
         self.registration_duration.observe(seconds)
+
+    def ready_time(self, seconds: float) -> None:
+        self.ready_times.append(seconds)
 
     def failed(self, check: str) -> None:
         self.failures.labels(check).inc()

@@ -13,11 +13,11 @@ The *stages* are the roles as autoscalers see them: ``prefill`` (pods that compu
   ScaledObjects keep working.
 * **Per-role load**: queued uncached prompt tokens (ours, or scraped waiting × typical prompt,
   whichever is larger), running and waiting requests, KV usage (mean, max, sample std-dev).
-* **Predicted latency and load**: the TTFT a typical new request would get from the best prefill
+* **Predicted latency**: the TTFT a typical new request would get from the best prefill
   candidate (queue wait + prefill of a typical prompt, from the cost model's own terms) and the
-  TPOT it would get from the best decode candidate; ``load = predicted / SLO`` per role
-  (``load_prefill`` from TTFT, ``load_decode`` from TPOT). Absent while a stage has no fresh
-  endpoint (unknown, not zero).
+  TPOT it would get from the best decode candidate. Absent while a stage has no fresh endpoint
+  (unknown, not zero). The load per role (``max(predicted, observed) / SLO``) and the replica
+  recommendation are in ``scaling.py``.
 * **Pool averages** under both families (``llm_d_epp_*`` and ``inference_pool_*``): means over
   fresh endpoints of KV usage, waiting (queue) and running requests, their std-devs, the number of
   fresh endpoints, and the per-endpoint queue size.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,13 +128,14 @@ class SignalsCollector:
         self,
         pool: Pool,
         pool_name: str,
-        cost_model: CostModel | None = None,
+        cost_model: Callable[[], CostModel] | None = None,
         settings: SaturationSettings = SaturationSettings(),
         *,
         typical_max_tokens: int = 256,
         block_tokens: int = 16,
     ) -> None:
-        """``cost_model``: the picker's, for predicted latency and load (omitted: not exported)."""
+        """``cost_model``: the picker's current one (refits re-price it), for predicted latency
+        (omitted: not exported)."""
         self.pool = pool
         self.pool_name = pool_name
         self.cost_model = cost_model
@@ -193,31 +194,23 @@ class SignalsCollector:
 
     def _predicted(self, now: float) -> Iterator[Metric]:
         assert self.cost_model is not None
-        o = self.cost_model.objectives
+        cost_model = self.cost_model()
         ttft = predicted_latency(
-            self.pool, self.cost_model, "prefill", self.typical_max_tokens, self.block_tokens, now
+            self.pool, cost_model, "prefill", self.typical_max_tokens, self.block_tokens, now
         )
         tpot = predicted_latency(
-            self.pool, self.cost_model, "decode", self.typical_max_tokens, self.block_tokens, now
+            self.pool, cost_model, "decode", self.typical_max_tokens, self.block_tokens, now
         )
         latency = GaugeMetricFamily(
             "pd_router_pool_predicted_seconds",
             "Predicted TTFT (prefill) and TPOT (decode) of a typical new request on the best candidate.",
             labels=["role", "measure"],
         )
-        load = GaugeMetricFamily(
-            "pd_router_pool_load",
-            "Predicted latency over its SLO per role: TTFT/ttft_ms for prefill, TPOT/tpot_ms for decode.",
-            labels=["role"],
-        )
         if ttft is not None:
             latency.add_metric(["prefill", "ttft"], ttft)
-            load.add_metric(["prefill"], ttft / o.ttft_slo_s)
         if tpot is not None:
             latency.add_metric(["decode", "tpot"], tpot)
-            load.add_metric(["decode"], tpot / o.tpot_slo_s)
         yield latency
-        yield load
 
     def _pool_averages(self, now: float) -> Iterator[Metric]:
         """The pool gauges dashboards query, under llm-d's names and the Inference Extension's."""

@@ -31,21 +31,22 @@ from google.protobuf.message import DecodeError, Message
 from router.adapters.keda import externalscaler_pb2 as pb
 from router.config import KedaConfig
 from router.pool import Pool
-from router.signals.pool import STAGES, SaturationSettings, predicted_latency, stage_signals
+from router.signals.pool import STAGES, SaturationSettings, stage_signals
+from router.signals.scaling import PoolSignals
 from router.transport.h2grpc import INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer
-from scorers.cost import CostModel
 
 log = logging.getLogger(__name__)
 
 SERVICE = "/externalscaler.ExternalScaler/"
 # signal name -> what it reads; per-replica targets make sense for all of them with AverageValue.
 SIGNALS = (
-    "load",  # predicted latency / SLO: TTFT for prefill, TPOT for decode
+    "load",  # max(predicted, observed) latency / SLO: TTFT for prefill, TPOT for decode
     "saturation",  # mean of max(waiting/5, kv/0.8) over the role's admitted endpoints
     "queuedPromptTokens",
     "waitingRequests",
     "runningRequests",
     "kvUsage",  # mean over fresh endpoints
+    "recommendedReplicas",  # planned ahead by the ready time; use with target "1"
 )
 
 
@@ -85,23 +86,20 @@ def selection_of(metadata: dict[str, str]) -> Selection:
 class ScalerSignals:
     """Reads one signal of one role from the pool now (the same numbers ``/metrics`` exports)."""
 
-    def __init__(self, pool: Pool, cost_model: CostModel, typical_max_tokens: int, block_tokens: int) -> None:
+    def __init__(self, pool: Pool, scaling: PoolSignals) -> None:
         self.pool = pool
-        self.cost_model = cost_model
-        self.typical_max_tokens = typical_max_tokens
-        self.block_tokens = block_tokens
+        self.scaling = scaling
         self.settings = SaturationSettings()
 
     def value(self, role: str, signal: str) -> float:
         now = time.monotonic()
+        if signal == "recommendedReplicas":
+            recommendation = self.scaling.latest.get(role)
+            # Before the first tick: no opinion yet, which KEDA must not read as "scale to zero".
+            return float(recommendation.recommended if recommendation is not None else 1)
         if signal == "load":
-            seconds = predicted_latency(
-                self.pool, self.cost_model, role, self.typical_max_tokens, self.block_tokens, now
-            )
-            if seconds is None:
-                return 0.0  # no fresh endpoint of this role: nothing to measure load on
-            o = self.cost_model.objectives
-            return seconds / (o.ttft_slo_s if role == "prefill" else o.tpot_slo_s)
+            load = self.scaling.load(role, now)
+            return 0.0 if load is None else load  # None: no fresh endpoint of this role
         s = stage_signals(self.pool, role, self.settings, now)
         return {
             "saturation": s.saturation,

@@ -80,7 +80,7 @@ def test_the_exposition_has_both_families_with_their_labels() -> None:
     assert 'pd_router_pool_kv_usage{role="prefill",stat="max"} 0.5' in text
 
 
-def test_predicted_latency_and_load_follow_the_queue_and_the_batch() -> None:
+def test_predicted_latency_follows_the_queue_and_the_batch() -> None:
     from helpers import make_picker
 
     from router.signals.pool import predicted_latency
@@ -98,10 +98,10 @@ def test_predicted_latency_and_load_follow_the_queue_and_the_batch() -> None:
     busy.waiting[busy.endpoints["p1"].slot] = 0
     assert predicted_latency(busy, cm, "prefill", 256, 16, NOW) == pytest.approx(ttft[0])
     registry = CollectorRegistry()
-    registry.register(SignalsCollector(busy, "qwen", cm))
+    registry.register(SignalsCollector(busy, "qwen", lambda: cm))
     text = generate_latest(registry).decode()
-    assert f'pd_router_pool_load{{role="prefill"}} {ttft[0] / 0.5}' in text
+    assert f'pd_router_pool_predicted_seconds{{measure="ttft",role="prefill"}} {ttft[0]}' in text
     assert 'pd_router_pool_predicted_seconds{measure="tpot",role="decode"}' in text
     busy.admitted[:] = False  # no candidate: unknown, not zero
     text = generate_latest(registry).decode()
-    assert "pd_router_pool_load{role=" not in text
+    assert "pd_router_pool_predicted_seconds{" not in text

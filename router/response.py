@@ -1,0 +1,115 @@
+"""What an engine's answer says happened: token counts and when the tokens came.
+
+``ResponseMeter`` is fed the answer's body as it passes (the proxy's stream, or ext_proc's
+response body messages) and keeps only what the router learns from:
+
+* ``usage`` as the OpenAI API reports it (vLLM: ``prompt_tokens``, ``completion_tokens``,
+  ``prompt_tokens_details.cached_tokens``), from a JSON answer or from a streamed chunk that
+  carries it (``stream_options.include_usage``);
+* for a streamed answer, the number of SSE ``data:`` events with content (vLLM sends one per
+  token unless told to batch them) and the times of the first and last of them.
+
+A JSON answer is kept up to ``MAX_JSON_BYTES`` to read its usage; a larger one is counted as
+having no usage, never buffered without bound. Parsing is per chunk and only where ``"usage"`` is.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import orjson
+
+MAX_JSON_BYTES = 1 << 20
+MAX_EVENT_BYTES = 1 << 16  # an SSE event cut between chunks is kept up to this, to read its usage
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_DONE = b"data: [DONE]"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class ResponseMeter:
+    """Token counts and token times of one answer."""
+
+    __slots__ = ("_json", "_tail", "events", "first_at", "last_at", "streaming", "usage")
+
+    def __init__(self, streaming: bool) -> None:
+        self.streaming = streaming
+        self.events = 0  # streamed data events (≈ output tokens)
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.usage: Usage | None = None
+        self._json = bytearray()
+        self._tail = b""  # an SSE event cut between two chunks
+
+    def feed(self, chunk: bytes, now: float | None = None) -> None:
+        if not chunk:
+            return
+        if not self.streaming:
+            if len(self._json) + len(chunk) <= MAX_JSON_BYTES:
+                self._json += chunk
+            else:
+                self._json = bytearray(b"-")  # too large to read: no usage
+            return
+        now = time.perf_counter() if now is None else now
+        data = self._tail + chunk if self._tail else chunk
+        end = data.rfind(b"\n\n")  # events end with a blank line; the rest waits for more
+        cut = end + 2 if end >= 0 else 0
+        complete, tail = data[:cut], data[cut:]
+        self._tail = tail if len(tail) <= MAX_EVENT_BYTES else b""
+        events = complete.count(b"data:") - complete.count(_DONE)
+        if events > 0:
+            self.events += events
+            if self.first_at is None:
+                self.first_at = now
+            self.last_at = now
+        match = _USAGE.search(complete) if b'"usage"' in complete else None
+        if match is not None:
+            start = complete.rfind(b"data:", 0, match.start())
+            end = complete.find(b"\n\n", match.end())
+            self._read_usage(complete[start + 5 if start >= 0 else 0 : end])
+
+    def finish(self) -> None:
+        """The answer ended: read a JSON answer's usage."""
+        if not self.streaming and self._json[:1] == b"{":
+            self._read_usage(bytes(self._json))
+        self._json = bytearray()
+
+    def _read_usage(self, payload: bytes) -> None:
+        try:
+            usage = orjson.loads(payload).get("usage")
+        except (orjson.JSONDecodeError, AttributeError):
+            return
+        if not isinstance(usage, dict):
+            return
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        self.usage = Usage(
+            _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _count(cached)
+        )
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens generated: the engine's own count when it reported one, else the streamed events."""
+        if self.usage is not None and self.usage.completion_tokens is not None:
+            return self.usage.completion_tokens
+        return self.events
+
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first (streamed answers of 2+ tokens only)."""
+        n = self.output_tokens
+        if not self.streaming or n < 2 or self.first_at is None or self.last_at is None:
+            return None
+        if self.last_at <= self.first_at:
+            return None
+        return (self.last_at - self.first_at) / (n - 1)
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None

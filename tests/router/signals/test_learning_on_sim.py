@@ -1,0 +1,69 @@
+"""The performance model learns on real HTTP: streamed answers from simulated engines three times
+slower than configured re-price the picker, and the metrics show predicted against observed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import pytest
+from helpers import eventually, router_on_sim
+
+from loadtests.sim.cluster import engine_model_for
+from loadtests.sim.engine import EngineSpec, TimeModel
+
+pytestmark = pytest.mark.integration
+
+SPEED = 4.0
+SPECS = [
+    EngineSpec("p0", "prefill", link="a"),
+    EngineSpec("p1", "prefill", link="a"),
+    EngineSpec("d0", "decode", link="a"),
+    EngineSpec("d1", "decode", link="a"),
+]
+
+
+async def test_streamed_answers_teach_the_model_and_reprice_the_picker() -> None:
+    true = engine_model_for(TimeModel(speed=SPEED), 131072)
+    configured = {**true, "prefill_tokens_per_s": 3 * true["prefill_tokens_per_s"]}
+    sections = {
+        "engine": configured,
+        "signals": {"tick_ms": 50, "min_samples": 12},
+        "picker": {"allow_local_prefill": False},
+    }
+    rng = random.Random(3)
+    async with (
+        router_on_sim(SPECS, sections, speed=SPEED) as (_cluster, app, base),
+        aiohttp.ClientSession() as http,
+    ):
+
+        async def one(tokens: int) -> None:
+            prompt = "".join(rng.choice("abcdefgh ") for _ in range(tokens * 4))
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": 12, "stream": True}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+
+        for tokens in [60, 300, 1200, 2400] * 6:  # one at a time: the prefill leg is the prompt alone
+            await one(tokens)
+        perf = app.scaling.perf
+        await eventually(lambda: perf.prefill.fitted, 10.0, "an accepted prefill fit")
+        fitted_rate = 1.0 / float(perf.prefill.coefficients[1])
+        # Closer to the engines' real speed than to the configured one (HTTP and step overheads
+        # make the observed a little slower than the time model alone).
+        assert fitted_rate < 0.6 * configured["prefill_tokens_per_s"]
+        assert fitted_rate > 0.5 * true["prefill_tokens_per_s"]
+        await eventually(
+            lambda: app.picker.cost_model.model.prefill_tokens_per_s < configured["prefill_tokens_per_s"] / 2,
+            5.0,
+            "the picker re-priced by the fit",
+        )
+        assert len(perf.decode.samples) == 24  # every streamed answer gave a TPOT
+        await asyncio.gather(*(one(100) for _ in range(4)))
+        async with http.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+        assert 'pd_router_perf_model_fitted{role="prefill"} 1.0' in text
+        assert 'pd_router_prediction_ratio_count{measure="ttft"} 28.0' in text
+        assert 'pd_router_pool_observed_seconds{measure="ttft",role="prefill"}' in text
+        assert 'pd_router_recommended_replicas{role="decode"}' in text
