@@ -217,6 +217,8 @@ class Flight:
             self.decision.reservation.release()
         self.outcome = outcome or self.outcome or (CANCELLED if self.decision is not None else NO_ROUTE)
         seconds = time.perf_counter() - self.started
+        if self.meter is not None:
+            self.meter.finish()
         metrics = self.flow.metrics
         metrics.observe_request(self.outcome, seconds)
         self._count(seconds)
@@ -229,8 +231,6 @@ class Flight:
         signals, meter = self.flow.signals, self.meter
         if signals is None:
             return
-        if meter is not None:
-            meter.finish()
         perf, b, now = signals.perf, decision.breakdown, time.monotonic()
         work = b["queued_tokens"] + b["uncached_tokens"]
         first = None if meter is None or not meter.streaming else meter.first_at
@@ -259,5 +259,33 @@ class Flight:
             total.inc()
         for duration in series.duration:
             duration.observe(seconds)
+        if self.meter is not None and self.outcome == OK:
+            _observe_answer(series, self.meter, seconds)
         if self.outcome not in (OK, ROUTED):
             per_request.error(series, self.outcome or NO_ROUTE)
+
+
+def _observe_answer(series: Any, meter: ResponseMeter, seconds: float) -> None:
+    """The token and per-token series of one answered request (what its answer reported)."""
+    usage = meter.usage
+    counts = (
+        {}
+        if usage is None
+        else {
+            "input_tokens": usage.prompt_tokens,
+            "output_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens,
+        }
+    )
+    for name, value in counts.items():
+        if value is not None:
+            for child in getattr(series, name):
+                child.observe(value)
+    output = meter.output_tokens
+    if output > 0:
+        for ntpot in series.ntpot:
+            ntpot.observe(seconds / output)
+    tpot = meter.tpot()
+    if tpot is not None:
+        for child in series.tpot:
+            child.observe(tpot)

@@ -17,6 +17,8 @@ loaded a run was (the issue's condition: round-robin's p50 TTFT ≥ 3 × the col
     python -m loadtests.bench.routing                      # all scenarios, default size (~3 min)
     python -m loadtests.bench.routing --scenarios a --rate 30 --requests 1200
     python -m loadtests.bench.routing --scenarios a --sweep 20,30,40   # round-robin load sweep
+    python -m loadtests.bench.routing --misconfigure 3   # engines 3× slower than configured:
+                                                         # pd-router learning vs pd-router-static
 
 Everything listens on 127.0.0.1. Every run is bounded by its request count and ``--run-timeout``.
 """
@@ -189,8 +191,17 @@ def scaled_links(links: dict[str, Any], speed: float) -> dict[str, Any]:
 
 
 def make_config(
-    cluster: SimCluster, tm: TimeModel, links: dict[str, Any], policy: str = "joint"
+    cluster: SimCluster,
+    tm: TimeModel,
+    links: dict[str, Any],
+    policy: str = "joint",
+    *,
+    misconfigure: float = 1.0,
+    learn: bool = True,
 ) -> PoolConfig:
+    """``misconfigure``: the configured engine claims this × the simulator's real speed (3 = the
+    engines are three times slower than the operator wrote); ``learn``: the online model may
+    correct it."""
     endpoints = [
         {"address": cluster.address(name), "role": e.spec.role, "link": e.spec.link, "name": name}
         for name, e in cluster.engines.items()
@@ -199,7 +210,8 @@ def make_config(
     data: dict[str, Any] = {
         "model": "sim-model",
         "endpoints": endpoints,
-        "engine": engine_model_for(tm, KV_BYTES_PER_TOKEN),
+        "engine": claimed_engine(engine_model_for(tm, KV_BYTES_PER_TOKEN), misconfigure),
+        "signals": {"learn": learn, "tick_ms": max(50.0, 1000.0 / speed)},
         # SLOs scale with simulated time so the TTFT-vs-TPOT balance of the cost does not change.
         "slo": {"ttft_ms": 500.0 / speed, "tpot_ms": 50.0 / speed},
         "scrape": {"interval_ms": max(50.0, 200.0 / speed), "stale_after_ms": 5000},
@@ -211,22 +223,48 @@ def make_config(
     return parse_config(data)
 
 
+def claimed_engine(true: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The engine section of an operator who believes the engines ``factor`` × faster."""
+    if factor == 1.0:
+        return true
+    slower = ("decode_step_base_ms", "decode_ms_per_seq", "decode_ms_per_1k_kv_tokens")
+    return {
+        **true,
+        "prefill_tokens_per_s": true["prefill_tokens_per_s"] * factor,
+        **{key: true[key] / factor for key in slower},
+    }
+
+
 # Bench label -> ``picker.policy`` (pd-router is the joint choice; the others are its baselines).
 POLICIES = {
     "round-robin": "round-robin",
     "least-loaded": "least-loaded",
     "independent": "independent",
     "pd-router": "joint",
+    "pd-router-static": "joint",  # the same without the online model (only with --misconfigure)
 }
 
 
 async def run_policy(
-    scn: Scenario, policy: str, workload: Workload, tm: TimeModel, seed: int, timeout_s: float
+    scn: Scenario,
+    policy: str,
+    workload: Workload,
+    tm: TimeModel,
+    seed: int,
+    timeout_s: float,
+    misconfigure: float = 1.0,
 ) -> Summary:
     links = scaled_links(scn.links, tm.speed)
     link_cost = link_cost_from(LinksConfig.model_validate(links)) if links else None
     async with SimCluster(scn.specs(tm), link_cost) as cluster:
-        config = make_config(cluster, tm, links, POLICIES[policy])
+        config = make_config(
+            cluster,
+            tm,
+            links,
+            POLICIES[policy],
+            misconfigure=misconfigure,
+            learn=policy != "pd-router-static",
+        )
         async with App(config, seed=seed) as app:
             base = f"http://127.0.0.1:{app.proxy_port}"
             run = run_workload(base, workload, name=policy, timeout_s=timeout_s)
@@ -303,7 +341,7 @@ def render(
     ]
     pd = scn.key == "c"
     header = (
-        f"  {'policy':<13} {'ok':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+        f"  {'policy':<16} {'ok':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
         f"{'hit rate':>8} {'out tok/s':>9} {'p50/RR':>7} {'p99/RR':>7}"
     )
     if pd:
@@ -315,7 +353,7 @@ def render(
     for s in summaries:
         p50, p99 = s.pct("ttft_s", 0.5), s.pct("ttft_s", 0.99)
         row = (
-            f"  {s.name:<13} {len(s.ok):>4}/{len(s.results):<4} {_fmt(p50 * MS):>9} {_fmt(p99 * MS):>9} "
+            f"  {s.name:<16} {len(s.ok):>4}/{len(s.results):<4} {_fmt(p50 * MS):>9} {_fmt(p99 * MS):>9} "
             f"{_fmt(s.pct('tpot_s', 0.5) * MS, 2):>9} {_fmt(s.pct('tpot_s', 0.99) * MS, 2):>9} "
             f"{s.hit_rate:>8.1%} {s.throughput:>9.0f} {_fmt(p50 / rr50, 2):>7} {_fmt(p99 / rr99, 2):>7}"
         )
@@ -404,6 +442,8 @@ async def main_async(args: argparse.Namespace) -> int:
         n = args.requests or scn.requests
         rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate or scn.rate]
         policies = ["round-robin"] if args.sweep else [p for p in scn.policies if p in args.policies]
+        if args.misconfigure != 1.0 and "pd-router" in policies and not args.sweep:
+            policies.append("pd-router-static")
         started = time.perf_counter()
         unloaded = await unloaded_ttft(scn, tm, args.seed)
         for rate in rates:
@@ -411,7 +451,9 @@ async def main_async(args: argparse.Namespace) -> int:
             summaries = []
             for policy in policies:
                 t0 = time.perf_counter()
-                summary = await run_policy(scn, policy, workload, tm, args.seed, args.run_timeout)
+                summary = await run_policy(
+                    scn, policy, workload, tm, args.seed, args.run_timeout, args.misconfigure
+                )
                 failed += len(summary.results) - len(summary.ok)
                 sys.stderr.write(
                     f"  [{key}] {policy} @ {rate:g} req/s: {len(summary.ok)}/{len(summary.results)} ok, "
@@ -448,6 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--speed", type=float, default=1.0, help="simulated-time speed-up (link costs scale alike)"
+    )
+    parser.add_argument(
+        "--misconfigure",
+        type=float,
+        default=1.0,
+        help="configure the engines as this × faster than they are (3: three times slower than "
+        "written); adds pd-router-static, the same router without the online performance model",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-timeout", type=float, default=120.0, help="per-request client timeout, s")

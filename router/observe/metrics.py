@@ -82,6 +82,8 @@ class RouterMetrics:
 
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
+_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 MAX_MODEL_LABELS = 1000  # as the reference pickers: past the cap, new values read "other"
 MAX_PRIORITY_LABELS = 16
 
@@ -95,6 +97,11 @@ class _RequestChildren:
     duration: tuple[Any, ...]
     running: tuple[Any, ...]
     ttft: tuple[Any, ...]
+    tpot: tuple[Any, ...]  # streamed answers: time per output token after the first
+    ntpot: tuple[Any, ...]  # the whole request's duration over its output tokens
+    input_tokens: tuple[Any, ...]
+    output_tokens: tuple[Any, ...]
+    cached_tokens: tuple[Any, ...]
     errors: dict[str, tuple[Any, ...]]
 
 
@@ -161,6 +168,55 @@ class RequestMetrics:
                 registry=r,
             ),
         )
+        self._tpot = (
+            Histogram(
+                "llm_d_epp_request_streaming_tpot_seconds",
+                "Time per output token after the first, of streamed answers.",
+                llm_d,
+                buckets=_TPOT_BUCKETS,
+                registry=r,
+            ),
+            Histogram(
+                "inference_objective_request_tpot_seconds",
+                "Time per output token after the first, of streamed answers.",
+                ["model_name", "target_model_name"],
+                buckets=_TPOT_BUCKETS,
+                registry=r,
+            ),
+        )
+        self._ntpot = (
+            Histogram(
+                "llm_d_epp_request_ntpot_seconds",
+                "Request duration over its output tokens.",
+                llm_d,
+                buckets=_TPOT_BUCKETS,
+                registry=r,
+            ),
+            Histogram(
+                "inference_objective_normalized_time_per_output_token_seconds",
+                "Request duration over its output tokens.",
+                ["model_name", "target_model_name"],
+                buckets=_TPOT_BUCKETS,
+                registry=r,
+            ),
+        )
+        tokens = {}
+        for ours, theirs, what in (
+            ("input_tokens", "input_tokens", "Prompt tokens, as the engine reported them."),
+            ("output_tokens", "output_tokens", "Generated tokens, as the engine reported them."),
+            ("cached_tokens", "prompt_cached_tokens", "Prompt tokens the engine found in its cache."),
+        ):
+            tokens[ours] = (
+                Histogram(f"llm_d_epp_request_{ours}", what, llm_d, buckets=_TOKEN_BUCKETS, registry=r),
+                Histogram(
+                    f"inference_objective_{theirs}",
+                    what,
+                    ["model_name", "target_model_name"],
+                    buckets=_TOKEN_BUCKETS,
+                    registry=r,
+                ),
+            )
+        self._tokens = tokens
         self._children: dict[tuple[str, str, str, bool], _RequestChildren] = {}
         self._models: set[str] = set()
         self._fairness: set[str] = set()
@@ -186,6 +242,12 @@ class RequestMetrics:
                     self._ttft[0].labels(*llm_d, str(streaming).lower()),
                     self._ttft[1].labels(model, model),
                 ),
+                tpot=(self._tpot[0].labels(*llm_d), self._tpot[1].labels(model, model)),
+                ntpot=(self._ntpot[0].labels(*llm_d), self._ntpot[1].labels(model, model)),
+                **{
+                    name: (pair[0].labels(*llm_d), pair[1].labels(model, model))
+                    for name, pair in self._tokens.items()
+                },
                 errors={},
             )
         return children

@@ -83,6 +83,10 @@ async def test_sse_is_streamed_through_incrementally(tmp_path: Path) -> None:
             rest = await resp.read()
         assert rest.rstrip().endswith(b"data: [DONE]")
         await eventually(lambda: gw.app.pool.outstanding == 0, what="reservation released")
+        # Response processing saw the tokens go by: TTFT and TPOT reached the performance model.
+        perf = gw.app.scaling.perf
+        await eventually(lambda: perf.tpot.count == 1 and perf.ttft.count == 1, what="TTFT and TPOT observed")
+        assert int(perf.ratios["tpot"].sum()) == 1
 
 
 async def test_forged_routing_headers_from_the_client_are_ignored_and_stripped(tmp_path: Path) -> None:

@@ -20,7 +20,9 @@ async def test_requests_are_counted_under_both_families_with_ttft_and_errors() -
     async with router_on_sim(specs) as (_, app, base), aiohttp.ClientSession() as http:
         headers = {"x-llm-d-inference-fairness-id": "team-a"}
         for stream in (False, False, True):
-            body = {"model": "sim-model", "prompt": "hi " * 20, "max_tokens": 2, "stream": stream}
+            body = {"model": "sim-model", "prompt": "hi " * 20, "max_tokens": 4, "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
             async with http.post(f"{base}/v1/completions", json=body, headers=headers) as resp:
                 assert resp.status == 200
                 await resp.read()
@@ -40,6 +42,20 @@ async def test_requests_are_counted_under_both_families_with_ttft_and_errors() -
         assert sample(app, "llm_d_epp_request_ttft_seconds_count", **llm_d, streaming="false") == 2
         assert sample(app, "llm_d_epp_request_ttft_seconds_count", **llm_d, streaming="true") == 1
         assert sample(app, "llm_d_epp_request_duration_seconds_count", **llm_d) == 3
+        # What the answers reported: usage from two JSON bodies and one streamed usage chunk.
+        model = {"model_name": "sim-model", "target_model_name": "sim-model"}
+        for ours, theirs in (
+            ("input_tokens", "input_tokens"),
+            ("output_tokens", "output_tokens"),
+            ("cached_tokens", "prompt_cached_tokens"),
+        ):
+            assert sample(app, f"llm_d_epp_request_{ours}_count", **llm_d) == 3
+            assert sample(app, f"inference_objective_{theirs}_count", **model) == 3
+        assert sample(app, "llm_d_epp_request_output_tokens_sum", **llm_d) == 12
+        assert sample(app, "llm_d_epp_request_ntpot_seconds_count", **llm_d) == 3
+        assert sample(app, "inference_objective_normalized_time_per_output_token_seconds_count", **model) == 3
+        assert sample(app, "llm_d_epp_request_streaming_tpot_seconds_count", **llm_d) == 1
+        assert sample(app, "inference_objective_request_tpot_seconds_count", **model) == 1
         bad = {
             "model_name": "unknown",
             "target_model_name": "unknown",
