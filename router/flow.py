@@ -242,7 +242,8 @@ class Flight:
             perf.observe_ttft(now, first - self.picked_at, b["ttft_s"])
         tpot = None if meter is None else meter.tpot()
         if tpot is not None:
-            perf.observe_tpot(now, tpot, b["tpot_s"], b["batch"], b["kv_tokens"])
+            decode_only = decision.decode.role == "decode"
+            perf.observe_tpot(now, tpot, b["tpot_s"], b["batch"], b["kv_tokens"], fit=decode_only)
 
     def _count(self, seconds: float) -> None:
         """The drop-in request series: total, duration, running, and errors by code."""

@@ -6,8 +6,9 @@ response body messages) and keeps only what the router learns from:
 * ``usage`` as the OpenAI API reports it (vLLM: ``prompt_tokens``, ``completion_tokens``,
   ``prompt_tokens_details.cached_tokens``), from a JSON answer or from a streamed chunk that
   carries it (``stream_options.include_usage``);
-* for a streamed answer, the number of SSE ``data:`` events with content (vLLM sends one per
-  token unless told to batch them) and the times of the first and last of them.
+* for a streamed answer, the number of SSE ``data:`` events that carry text (vLLM sends one per
+  token unless told to batch them; a role-only opening chunk and the usage chunk do not count)
+  and the times of the first and last of them.
 
 A JSON answer is kept up to ``MAX_JSON_BYTES`` to read its usage; a larger one is counted as
 having no usage, never buffered without bound. Parsing is per chunk and only where ``"usage"`` is.
@@ -63,7 +64,7 @@ class ResponseMeter:
         cut = end + 2 if end >= 0 else 0
         complete, tail = data[:cut], data[cut:]
         self._tail = tail if len(tail) <= MAX_EVENT_BYTES else b""
-        events = complete.count(b"data:") - complete.count(_DONE)
+        events = sum(1 for event in complete.split(b"\n\n") if _is_token(event)) if complete else 0
         if events > 0:
             self.events += events
             if self.first_at is None:
@@ -109,6 +110,16 @@ class ResponseMeter:
         if self.last_at <= self.first_at:
             return None
         return (self.last_at - self.first_at) / (n - 1)
+
+
+def _is_token(event: bytes) -> bool:
+    """An SSE event that carries generated text: not the role-only opening chunk (some servers
+    send it before the prompt is computed), not the usage chunk, not ``[DONE]``."""
+    if not event.startswith(b"data:") or event.startswith(_DONE):
+        return False
+    if b'"choices":[]' in event:
+        return False
+    return not (b'"role"' in event and b'"content":""' in event)
 
 
 def _count(value: object) -> int | None:

@@ -207,12 +207,22 @@ class PerformanceModel:
         self._ratio("ttft", seconds, predicted)
 
     def observe_tpot(
-        self, now: float, seconds: float, predicted: float, batch: float, kv_tokens: float
+        self,
+        now: float,
+        seconds: float,
+        predicted: float,
+        batch: float,
+        kv_tokens: float,
+        *,
+        fit: bool = True,
     ) -> None:
         """A streamed answer's time per output token, with the decode pod's batch (this request
         included) and resident KV tokens at the pick: the features the picker predicts TPOT from,
-        so the fit is calibrated for exactly that use."""
-        self.decode.add(kv_tokens, (1.0, batch, kv_tokens), seconds)
+        so the fit is calibrated for exactly that use. ``fit=False``: observed and compared only
+        (a pod that also computes prompts stalls its decodes for them, which the cost model
+        prices separately as interference; fitting that into the step time would count it twice)."""
+        if fit:
+            self.decode.add(kv_tokens, (1.0, batch, kv_tokens), seconds)
         self.tpot.add(now, seconds)
         self._ratio("tpot", seconds, predicted)
 

@@ -239,7 +239,8 @@ class PoolSignals:
         self.recommender = Recommender(settings)
         self.trends = {role: Trend(settings) for role in ROLES}
         self.latest: dict[str, Recommendation] = {}
-        self._last: tuple[float, float] | None = None  # (time, prefill tokens) at the previous tick
+        # (time, prefill tokens routed so far) per tick, over the level window: the arrival rate.
+        self._arrived: deque[tuple[float, float]] = deque()
 
     @property
     def cost_model(self) -> CostModel:
@@ -292,9 +293,7 @@ class PoolSignals:
     def _prefill_state(self, now: float) -> tuple[RoleState, float]:
         pool = self.pool
         slots = self._role_slots("prefill")
-        tokens = self.demand.prefill_tokens
-        last, self._last = self._last, (now, tokens)
-        rate = (tokens - last[1]) / (now - last[0]) if last is not None and now > last[0] else 0.0
+        rate = self._arrival_rate(now, self.demand.prefill_tokens)
         queued = stage_signals(pool, "prefill", SaturationSettings(), now).queued_prompt_tokens
         demand = rate + queued / self.settings.backlog_drain_s
         typical = self.demand.typical_uncached
@@ -306,6 +305,16 @@ class PoolSignals:
         )
         state = RoleState(self._replicas(slots), demand, capacity, self.load("prefill", now))
         return state, demand
+
+    def _arrival_rate(self, now: float, tokens: float) -> float:
+        """Tokens per second over the last ``level_window_s`` (a burst inside one tick is spread
+        over the window, not read as its instantaneous rate)."""
+        arrived = self._arrived
+        arrived.append((now, tokens))
+        window = self.settings.level_window_s
+        while len(arrived) > 1 and arrived[1][0] <= now - window:
+            arrived.popleft()
+        return (tokens - arrived[0][1]) / window
 
     def _decode_state(self, now: float) -> tuple[RoleState, float]:
         pool = self.pool

@@ -32,6 +32,8 @@ def test_json_answer_usage() -> None:
 
 def test_stream_counts_events_times_them_and_reads_a_usage_chunk_cut_in_two() -> None:
     meter = ResponseMeter(streaming=True)
+    # A role-only opening chunk sent before the prompt is computed is not the first token.
+    meter.feed(sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]}), now=9.0)
     for i in range(5):
         meter.feed(sse({"choices": [{"delta": {"content": "t"}}], "usage": None}), now=10.0 + 0.02 * i)
     last = sse({"choices": [], "usage": USAGE}) + b"data: [DONE]\n\n"
@@ -39,10 +41,10 @@ def test_stream_counts_events_times_them_and_reads_a_usage_chunk_cut_in_two() ->
     assert meter.usage is None  # the event is not complete yet
     meter.feed(last[25:], now=10.1)
     assert meter.usage is not None and meter.usage.cached_tokens == 64
-    assert meter.events == 6 and meter.output_tokens == 7  # the engine's count wins
-    assert meter.first_at == 10.0 and meter.last_at == 10.1
+    assert meter.events == 5 and meter.output_tokens == 7  # the engine's count wins
+    assert meter.first_at == 10.0 and meter.last_at == pytest.approx(10.08)  # the usage chunk is no token
     tpot = meter.tpot()
-    assert tpot is not None and abs(tpot - 0.1 / 6) < 1e-9
+    assert tpot is not None and abs(tpot - 0.08 / 6) < 1e-9
 
 
 def test_stream_without_usage_counts_events() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from helpers import router_on_sim
+from helpers import eventually, router_on_sim
 
 from loadtests.sim.engine import EngineSpec
 from router.adapters.keda import externalscaler_pb2 as pb
@@ -28,7 +28,11 @@ def ref(**metadata: str) -> pb.ScaledObjectRef:
 async def test_the_scaler_answers_keda_per_role_and_signal() -> None:
     specs = [EngineSpec("p0", "prefill"), EngineSpec("d0", "decode")]
     async with (
-        router_on_sim(specs, {"keda": {"enabled": True, "port": 0}}) as (_, app, _base),
+        router_on_sim(specs, {"keda": {"enabled": True, "port": 0}, "signals": {"tick_ms": 50}}) as (
+            _,
+            app,
+            _base,
+        ),
         grpc.aio.insecure_channel(f"127.0.0.1:{app.keda.port}") as channel,
     ):
         spec = await rpc(channel, "GetMetricSpec", pb.GetMetricSpecResponse)(
@@ -61,6 +65,15 @@ async def test_the_scaler_answers_keda_per_role_and_signal() -> None:
         app.pool.queued_prefill_tokens[app.pool.endpoints["p0"].slot] = 0.0
         assert (await stream.read()).result is False
         stream.cancel()
+        # The recommendation per role, as the signals tick computed it (the queued prompts above
+        # made the prefill backlog something one replica cannot drain in time).
+        app.pool.queued_prefill_tokens[app.pool.endpoints["p0"].slot] = 5_000_000.0
+        await eventually(lambda: app.scaling.latest["prefill"].recommended > 1, 5.0, "a prefill scale-up")
+        for role in ("prefill", "decode"):
+            request = pb.GetMetricsRequest(scaledObjectRef=ref(role=role, signal="recommendedReplicas"))
+            (value,) = (await metrics(request)).metricValues
+            assert value.metricValueFloat == app.scaling.latest[role].recommended
+        assert app.scaling.latest["decode"].recommended == 1
 
 
 @pytest.mark.parametrize(

@@ -67,3 +67,44 @@ async def test_streamed_answers_teach_the_model_and_reprice_the_picker() -> None
         assert 'pd_router_prediction_ratio_count{measure="ttft"} 28.0' in text
         assert 'pd_router_pool_observed_seconds{measure="ttft",role="prefill"}' in text
         assert 'pd_router_recommended_replicas{role="decode"}' in text
+
+
+async def burst_peaks(isl: int, osl: int, n: int, speed: float, tpot_ms: float) -> dict[str, int]:
+    """Send ``n`` requests at once to a 1 prefill + 1 decode simulated pool; the highest
+    ``desired`` each role reached while they ran."""
+    sections = {
+        "slo": {"ttft_ms": 1000 / speed, "tpot_ms": tpot_ms / speed},
+        "signals": {"tick_ms": 50, "backlog_drain_s": 1.0, "learn": False},
+        "picker": {"allow_local_prefill": False},
+    }
+    # A decode pod with KV for every request of the burst: KV is not what these bursts test.
+    specs = [EngineSpec("p0", "prefill", link="a"), EngineSpec("d0", "decode", link="a", num_gpu_blocks=8192)]
+    peaks = {"prefill": 0, "decode": 0}
+    async with (
+        router_on_sim(specs, sections, speed=speed) as (_cluster, app, base),
+        aiohttp.ClientSession() as http,
+    ):
+
+        async def one(i: int) -> None:
+            prompt = f"{i} " + "".join(random.Random(i).choice("abcdefgh ") for _ in range(isl * 4))
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": osl, "ignore_eos": True}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+
+        requests = asyncio.gather(*(one(i) for i in range(n)))
+        while not requests.done():
+            for role, rec in app.scaling.latest.items():
+                peaks[role] = max(peaks[role], rec.desired)
+            await asyncio.sleep(0.02)
+        await requests
+    return peaks
+
+
+async def test_a_burst_of_long_prompts_raises_prefill_and_long_outputs_raise_decode() -> None:
+    # 24k prompt tokens at once on one prefill pod of 20k tokens/s.
+    isl_burst = await burst_peaks(isl=2000, osl=2, n=12, speed=1.0, tpot_ms=50)
+    assert isl_burst["prefill"] >= 2 and isl_burst["decode"] == 1
+    # 48 long decodes on one decode pod that meets a 10 ms TPOT SLO with about 25.
+    osl_burst = await burst_peaks(isl=20, osl=300, n=48, speed=SPEED, tpot_ms=10)
+    assert osl_burst["decode"] >= 2 and osl_burst["prefill"] == 1
