@@ -21,8 +21,10 @@ Robustness, in that order:
 * **Buckets**: samples are kept per power-of-two bucket of their size (ring buffers), so a burst
   of short prompts does not push out the rare long ones that pin the slope.
 * **Physically impossible fits are rejected** (a negative coefficient, a non-positive base, a
-  prefill that costs nothing per token) and the previous fit kept; each fit counts as accepted or
-  rejected, and the fit's mean relative error on its samples is exported.
+  prefill that costs nothing per token). The configured shape scaled by the median of observed
+  over its predictions stands in (one factor, which noisy or collinear samples still determine);
+  if even that is impossible the previous fit is kept. Each fit counts as accepted, rejected or
+  scaled, and the fit's mean relative error on its samples is exported.
 """
 
 from __future__ import annotations
@@ -111,8 +113,9 @@ class RoleModel:
     samples: SampleBuckets
     coefficients: np.ndarray = field(init=False)
     fitted: bool = False  # True once a fit from real samples was accepted
-    accepted: int = 0
-    rejected: int = 0
+    accepted: int = 0  # full fits taken
+    scaled: int = 0  # full fit impossible: the prior's shape scaled to the samples instead
+    rejected: int = 0  # full fits refused
     last_rejection: str | None = None
     error: float = math.nan  # mean |predicted / observed - 1| of the current fit on its samples
     added_since_fit: int = 0
@@ -126,7 +129,11 @@ class RoleModel:
             self.added_since_fit += 1
 
     def refit(self, settings: LearnSettings) -> bool:
-        """Fit again if new samples came; True when the coefficients changed."""
+        """Fit again if new samples came; True when the coefficients changed.
+
+        The full fit when it is physical; else the configured shape scaled by the median of
+        observed over prior-predicted (one factor: "the engines are 3× slower than written"),
+        which noisy or collinear samples still determine; else the previous coefficients."""
         if not self.added_since_fit or len(self.samples) < settings.min_samples:
             return False
         self.added_since_fit = 0
@@ -136,8 +143,12 @@ class RoleModel:
         if reason is not None:
             self.rejected += 1
             self.last_rejection = reason
-            return False
-        self.accepted += 1
+            candidate = self.prior * float(np.median(y / (x @ self.prior)))
+            if physical(candidate) is not None:
+                return False
+            self.scaled += 1
+        else:
+            self.accepted += 1
         self.coefficients = candidate
         self.fitted = True
         self.error = float(np.mean(np.abs((x @ candidate) / y - 1.0)))
@@ -266,7 +277,8 @@ class PerformanceModel:
         samples = GaugeMetricFamily("pd_router_perf_model_samples", "Samples kept per role.", labels=["role"])
         fits = CounterMetricFamily(
             "pd_router_perf_model_fits",
-            "Fits per role, accepted or rejected as physically impossible (the previous one kept).",
+            "Fits per role: accepted; rejected as physically impossible; scaled (after a rejection, "
+            "the configured shape scaled to the samples).",
             labels=["role", "result"],
         )
         error = GaugeMetricFamily(
@@ -282,6 +294,7 @@ class PerformanceModel:
                 coefficient.add_metric([model.role, term], value)
             samples.add_metric([model.role], float(len(model.samples)))
             fits.add_metric([model.role, "accepted"], float(model.accepted))
+            fits.add_metric([model.role, "scaled"], float(model.scaled))
             fits.add_metric([model.role, "rejected"], float(model.rejected))
             fitted.add_metric([model.role], float(model.fitted))
             if not math.isnan(model.error):
