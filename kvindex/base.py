@@ -36,6 +36,11 @@ class PrefixIndex(Protocol):
         """Note that ``slot`` now holds these blocks (most recently used)."""
         ...
 
+    def shrink(self, slot: int, blocks: int) -> None:
+        """``slot``'s engine holds ``blocks`` fewer blocks than recorded: forget that many of
+        the least recently used, and record no more than what remains for it."""
+        ...
+
     def drop_slot(self, slot: int) -> None:
         """Forget everything about ``slot`` (endpoint removed, restarted or cache reset)."""
         ...

@@ -48,7 +48,7 @@ class MemoryPrefixIndex:
     scratch arrays of ``match``. Implements :class:`kvindex.base.PrefixIndex`.
     """
 
-    __slots__ = ("_bits", "_capacity", "_entries", "_lru", "_max_slots", "_owners")
+    __slots__ = ("_bits", "_capacity", "_caps", "_entries", "_lru", "_max_slots", "_owners")
 
     def __init__(self, capacity_blocks_per_slot: int, max_slots: int = 4096) -> None:
         if capacity_blocks_per_slot < 1:
@@ -56,6 +56,7 @@ class MemoryPrefixIndex:
         if max_slots < 1:
             raise ValueError(f"max_slots: must be >= 1, got {max_slots}")
         self._capacity = capacity_blocks_per_slot
+        self._caps: dict[int, int] = {}  # slots whose engine proved to hold less (``shrink``)
         self._max_slots = max_slots
         self._owners: dict[int, int] = {}
         self._lru: dict[int, OrderedDict[int, None]] = {}
@@ -148,17 +149,32 @@ class MemoryPrefixIndex:
                 lru[key] = None
                 mask = owners.get(key)
                 owners[key] = bit if mask is None else mask | bit
-        over = len(lru) - self._capacity
-        if over > 0:
-            clear = ~bit
-            for _ in range(over):
-                old, _none = lru.popitem(last=False)
-                mask = owners[old] & clear
-                if mask:
-                    owners[old] = mask
-                else:
-                    del owners[old]
         self._entries += len(lru) - before
+        self._evict_over(slot, lru, self._caps.get(slot, self._capacity))
+
+    def shrink(self, slot: int, blocks: int) -> None:
+        """``slot``'s engine holds ``blocks`` fewer blocks than recorded (it said so): drop that
+        many least recently used, and hold no more than what remains for it from now on."""
+        lru = self._lru.get(slot)
+        if lru is None or blocks <= 0:
+            return
+        cap = self._caps[slot] = max(len(lru) - blocks, 1)
+        self._evict_over(slot, lru, cap)
+
+    def _evict_over(self, slot: int, lru: OrderedDict[int, None], cap: int) -> None:
+        over = len(lru) - cap
+        if over <= 0:
+            return
+        owners = self._owners
+        clear = ~self._bits[slot]
+        for _ in range(over):
+            old, _none = lru.popitem(last=False)
+            mask = owners[old] & clear
+            if mask:
+                owners[old] = mask
+            else:
+                del owners[old]
+        self._entries -= over
 
     def remove(self, slot: int, block_keys: np.ndarray | list[int]) -> None:
         """Forget these blocks of ``slot`` (an engine evicted them); unknown keys are a no-op."""
@@ -179,6 +195,7 @@ class MemoryPrefixIndex:
 
     def drop_slot(self, slot: int) -> None:
         """Forget everything about ``slot``; unknown slots are a no-op."""
+        self._caps.pop(slot, None)
         lru = self._lru.pop(slot, None)
         if lru is None:
             return

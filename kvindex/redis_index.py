@@ -250,6 +250,11 @@ class SharedPrefixIndex:
         self._known_slots.add(slot)
         self._enqueue(self._slot_names(slot), _ADD, block_keys)
 
+    def shrink(self, slot: int, blocks: int) -> None:
+        """The local mirror only: Redis entries age out with their TTL, and other replicas learn
+        the same from their own answers."""
+        self._local.shrink(slot, blocks)
+
     def drop_slot(self, slot: int) -> None:
         """Forget ``slot`` here and clear its endpoint in Redis for every replica.
 

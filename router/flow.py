@@ -24,7 +24,8 @@ from router.picker import Picker, RouteDecision
 from router.pool import Endpoint
 from router.rejections import Answer, Rejection, answer
 from router.request import headers_only_request, parse_request
-from router.response import ResponseMeter
+from router.response import ResponseMeter, Usage, usage_of
+from router.signals.calibration import evicted_blocks
 from router.signals.scaling import PoolSignals
 from router.types import RequestLimits, RouteRequest
 
@@ -94,6 +95,7 @@ class Flight:
     __slots__ = (
         "closed",
         "decision",
+        "estimated_tokens",
         "first_byte_at",
         "flow",
         "headers",
@@ -101,6 +103,7 @@ class Flight:
         "outcome",
         "picked_at",
         "prefill_leg_s",
+        "prefill_usage",
         "request",
         "retargeted",
         "series",
@@ -119,14 +122,23 @@ class Flight:
         self.first_byte_at: float | None = None
         self.picked_at = 0.0
         self.prefill_leg_s: float | None = None  # a P/D pair's prefill leg, pick to answer
+        self.prefill_usage: Usage | None = None  # what that leg's engine reported
         self.meter: ResponseMeter | None = None  # the answer's tokens, once it flows
         self.retargeted = False  # a failover happened: the timings are not one engine's
+        self.estimated_tokens = 0  # the prompt's tokens from its characters, before calibration
 
     def parse(self, raw: bytes, subset: frozenset[str] | None = None) -> RouteRequest:
         """The body and headers as a ``RouteRequest``; raises a ``Rejection``."""
-        self.request = parse_request(raw, self.flow.limits, self.headers)
-        self.request.subset = subset
-        return self.request
+        request = self.request = parse_request(raw, self.flow.limits, self.headers)
+        request.subset = subset
+        signals = self.flow.signals
+        if signals is not None:  # calibrated by what engines reported for earlier prompts
+            self.estimated_tokens = request.prompt_tokens
+            ratio = signals.tokens.ratio
+            if ratio != 1.0:
+                request.prompt_tokens = signals.tokens.scale(request.prompt_tokens)
+                request.block_tokens = self.flow.limits.block_tokens * ratio
+        return request
 
     def headers_only(self, subset: frozenset[str] | None = None) -> RouteRequest:
         """A request without a body: one pod answers it, never a prefill → decode pair."""
@@ -160,11 +172,22 @@ class Flight:
             for ttft in self.series.ttft:
                 ttft.observe(self.first_byte_at - self.started)
 
-    def body(self, chunk: bytes) -> None:
-        """A piece of the engine's answer passed through (token counts and times are read)."""
+    def expect_answer(self, *, strip_usage: bool = False) -> None:
+        """The answer is about to flow; ``strip_usage``: the router asked for the usage chunk,
+        which the client did not."""
+        self.meter = ResponseMeter(self.request is not None and self.request.stream, strip_usage=strip_usage)
+
+    def body(self, chunk: bytes) -> bytes:
+        """A piece of the engine's answer passes (token counts and times are read); returns what
+        to pass on."""
         if self.meter is None:
-            self.meter = ResponseMeter(self.request is not None and self.request.stream)
-        self.meter.feed(chunk)
+            self.expect_answer()
+        assert self.meter is not None
+        return self.meter.feed(chunk)
+
+    def body_rest(self) -> bytes:
+        """The answer ended: what ``body`` still held back."""
+        return b"" if self.meter is None else self.meter.rest()
 
     def reject(self, rejection: Rejection) -> Answer:
         """The response for a rejection; the flight's outcome becomes its code."""
@@ -175,10 +198,12 @@ class Flight:
         """The response's status line is known (from the engine unless ``gateway_reply``)."""
         self.outcome = response_outcome(status, gateway_reply=gateway_reply)
 
-    def prefill_answered(self) -> None:
-        """A P/D pair's prefill leg answered: the prompt is computed (timed for the model)."""
+    def prefill_answered(self, usage: object = None) -> None:
+        """A P/D pair's prefill leg answered (with its ``usage`` object, if any): the prompt is
+        computed, timed for the model."""
         if self.prefill_leg_s is None and not self.retargeted:
             self.prefill_leg_s = time.perf_counter() - self.picked_at
+        self.prefill_usage = usage_of(usage)
         self.prefill_done()
 
     def prefill_done(self) -> None:
@@ -244,6 +269,31 @@ class Flight:
         if tpot is not None:
             decode_only = decision.decode.role == "decode"
             perf.observe_tpot(now, tpot, b["tpot_s"], b["batch"], b["kv_tokens"], fit=decode_only)
+        self._correct(decision)
+
+    def _correct(self, decision: RouteDecision) -> None:
+        """What the engines reported: the true prompt tokens calibrate the estimate; cached
+        tokens far below what the index said the computing engine held mean it evicted them."""
+        signals, request = self.flow.signals, self.request
+        assert signals is not None and request is not None
+        answer = None if self.meter is None else self.meter.usage
+        # The engine that computed the prompt: the prefill leg's, or the one that answered.
+        computed = self.prefill_usage if decision.prefill is not None else answer
+        reported = next((u.prompt_tokens for u in (answer, computed) if u and u.prompt_tokens), None)
+        if reported is not None and self.estimated_tokens:
+            signals.tokens.observe(self.estimated_tokens, reported)
+        if computed is None or computed.cached_tokens is None:
+            return
+        held = decision.breakdown["held_tokens"]
+        signals.perf.observe_cached(held, computed.cached_tokens)
+        tokens_per_block = request.block_tokens or self.flow.limits.block_tokens
+        blocks = evicted_blocks(held, computed.cached_tokens, tokens_per_block)
+        if blocks is not None:
+            # The engine has just recomputed and cached this prompt, so its blocks are right in
+            # the index now; what was wrong is how much the index thinks the engine keeps.
+            endpoint = decision.prefill or decision.decode
+            log.debug("%s had %d cached tokens, not %d", endpoint.id, computed.cached_tokens, held)
+            self.flow.picker.shrink(endpoint, blocks[1] - blocks[0])
 
     def _count(self, seconds: float) -> None:
         """The drop-in request series: total, duration, running, and errors by code."""

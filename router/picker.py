@@ -140,7 +140,10 @@ class Picker:
         ctx = RequestCtx(
             prompt_tokens=request.prompt_tokens,
             max_tokens=request.max_tokens,
-            block_tokens=self.settings.block_tokens,
+            # Calibrated approximate blocks; precise keys are whole tokens of the configured size.
+            block_tokens=request.block_tokens
+            if request.block_tokens and request.precise_keys is None
+            else self.settings.block_tokens,
             typical_prompt_tokens=pool.typical_prompt_tokens,
         )
         view = derive(cand, ctx, self.cost_model)
@@ -235,6 +238,12 @@ class Picker:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("pick %s: %s %s", request.request_id, decision.reason, breakdown)
         return decision
+
+    def shrink(self, endpoint: Endpoint, blocks: int) -> None:
+        """The engine held ``blocks`` fewer of a prompt than the approximate index said: it keeps
+        less than recorded (unless the endpoint has left and its slot is someone else's)."""
+        if self.pool.by_slot[endpoint.slot] is endpoint:
+            self.index.shrink(endpoint.slot, blocks)
 
     def retarget(
         self, decision: RouteDecision, *, prefill: Endpoint | None = None, decode: Endpoint | None = None

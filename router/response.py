@@ -38,10 +38,12 @@ class Usage:
 class ResponseMeter:
     """Token counts and token times of one answer."""
 
-    __slots__ = ("_json", "_tail", "events", "first_at", "last_at", "streaming", "usage")
+    __slots__ = ("_json", "_tail", "events", "first_at", "last_at", "streaming", "strip_usage", "usage")
 
-    def __init__(self, streaming: bool) -> None:
+    def __init__(self, streaming: bool, *, strip_usage: bool = False) -> None:
+        """``strip_usage``: the router asked for the usage chunk; ``feed`` keeps it from the client."""
         self.streaming = streaming
+        self.strip_usage = strip_usage
         self.events = 0  # streamed data events (≈ output tokens)
         self.first_at: float | None = None
         self.last_at: float | None = None
@@ -49,15 +51,17 @@ class ResponseMeter:
         self._json = bytearray()
         self._tail = b""  # an SSE event cut between two chunks
 
-    def feed(self, chunk: bytes, now: float | None = None) -> None:
+    def feed(self, chunk: bytes, now: float | None = None) -> bytes:
+        """Read ``chunk``; returns what to pass on: ``chunk`` itself, or with ``strip_usage`` its
+        complete events but the usage chunk (an event cut between chunks waits for its end)."""
         if not chunk:
-            return
+            return chunk
         if not self.streaming:
             if len(self._json) + len(chunk) <= MAX_JSON_BYTES:
                 self._json += chunk
             else:
                 self._json = bytearray(b"-")  # too large to read: no usage
-            return
+            return chunk
         now = time.perf_counter() if now is None else now
         data = self._tail + chunk if self._tail else chunk
         end = data.rfind(b"\n\n")  # events end with a blank line; the rest waits for more
@@ -75,6 +79,16 @@ class ResponseMeter:
             start = complete.rfind(b"data:", 0, match.start())
             end = complete.find(b"\n\n", match.end())
             self._read_usage(complete[start + 5 if start >= 0 else 0 : end])
+            if self.strip_usage and start >= 0:
+                complete = complete[:start] + complete[end + 2 :]
+        if not self.strip_usage:
+            return chunk
+        return complete
+
+    def rest(self) -> bytes:
+        """The end of the stream: whatever ``feed`` still held back (an unterminated event)."""
+        rest, self._tail = self._tail, b""
+        return rest if self.strip_usage else b""
 
     def finish(self) -> None:
         """The answer ended: read a JSON answer's usage."""
@@ -84,16 +98,11 @@ class ResponseMeter:
 
     def _read_usage(self, payload: bytes) -> None:
         try:
-            usage = orjson.loads(payload).get("usage")
+            usage = usage_of(orjson.loads(payload).get("usage"))
         except (orjson.JSONDecodeError, AttributeError):
             return
-        if not isinstance(usage, dict):
-            return
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        self.usage = Usage(
-            _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _count(cached)
-        )
+        if usage is not None:
+            self.usage = usage
 
     @property
     def output_tokens(self) -> int:
@@ -110,6 +119,15 @@ class ResponseMeter:
         if self.last_at <= self.first_at:
             return None
         return (self.last_at - self.first_at) / (n - 1)
+
+
+def usage_of(usage: object) -> Usage | None:
+    """An answer's ``usage`` object as counts (a field that is not a count reads None)."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _count(cached))
 
 
 def _is_token(event: bytes) -> bool:

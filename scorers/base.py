@@ -52,7 +52,7 @@ class Candidates:
 class RequestCtx:
     prompt_tokens: int
     max_tokens: int
-    block_tokens: int
+    block_tokens: float  # prompt tokens per cached block
     typical_prompt_tokens: float  # stand-in size for queued requests that did not come through us
 
 

@@ -152,6 +152,7 @@ class PairCosts:
             "queued_tokens": float(self.view.wait_s[p]) * self.view.model.prefill_tokens_per_s,
             "batch": float(self.view.batch[d]) + 1.0,
             "kv_tokens": float(self.view.used_kv[d] + self.view.need_kv[d]),
+            "held_tokens": float(self.view.cached[p]),  # cached there, before the trust cap
         }
         prefill_side = self.prefill_side
         for name, values in self.terms.items():

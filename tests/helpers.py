@@ -76,6 +76,11 @@ class DictIndex:
     def record(self, slot: int, block_keys: np.ndarray) -> None:
         self.blocks.setdefault(slot, set()).update(block_keys.tolist())
 
+    def shrink(self, slot: int, blocks: int) -> None:
+        held = self.blocks.get(slot, set())
+        for _ in range(min(blocks, len(held))):
+            held.pop()
+
     def drop_slot(self, slot: int) -> None:
         self.blocks.pop(slot, None)
 

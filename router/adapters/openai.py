@@ -21,7 +21,7 @@ from aiohttp import web
 from router.config import ProxyConfig
 from router.flow import CLIENT_GONE, Flight, RequestFlow
 from router.http.client_io import answer_response, read_body
-from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
+from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
 from router.rejections import Rejection, UpstreamFailed
 from router.request import COMPLETION_PATHS
@@ -98,7 +98,15 @@ class Proxy:
         headers["X-Request-Id"] = route.request_id
         leg = Leg(request.path, headers)
         kv_params = await self._prefill(flight, leg) if decision.prefill is not None else None
-        data = decode_body(route.body, kv_params) if kv_params is not None else await request.read()
+        # Ask a streamed answer for its usage (what the engine counted and had cached); the
+        # client gets that chunk only if it asked for it itself.
+        body = with_usage(route.body)
+        flight.expect_answer(strip_usage=body is not None)
+        body = route.body if body is None else body
+        if kv_params is not None:
+            data = decode_body(body, kv_params)
+        else:
+            data = await request.read() if body is route.body else orjson.dumps(body)
         last_error: UpstreamError | None = None
         for endpoint in [decision.decode, *decision.decode_fallbacks]:
             if endpoint is not decision.decode:
@@ -111,6 +119,7 @@ class Proxy:
                     lambda upstream: self._start_response(request, upstream, flight),
                     flight.prefill_done,
                     flight.body,
+                    flight.body_rest,
                 )
             except UpstreamError as exc:
                 last_error = exc
@@ -125,11 +134,11 @@ class Proxy:
             if endpoint is not decision.prefill:
                 flight.retarget(prefill=endpoint)
             try:
-                params = await self.exchange.prefill(endpoint.address, leg, route.body)
+                params, usage = await self.exchange.prefill(endpoint.address, leg, route.body)
             except UpstreamError as exc:
                 flight.upstream_failed(endpoint, exc.reason, connect=exc.connect)
                 continue
-            flight.prefill_answered()
+            flight.prefill_answered(usage)
             return params
         # Every prefill pod failed: the decode pod computes the prompt itself (slower, not lost).
         log.warning("request %s: every prefill leg failed; decoding with local prefill", route.request_id)

@@ -191,7 +191,7 @@ class Gate:
         }
         leg = Leg("/v1/completions", {CANARY_HEADER: "1"})
         try:
-            params = await self.exchange.prefill(prefill, leg, body)
+            params, _ = await self.exchange.prefill(prefill, leg, body)
             answer = await self._decode_once(decode, leg, decode_body(body, params))
         except UpstreamError as exc:
             raise GateFailed(f"pair {prefill} -> {decode}: {exc.reason}") from None

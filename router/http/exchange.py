@@ -49,6 +49,18 @@ def prefill_body(body: dict[str, Any]) -> bytes:
     return orjson.dumps(leg)
 
 
+def with_usage(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The body asking for the usage chunk a streamed answer omits unless asked
+    (``stream_options.include_usage``); None when it is not streamed or already asks."""
+    options = body.get("stream_options")
+    if body.get("stream") is not True or (isinstance(options, dict) and options.get("include_usage")):
+        return None
+    return {
+        **body,
+        "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True},
+    }
+
+
 def decode_body(body: dict[str, Any], kv_transfer_params: Any) -> bytes:
     """The decode leg: the client's request plus the prefill answer's ``kv_transfer_params``."""
     return orjson.dumps({**body, "kv_transfer_params": kv_transfer_params})
@@ -71,8 +83,9 @@ class TwoLegExchange:
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
 
-    async def prefill(self, address: str, leg: Leg, body: dict[str, Any]) -> Any:
-        """Run the prefill leg; returns its ``kv_transfer_params`` or raises ``UpstreamError``."""
+    async def prefill(self, address: str, leg: Leg, body: dict[str, Any]) -> tuple[Any, Any]:
+        """Run the prefill leg; returns its ``kv_transfer_params`` and ``usage`` (None when it sent
+        none) or raises ``UpstreamError``."""
         try:
             async with self.session.post(
                 f"http://{address}{leg.path}",
@@ -88,12 +101,13 @@ class TwoLegExchange:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamError(address, f"prefill leg failed: {type(exc).__name__}") from None
         try:
-            params = orjson.loads(payload)["kv_transfer_params"]
+            answer = orjson.loads(payload)
+            params = answer["kv_transfer_params"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             raise UpstreamError(address, "prefill answer has no kv_transfer_params") from None
         if not isinstance(params, dict):
             raise UpstreamError(address, "prefill answer's kv_transfer_params is not an object")
-        return params
+        return params, answer.get("usage")
 
     async def decode(
         self,
@@ -102,10 +116,11 @@ class TwoLegExchange:
         data: bytes,
         start_response: Callable[[aiohttp.ClientResponse], Awaitable[web.StreamResponse]],
         on_first_byte: Callable[[], None],
-        on_body: Callable[[bytes], None] = lambda _: None,
+        on_body: Callable[[bytes], bytes] = lambda chunk: chunk,
+        on_end: Callable[[], bytes] = lambda: b"",
     ) -> web.StreamResponse:
         """Send the decode leg and stream its answer through ``start_response``; ``on_body`` sees
-        every piece of it as it passes.
+        every piece of it as it passes and returns what to write, ``on_end`` what is left at the end.
 
         Raises ``UpstreamError`` only while nothing has been sent to the client (so the caller can
         fail over); after that an engine failure ends the stream with an SSE error event.
@@ -132,7 +147,7 @@ class TwoLegExchange:
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise UpstreamError(address, f"decode answer cut: {type(exc).__name__}") from None
                 on_first_byte()
-                on_body(payload)
+                payload = on_body(payload)
                 out = await start_response(resp)
                 await out.write(payload)
                 return out
@@ -143,8 +158,8 @@ class TwoLegExchange:
                     if out is None:
                         on_first_byte()
                         out = await start_response(resp)
-                    on_body(chunk)
-                    await out.write(chunk)
+                    if chunk := on_body(chunk):
+                        await out.write(chunk)
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
                 if out is None:
                     raise UpstreamError(
@@ -155,6 +170,8 @@ class TwoLegExchange:
             if out is None:
                 on_first_byte()
                 out = await start_response(resp)
+            if rest := on_end():
+                await out.write(rest)
             return out
 
 

@@ -88,7 +88,7 @@ class Sidecar:
         data = raw
         if address is not None:
             try:
-                kv_params = await self.exchange.prefill(address, leg, body)
+                kv_params, _ = await self.exchange.prefill(address, leg, body)
             except UpstreamError as exc:
                 # The decode engine computes the prompt itself: slower, not lost.
                 log.warning(

@@ -204,7 +204,8 @@ class PerformanceModel:
         self.tpot = RecentLatency(settings.observed_window_s)
         # observed / predicted, per measure: the router's own accuracy, as a histogram.
         self.ratio_buckets = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, math.inf)
-        self.ratios = {m: np.zeros(len(self.ratio_buckets), dtype=np.int64) for m in ("ttft", "tpot")}
+        measures = ("ttft", "tpot", "cached_tokens")
+        self.ratios = {m: np.zeros(len(self.ratio_buckets), dtype=np.int64) for m in measures}
         self.ratio_sums = {m: 0.0 for m in self.ratios}
 
     # Samples ------------------------------------------------------------------------------------
@@ -236,6 +237,11 @@ class PerformanceModel:
             self.decode.add(kv_tokens, (1.0, batch, kv_tokens), seconds)
         self.tpot.add(now, seconds)
         self._ratio("tpot", seconds, predicted)
+
+    def observe_cached(self, predicted: float, reported: int) -> None:
+        """The computing engine reported ``reported`` cached prompt tokens where the index said
+        it held ``predicted``."""
+        self._ratio("cached_tokens", float(reported), predicted)
 
     def _ratio(self, measure: str, observed: float, predicted: float) -> None:
         if predicted > 0 and math.isfinite(predicted):
@@ -302,7 +308,8 @@ class PerformanceModel:
         yield from (coefficient, samples, fits, error, fitted)
         ratio = HistogramMetricFamily(
             "pd_router_prediction_ratio",
-            "Observed over predicted, per request: TTFT (streamed) and TPOT (streamed, 2+ tokens).",
+            "Observed over predicted, per request: TTFT (streamed), TPOT (streamed, 2+ tokens), and "
+            "the cached prompt tokens the computing engine reported over what the index said it held.",
             labels=["measure"],
         )
         for measure, counts in self.ratios.items():

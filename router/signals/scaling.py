@@ -43,6 +43,7 @@ import numpy as np
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from router.pool import Pool
+from router.signals.calibration import TokenCalibration
 from router.signals.perf import PerformanceModel
 from router.signals.pool import SaturationSettings, predicted_latency, stage_signals
 from scorers.cost import CostModel
@@ -236,6 +237,7 @@ class PoolSignals:
         self.block_tokens = block_tokens
         self.clock = clock
         self.demand = DemandMeter()
+        self.tokens = TokenCalibration()
         self.recommender = Recommender(settings)
         self.trends = {role: Trend(settings) for role in ROLES}
         self.latest: dict[str, Recommendation] = {}

@@ -221,3 +221,23 @@ def test_remove_forgets_only_those_blocks_of_that_slot() -> None:
     assert len(index) == 14
     index.remove(1, keys)
     assert index.match(keys, np.array([1])).tolist() == [0]
+
+
+def test_shrink_drops_the_least_recently_used_and_caps_the_slot() -> None:
+    index = MemoryPrefixIndex(capacity_blocks_per_slot=100)
+    old, new = np.arange(1, 41, dtype=np.uint64), np.arange(1001, 1021, dtype=np.uint64)
+    index.record(0, old)
+    index.record(0, new)
+    index.record(1, old)
+    index.shrink(0, 30)  # the engine holds 30 blocks fewer than the 60 recorded
+    assert index.slot_blocks(0) == 30
+    assert index.match(new, np.array([0]))[0] == 20  # the recent prompt stays
+    # The old prompt loses its tail first (as vLLM frees blocks), on slot 0 only.
+    assert index.match(old, np.array([0, 1])).tolist() == [10, 40]
+    index.record(0, np.arange(2001, 2031, dtype=np.uint64))
+    assert index.slot_blocks(0) == 30  # capped from now on
+    index.drop_slot(0)
+    index.record(0, old)
+    index.record(0, new)
+    assert index.slot_blocks(0) == 60  # a restarted engine starts with the full capacity again
+    assert len(index) == 60 + 40
