@@ -114,7 +114,10 @@ def picker_from(
 def learn_settings_from(config: PoolConfig) -> LearnSettings:
     signals = config.signals
     return LearnSettings(
-        learn=signals.learn, min_samples=signals.min_samples, prior_samples=signals.prior_samples
+        learn=signals.learn,
+        min_samples=signals.min_samples,
+        prior_samples=signals.prior_samples,
+        observed_window_s=signals.observed_window_s,
     )
 
 
@@ -125,8 +128,11 @@ def scaling_settings_from(config: PoolConfig) -> ScalingSettings:
         tick_s=signals.tick_ms / 1000.0,
         ready_time_s=signals.ready_time_s,
         scale_down_window_s=signals.scale_down_window_s,
+        level_window_s=signals.level_window_s,
         trend_window_s=signals.trend_window_s,
+        max_growth=signals.max_growth,
         backlog_drain_s=signals.backlog_drain_s,
+        max_utilization=signals.max_utilization,
         kv_target=signals.kv_target,
         min_replicas=tuple(getattr(signals.min_replicas, role) for role in roles),  # type: ignore[arg-type]
         max_replicas=tuple(getattr(signals.max_replicas, role) for role in roles),  # type: ignore[arg-type]

@@ -316,8 +316,14 @@ class SignalsConfig(_Strict):
         480.0, description="how long a new replica takes to serve, until the gate has measured it"
     )
     scale_down_window_s: NonNegative = Field(300.0, description="scale down only to the max need over this")
-    trend_window_s: Positive = 120.0
+    level_window_s: Positive = Field(10.0, description="demand level: the mean over this")
+    trend_window_s: Positive = Field(120.0, description="demand trend: a least-squares slope over this")
+    max_growth: Annotated[float, Field(ge=1)] = Field(3.0, description="forecast at most this × the level")
+    observed_window_s: Positive = Field(30.0, description="observed TTFT/TPOT: the p90 over this")
     backlog_drain_s: Positive = 30.0
+    max_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.85, description="a prefill replica's utilisation at most, whatever the SLO allows"
+    )
     kv_target: Annotated[float, Field(gt=0, le=1)] = 0.8
     min_replicas: RoleCounts = RoleCounts(prefill=1, decode=1)
     max_replicas: RoleCounts = RoleCounts(prefill=64, decode=64)

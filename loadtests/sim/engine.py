@@ -1132,12 +1132,23 @@ class SimCluster:
     async def start(self) -> None:
         try:
             for spec in self._specs:
-                engine = SimEngine(spec, self)
-                await engine.start(self._host)
-                self._engines[spec.name] = engine
+                await self.add(spec)
         except BaseException:
             await self.stop()
             raise
+
+    async def add(self, spec: EngineSpec) -> SimEngine:
+        """Start one more engine (a replica scaled up); its name must be new."""
+        if spec.name in self._engines:
+            raise ValueError(f"engine {spec.name!r} exists already")
+        engine = SimEngine(spec, self)
+        await engine.start(self._host)
+        self._engines[spec.name] = engine
+        return engine
+
+    async def remove(self, name: str) -> None:
+        """Stop an engine and forget it (a replica scaled away): anything still in flight is cut."""
+        await self._engines.pop(name).shutdown()
 
     async def stop(self) -> None:
         for engine in self._engines.values():

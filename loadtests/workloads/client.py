@@ -29,6 +29,7 @@ class Result:
     prefill: str = ""
     reason: str = ""
     error: str = ""
+    at_s: float = float("nan")  # the item's arrival offset (set by run_workload)
 
 
 @dataclass(slots=True)
@@ -137,6 +138,7 @@ async def run_workload(
             if delay > 0:
                 await asyncio.sleep(delay)
             result = await send(session, base_url, item)
+            result.at_s = item.at_s
             summary.results.append(result)
             if on_done is not None:
                 on_done(result)

@@ -1,4 +1,5 @@
-"""Seeded request workloads: shared-prefix (many users, few system prompts) and multi-turn chat.
+"""Seeded request workloads: shared-prefix (many users, few system prompts), multi-turn chat, and
+phased traffic whose rate and request shape change over time (ramps, bursts, periodic load).
 
 A workload is a list of ``WorkItem`` with arrival offsets (Poisson at ``rate`` requests/s), so two
 policies can be fed exactly the same requests at exactly the same times.
@@ -7,6 +8,7 @@ policies can be fed exactly the same requests at exactly the same times.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,3 +149,61 @@ def multi_turn(
             at += rng.uniform(1.0, 3.0) * turns / rate * 4
     items.sort(key=lambda item: item.at_s)
     return Workload("multi-turn", items)
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """A stretch of phased traffic: Poisson arrivals whose rate goes linearly from ``rate`` to
+    ``rate_end`` (default: constant) over ``duration_s``. Each request has ``prompt_tokens`` of prompt,
+    the first ``shared_tokens`` of them one of ``n_prefixes`` shared prefixes (the same texts in every
+    phase, so caches stay warm across phases; 0: every prompt unique), and ``max_tokens`` out, or a
+    uniform draw from ``max_tokens``..``max_tokens_high``."""
+
+    duration_s: float
+    rate: float
+    rate_end: float | None = None
+    prompt_tokens: int = 512
+    shared_tokens: int = 0
+    n_prefixes: int = 4
+    max_tokens: int = 32
+    max_tokens_high: int | None = None
+
+    def rate_at(self, t: float) -> float:
+        """Requests/s at ``t`` seconds into the phase."""
+        end = self.rate if self.rate_end is None else self.rate_end
+        return self.rate + (end - self.rate) * min(1.0, max(0.0, t / self.duration_s))
+
+
+def phased(
+    phases: Sequence[Phase], *, model: str = "sim-model", seed: int = 0, name: str = "phased"
+) -> Workload:
+    """Phases back to back (non-homogeneous Poisson arrivals, by thinning); ``session`` is the prefix."""
+    rng = random.Random(seed)
+    longest = max((p.shared_tokens for p in phases), default=0)
+    count = max((p.n_prefixes for p in phases if p.shared_tokens), default=0)
+    prefixes = [_text(rng, longest) for _ in range(count)]
+    items = []
+    start = 0.0
+    for phase in phases:
+        peak = max(phase.rate, phase.rate if phase.rate_end is None else phase.rate_end)
+        t = 0.0
+        while peak > 0:
+            t += rng.expovariate(peak)
+            if t >= phase.duration_s:
+                break
+            if rng.random() * peak > phase.rate_at(t):
+                continue  # thinned: the rate here is below the peak
+            group = rng.randrange(phase.n_prefixes) if phase.shared_tokens else -1
+            shared = prefixes[group][: phase.shared_tokens * 4] if phase.shared_tokens else ""
+            prompt = shared + "\nQuestion: " + _text(rng, max(1, phase.prompt_tokens - phase.shared_tokens))
+            high = phase.max_tokens_high or phase.max_tokens
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": rng.randint(phase.max_tokens, high),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            items.append(WorkItem(start + t, "/v1/completions", body, session=group))
+        start += phase.duration_s
+    return Workload(name, items)

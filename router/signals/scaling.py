@@ -136,6 +136,9 @@ class Recommender:
             desired = max(desired, state.current + 1)  # the SLO is broken now, whatever the model says
         desired = min(max(desired, low), high)
         history = self.history[role]
+        if not history and s.scale_down_window_s > 0:
+            # A fresh router holds what runs for one window before it scales anything down.
+            history.append((now, state.current))
         history.append((now, desired))
         while history and history[0][0] < now - s.scale_down_window_s:
             history.popleft()

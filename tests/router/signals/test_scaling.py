@@ -48,6 +48,13 @@ def test_broken_slo_asks_for_one_more_whatever_the_model_says() -> None:
     assert rec.desired == 4 and rec.recommended == 4
 
 
+def test_a_fresh_recommender_holds_the_running_count_for_one_window() -> None:
+    r = Recommender(SETTINGS)
+    assert r.recommend(0.0, "decode", state(4, 50.0, load=0.1), 50.0, 10.0).recommended == 4
+    assert r.recommend(59.0, "decode", state(4, 50.0, load=0.1), 50.0, 10.0).recommended == 4
+    assert r.recommend(61.0, "decode", state(4, 50.0, load=0.1), 50.0, 10.0).recommended == 1
+
+
 def test_scale_up_at_once_scale_down_only_after_the_window() -> None:
     r = Recommender(SETTINGS)
     assert r.recommend(0.0, "decode", state(2, 450.0), 450.0, 10.0).recommended == 5

@@ -1,0 +1,178 @@
+"""The scaling replay's harness: the simulated fleet as the router's discovery (ready time, the real
+gate, drains that cut nothing), the threshold policies' HPA arithmetic, the SLO accounting, and one
+``--quick`` run end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import aiohttp
+import pytest
+from helpers import eventually
+
+from loadtests.bench.scaling import (
+    THRESHOLDS,
+    Outcome,
+    RoleReading,
+    Settings,
+    Stabilizer,
+    account,
+    main,
+    read_roles,
+    serving,
+)
+from loadtests.sim.engine import SimEngine
+from loadtests.sim.fleet import Replica
+from loadtests.workloads.client import Result, send
+from loadtests.workloads.generate import WorkItem
+from router.app import App
+from router.control.gate import CANARY_HEADER
+
+pytestmark = pytest.mark.integration
+
+FAST = Settings(speed=20.0, ready_s=30.0)  # a replica is Ready 1.5 s (wall) after it was asked for
+
+
+def admitted(app: App, name: str) -> bool:
+    endpoint = app.pool.endpoints.get(name)
+    return endpoint is not None and bool(app.pool.admitted[endpoint.slot])
+
+
+def served(engine: SimEngine) -> int:
+    """Completion requests the engine received from clients (the gate's canaries excluded)."""
+    return sum(1 for _, headers, _ in engine.requests_seen if CANARY_HEADER not in headers)
+
+
+async def complete(base: str, n: int, max_tokens: int) -> list[Result]:
+    """``n`` concurrent streamed completions through the router; ok only with every token."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        body = {"model": "sim-model", "max_tokens": max_tokens, "stream": True}
+        items = [WorkItem(0.0, "/v1/completions", {**body, "prompt": f"request {i} " * 50}) for i in range(n)]
+        results = await asyncio.gather(*(send(http, base, item) for item in items))
+    return [dataclasses.replace(r, ok=r.ok and r.completion_tokens == max_tokens) for r in results]
+
+
+async def test_a_new_replica_takes_traffic_only_after_its_ready_time_and_the_gate() -> None:
+    async with serving({"decode": 1}, FAST, seed=0) as (fleet, app):
+        base = f"http://127.0.0.1:{app.proxy_port}"
+        loop = asyncio.get_running_loop()
+        assert read_roles(app)["decode"].fresh == 1  # the signals the threshold policies read
+        await fleet.scale("decode", 2)
+        new = next(r for r in fleet.active("decode") if not r.ready)
+        assert fleet.count("decode") == 2
+        await eventually(lambda: new.name in app.pool.endpoints, 2, "the new replica discovered")
+        results = await complete(base, 6, 4)  # while it is starting: all served by the old one
+        assert all(r.ok for r in results)
+        assert not admitted(app, new.name) and served(new.engine) == 0
+        assert app.control is not None and app.control.groups[new.name].state.value == "discovered"
+
+        await eventually(lambda: admitted(app, new.name), 5, "the new replica admitted")
+        assert loop.time() - new.created_at >= FAST.wall(FAST.ready_s)
+        checks = app.control.groups[new.name].checks
+        assert [c.name for c in checks] == ["ranks", "revision", "kv_capacity"] and all(c.ok for c in checks)
+
+        async def gets_traffic() -> bool:
+            await complete(base, 4, 2)
+            return served(new.engine) > 0
+
+        await eventually(gets_traffic, 5, "requests routed to the new replica")
+
+
+async def test_a_removed_replica_drains_its_streams_and_stops_once_idle() -> None:
+    async with serving({"decode": 2}, FAST, seed=0) as (fleet, app):
+        base = f"http://127.0.0.1:{app.proxy_port}"
+        victim: Replica = max(fleet.active("decode"), key=lambda r: r.created_at)  # newest goes first
+        streams = asyncio.create_task(complete(base, 8, 120))
+        await eventually(lambda: victim.engine.num_running > 0, 5, "streams running on the victim")
+
+        await fleet.scale("decode", 1)
+        assert victim.draining_at is not None and fleet.count("decode") == 1
+        await eventually(lambda: not admitted(app, victim.name), 2, "the victim revoked")
+        assert victim.stopped_at is None and victim.engine.alive  # its streams are still running
+        before = served(victim.engine)
+        assert all(r.ok for r in await complete(base, 4, 2))  # new requests avoid the draining replica
+        assert served(victim.engine) == before
+
+        results = await streams
+        assert [r.ok for r in results] == [True] * 8, [r.completion_tokens for r in results]
+        await eventually(lambda: victim.stopped_at is not None, 5, "the drained replica stopped")
+        assert not victim.engine.alive and victim.engine.stats.requests_served > 0
+        await eventually(lambda: victim.name not in app.pool.endpoints, 5, "the victim left the pool")
+
+
+def test_threshold_policies_compute_desired_replicas_like_an_hpa() -> None:
+    reading = RoleReading(fresh=2, waiting=10.0, running=20.0, kv_mean=0.75)
+    targets = {"prefill": 1.0, "decode": 2.0}
+    queue, kv, running = (
+        dataclasses.replace(THRESHOLDS[n], targets=targets) for n in ("queue", "kv", "running")
+    )
+    assert queue.desired(None, reading, "decode", 2) == 5  # 5 waiting per replica / 2 → 2.5 × 2
+    assert queue.desired(None, reading, "prefill", 2) == 10  # per role target
+    assert kv.desired(None, dataclasses.replace(reading, kv_mean=0.5), "prefill", 2) == 1  # 0.5 / 1 → ×0.5
+    assert kv.desired(None, reading, "decode", 2) == 1  # 0.75 / 2 → ceil(0.75)
+    assert running.desired(None, reading, "decode", 2) == 10  # 10 running per replica / 2 → 5 × 2
+    # ready replicas drive the ratio; within 10% of the target the current count stays (even if pending)
+    assert running.desired(None, dataclasses.replace(reading, running=42.0), "prefill", 5) == 42
+    assert running.desired(None, dataclasses.replace(reading, running=4.2), "decode", 5) == 5
+    assert queue.desired(None, dataclasses.replace(reading, fresh=0), "decode", 3) is None  # no metrics
+
+
+def test_scale_down_waits_for_the_window_scale_up_does_not() -> None:
+    hpa = Stabilizer(10.0, now=0.0, initial=4)
+    assert hpa(1.0, 1, 4) == 4  # within the first window: the count it kept before
+    assert hpa(5.0, 6, 4) == 6  # up at once
+    assert hpa(12.0, 2, 6) == 6  # the 6 of t=5 is still in the window
+    assert hpa(16.0, 3, 6) == 3  # window passed: down to the max since (3)
+    own = Stabilizer(10.0, now=0.0, initial=4, record=False)  # pd-router: its own window
+    assert own(1.0, 2, 4) == 4 and own(11.0, 2, 4) == 2 and own(12.0, 3, 2) == 3
+
+
+def test_slo_violation_time_and_area_by_arrival_bucket() -> None:
+    settings = Settings(speed=10.0, bucket_s=10.0)
+    good = Result(True, 200, ttft_s=0.1, tpot_s=0.01)  # 1 s, 0.1 s simulated
+    slow_first = Result(True, 200, ttft_s=0.5, tpot_s=0.01)  # TTFT 5 s > 3 s
+    slow_rest = Result(True, 200, ttft_s=0.1, tpot_s=0.05)  # TPOT 0.5 s > 0.4 s
+    results = [dataclasses.replace(r, at_s=at) for r, at in ((good, 0.1), (good, 0.2), (slow_first, 1.5))]
+    results += [dataclasses.replace(slow_rest, at_s=2.5), Result(False, 503, at_s=2.6)]
+    results += [dataclasses.replace(good, at_s=at / 100) for at in range(300, 330)]  # 30 good at 30 s
+    results.append(dataclasses.replace(slow_rest, at_s=3.5))  # 1 of 31 missed in bucket 3: ≤ 10%
+    outcome = Outcome("s", "p", 40.0, results, [], {})
+    account(outcome, settings)
+    assert outcome.shares == pytest.approx([0.0, 1.0, 1.0, 1 / 31])
+    assert outcome.violation_s == 20.0
+    assert outcome.violation_area_s == pytest.approx(20.0 + 10 / 31)
+    assert outcome.failed == 1
+
+
+def test_quick_run_of_one_scenario_prints_a_table_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table, png = tmp_path / "scaling.md", tmp_path / "scaling.png"
+    argv = [
+        "--quick",
+        "--scenarios",
+        "isl-burst",
+        "--policies",
+        "queue",
+        "--table",
+        str(table),
+        "--png",
+        str(png),
+    ]
+    assert main(argv) == 0  # no request failed
+    rows = [line for line in table.read_text().splitlines() if line.startswith("| queue |")]
+    assert len(rows) == 1 and rows[0] in capsys.readouterr().out
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    violation_s, area_s, rep_p, rep_d, rep_total = (float(c) for c in cells[1:6])
+    assert violation_s >= 0 and area_s >= 0 and rep_p > 0 and rep_d > 0
+    assert rep_total == pytest.approx(rep_p + rep_d, abs=0.11)
+    failed, sent = (int(c) for c in cells[9].split("/"))
+    assert failed == 0 and sent > 10
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not png.exists()
+    else:
+        assert png.stat().st_size > 0
