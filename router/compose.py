@@ -83,6 +83,7 @@ def cost_model_from(config: PoolConfig) -> CostModel:
         terms=tuple(WeightedTerm(load_term(name), w) for name, w in config.term_weights().items()),
         link_weight=config.weight("link"),
         allow_local_prefill=config.picker.allow_local_prefill,
+        prefill_may_decode=config.picker.prefill_may_decode,
     )
 
 

@@ -116,6 +116,11 @@ class PickerConfig(_Strict):
     )
     kv_soft_threshold: Annotated[float, Field(gt=0, lt=1)] = 0.85
     allow_local_prefill: bool = True
+    prefill_may_decode: bool = Field(
+        False,
+        description="prefill pods may serve whole requests when that is cheaper (role-flexible P/D; "
+        "needs engines that can decode, e.g. vLLM's NIXL connector in kv_both mode)",
+    )
     policy: Literal["joint", "round-robin", "least-loaded", "independent"] = Field(
         "joint", description="how the pair is chosen; the others are baselines, for comparison"
     )

@@ -148,7 +148,11 @@ class Picker:
         )
         view = derive(cand, ctx, self.cost_model)
         is_prefill = cand.can_prefill if request.prefill_leg else np.zeros(len(cand), dtype=bool)
-        return pair_costs(view, is_prefill, cand.can_decode, self.cost_model, self._link_table())
+        # Role-flexible P/D: prefill pods may take whole requests (priced by the ``absorb`` term).
+        is_decode = (
+            cand.can_decode | cand.can_prefill if self.cost_model.prefill_may_decode else cand.can_decode
+        )
+        return pair_costs(view, is_prefill, is_decode, self.cost_model, self._link_table())
 
     def _cached_blocks(self, request: RouteRequest, slots: np.ndarray) -> np.ndarray:
         cached = self.index.match(request.block_keys, slots)

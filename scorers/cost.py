@@ -58,6 +58,7 @@ class CostModel:
     terms: tuple[WeightedTerm, ...]
     link_weight: float = 1.0
     allow_local_prefill: bool = True
+    prefill_may_decode: bool = False  # prefill pods may serve whole requests (kv_both)
     prefill_side: frozenset[str] = field(init=False)  # names of the prefill-side terms
 
     def __post_init__(self) -> None:
@@ -214,10 +215,12 @@ def pair_costs(
     kd = len(decode)
     d_tpot = view.tpot_s[decode]
 
-    # Row 0: the decode pod prefills itself.
+    # Row 0: the decode pod prefills itself. A prefill pod in a decode column (role-flexible
+    # P/D) only ever serves the whole request itself: its column has no pairs.
     local_ttft = route[decode]
+    absorbing = ~cand.can_decode[decode]
     if not cm.allow_local_prefill and len(prefill):
-        local_ttft = np.full(kd, np.inf)
+        local_ttft = np.where(absorbing, local_ttft, np.inf)
 
     # Pairs, reduced to the prefill pods' link classes.
     p_route = route[prefill]
@@ -229,7 +232,9 @@ def pair_costs(
     # sets), the pair uses the class's runner-up instead.
     same_pod = prefill[best][:, None] == decode[None, :]
     chosen = np.where(same_pod, second[:, None], best[:, None])
-    pair_ttft = np.where(chosen >= 0, p_route[chosen] + cm.link_weight * transfer + after_transfer, np.inf)
+    pair_ttft = np.where(
+        (chosen >= 0) & ~absorbing, p_route[chosen] + cm.link_weight * transfer + after_transfer, np.inf
+    )
     chosen = np.where(chosen >= 0, prefill[chosen], -1)
 
     ttft = np.empty((1 + len(classes), kd))

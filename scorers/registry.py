@@ -15,7 +15,7 @@ from scorers.base import CostTerm
 # Weights that tune the cost model itself rather than add a term.
 MODEL_WEIGHTS = frozenset({"prefix", "link"})
 # The built-in terms and their default weights, in the order they are summed.
-DEFAULT_WEIGHTS = {"queue": 1.0, "prefill": 1.0, "interference": 1.0, "load": 1.0, "kv": 1.0}
+DEFAULT_WEIGHTS = {"queue": 1.0, "prefill": 1.0, "interference": 1.0, "load": 1.0, "kv": 1.0, "absorb": 1.0}
 # Built-in terms whose module has a longer name.
 _MODULES = {"kv": "kv_headroom"}
 _NAME = re.compile(r"[a-z][a-z0-9_]*")

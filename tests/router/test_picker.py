@@ -216,3 +216,30 @@ def test_a_pick_that_passes_over_the_best_cache_holder_is_counted() -> None:
     loaded = picker_for(endpoints, {"e0": Metrics(waiting=40, running=60)}, index=index)
     assert loaded.pick(make_request(1024, keys), now=NOW).decode.id == "e1"
     assert loaded.affinity_misses == 1  # load outweighed the cache: a signal for scaling
+
+
+@pytest.mark.parametrize("decode_busy", [False, True])
+@pytest.mark.parametrize("flexible", [False, True])
+def test_a_prefill_pod_takes_whole_requests_only_when_allowed_and_decode_is_saturated(
+    flexible: bool, decode_busy: bool
+) -> None:
+    config = make_config(
+        PD_TWO_RACKS, picker={"prefill_may_decode": flexible}, slo={"ttft_ms": 2000, "tpot_ms": 50}
+    )
+    busy = Metrics(running=120, waiting=8, kv_usage=0.97)
+    idle = Metrics()
+    metrics = {
+        "p0": idle,
+        "p1": idle,
+        "d0": busy if decode_busy else idle,
+        "d1": busy if decode_busy else idle,
+    }
+    picker = make_picker(config, make_pool(config, metrics))
+    decision = picker.pick(make_request(2000, max_tokens=64), now=100.0)
+    absorbed = decision.decode.role == "prefill"
+    assert absorbed == (flexible and decode_busy)
+    if absorbed:
+        assert decision.prefill is None  # the whole request on one prefill pod, never half a pair
+        assert decision.breakdown["absorb_s"] > 0  # what it costs the prompts waiting there
+    else:
+        assert decision.decode.role == "decode"
