@@ -31,7 +31,13 @@ from router.adapters.extproc import ExtProcListener
 from router.adapters.health import HealthState
 from router.adapters.keda.scaler import KedaListener, KedaScaler, ScalerSignals
 from router.adapters.openai import ProxyListener
-from router.compose import gate_settings_from, learn_settings_from, picker_from, scaling_settings_from
+from router.compose import (
+    flow_settings_from,
+    gate_settings_from,
+    learn_settings_from,
+    picker_from,
+    scaling_settings_from,
+)
 from router.config import PoolConfig, RedisConfig
 from router.control.admin import control_routes
 from router.control.discovery.static import StaticDiscovery
@@ -41,11 +47,13 @@ from router.control.model import DiscoverySource
 from router.control.shared import SharedGateResults
 from router.extension import Producer
 from router.flow import RequestFlow
+from router.flow_control import FlowControl
 from router.http.exchange import TwoLegExchange
 from router.http.session import upstream_session
 from router.kv_sink import IndexEventSink
 from router.observe.metrics import (
     ControlMetrics,
+    FlowMetrics,
     GroupCollector,
     IndexCollector,
     MetricsListener,
@@ -135,8 +143,21 @@ class App:
             block_tokens=limits.block_tokens,
         )
         self.metrics.registry.register(self.scaling)
+        self.flow_control: FlowControl | None = None
+        if config.flow_control.enabled:
+            self.flow_control = FlowControl(
+                flow_settings_from(config),
+                FlowMetrics(self.metrics.registry, pool_name, self.metrics.per_request),
+            )
+            self.pool.on_free = self.flow_control.capacity_freed
         self.flow = RequestFlow(
-            self.picker, self.metrics, config.request_limits(), config.model, producers, self.scaling
+            self.picker,
+            self.metrics,
+            config.request_limits(),
+            config.model,
+            producers,
+            self.scaling,
+            self.flow_control,
         )
         self.health = HealthState()
         self.ready = False
@@ -180,6 +201,9 @@ class App:
         stack.push_async_callback(stop_task, scrape_task)
         signals_task = asyncio.create_task(self.scaling.run(), name="signals-tick")
         stack.push_async_callback(stop_task, signals_task)
+        if self.flow_control is not None:
+            dispatcher = asyncio.create_task(self.flow_control.run(), name="flow-control")
+            stack.push_async_callback(stop_task, dispatcher)
         if self.precise_keys is not None:
             stack.callback(self.precise_keys.close)
             await self._start_kv_events()
@@ -329,6 +353,8 @@ class App:
         """Not ready first (gateways stop sending), then listeners drain and loops stop, in reverse."""
         self.ready = False
         self.health.set_ready(False)
+        if self.flow_control is not None:  # held requests are answered now, not at their deadline
+            self.flow_control.close()
         await self._stack.aclose()
 
     async def __aenter__(self) -> App:

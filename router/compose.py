@@ -12,6 +12,7 @@ from kvindex.base import PrefixIndex
 from router.config import PoolConfig
 from router.control.gate import GateSettings
 from router.filters import SubsetHint
+from router.flow_control import FlowSettings
 from router.picker import Picker, PickerSettings
 from router.pool import Pool
 from router.signals.perf import LearnSettings
@@ -105,6 +106,7 @@ def picker_from(
             block_tokens=config.limits.block_tokens,
             fallbacks=config.picker.fallbacks,
             shed_ttft_factor=config.picker.shed_ttft_factor,
+            max_wait_s=config.flow_control.max_wait_ms / 1000.0 if config.flow_control.enabled else None,
         ),
         filters=(SubsetHint(pool),),
         precise=precise,
@@ -138,3 +140,8 @@ def scaling_settings_from(config: PoolConfig) -> ScalingSettings:
         min_replicas=tuple(getattr(signals.min_replicas, role) for role in roles),  # type: ignore[arg-type]
         max_replicas=tuple(getattr(signals.max_replicas, role) for role in roles),  # type: ignore[arg-type]
     )
+
+
+def flow_settings_from(config: PoolConfig) -> FlowSettings:
+    flow = config.flow_control
+    return FlowSettings(flow.max_queue, flow.queue_timeout_ms / 1000.0, flow.poll_ms / 1000.0)

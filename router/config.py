@@ -301,6 +301,19 @@ class KedaConfig(_Strict):
     port: Annotated[int, Field(ge=0, lt=65536)] = 9004
 
 
+class FlowControlConfig(_Strict):
+    """Hold requests in the router while every eligible pod is saturated, and bind each to the pod
+    that is best when one has room (``router/flow_control.py``)."""
+
+    enabled: bool = False
+    max_wait_ms: NonNegative = Field(
+        500.0, description="a route whose predicted queue wait is over this counts as saturated"
+    )
+    max_queue: Annotated[int, Field(ge=1)] = 1024
+    queue_timeout_ms: Positive = Field(30000.0, description="then 503 queue_timeout (429 if sheddable)")
+    poll_ms: Annotated[float, Field(ge=5)] = 50.0
+
+
 class RoleCounts(_Strict):
     prefill: Annotated[int, Field(ge=0)]
     decode: Annotated[int, Field(ge=0)]
@@ -375,6 +388,7 @@ class PoolConfig(_Strict):
     admin: AdminConfig = AdminConfig()
     keda: KedaConfig = KedaConfig()
     signals: SignalsConfig = SignalsConfig()
+    flow_control: FlowControlConfig = FlowControlConfig()
 
     @field_validator("weights")
     @classmethod

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from router.extension import Producer
+from router.flow_control import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker, RouteDecision
 from router.pool import Endpoint
@@ -62,19 +63,35 @@ class RequestFlow:
         model: str,
         producers: Sequence[Producer] = (),
         signals: PoolSignals | None = None,
+        control: FlowControl | None = None,
     ) -> None:
-        """``signals``: where arrivals and observed latencies go (demand, the performance model)."""
+        """``signals``: where arrivals and observed latencies go (demand, the performance model);
+        ``control``: flow control, which holds requests while the pool is saturated."""
         self.picker = picker
         self.metrics = metrics
         self.limits = limits
         self.model = model
         self.producers = tuple(producers)
         self.signals = signals
+        self.control = control
 
     @property
     def prepares(self) -> bool:
         """True when a pick needs I/O first (an adapter that cannot await may then pause)."""
         return bool(self.producers)
+
+    def bind_now(self, flight: Flight) -> bool:
+        """Pick (never awaits) unless flow control must hold the request: then False, ``admit``."""
+        if self.control is None:
+            flight.pick()
+            return True
+        return self.control.bind_now(flight)
+
+    async def admit(self, flight: Flight) -> None:
+        """Bind the request to a pod: at once, or when flow control finds one with room."""
+        if not self.bind_now(flight):
+            assert self.control is not None
+            await self.control.wait(flight)
 
     def start(self, headers: Mapping[str, str]) -> Flight:
         """A request arrived (its headers): the flight that carries it to ``close``."""
@@ -146,7 +163,10 @@ class Flight:
         return self.request
 
     def pick(self) -> RouteDecision:
-        """Choose and reserve (never awaits); raises ``NoCapacity`` or ``Shed``."""
+        """Choose and reserve (never awaits); raises ``NoCapacity`` or ``Shed``. Once bound, the
+        decision stays (flow control may have bound it before the adapter asks)."""
+        if self.decision is not None:
+            return self.decision
         request = self.request
         assert request is not None, "parse() or headers_only() first"
         self.decision = self.flow.picker.pick(request)
@@ -156,13 +176,13 @@ class Flight:
         if self.flow.signals is not None:
             self.flow.signals.demand.arrived(self.decision.breakdown["uncached_tokens"])
         self.series = metrics.per_request.bind(
-            request.model, self._fairness_id(), request.priority, request.stream
+            request.model, self.fairness_id(), request.priority, request.stream
         )
         for running in self.series.running:
             running.inc()
         return self.decision
 
-    def _fairness_id(self) -> str:
+    def fairness_id(self) -> str:
         return self.headers.get(FAIRNESS_HEADER, "")[:64]
 
     def first_byte(self) -> None:
@@ -302,7 +322,7 @@ class Flight:
         if series is None:  # rejected before a pick: counted, never running
             request = self.request
             model, priority = ("unknown", 0) if request is None else (request.model, request.priority)
-            series = per_request.bind(model, self._fairness_id(), priority, False)
+            series = per_request.bind(model, self.fairness_id(), priority, False)
         else:
             for running in series.running:
                 running.dec()

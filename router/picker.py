@@ -19,7 +19,7 @@ import numpy as np
 from kvindex.base import PrefixIndex
 from router.extension import CandidateFilter
 from router.pool import Endpoint, Pool, Reservation
-from router.rejections import NoCapacity, Shed
+from router.rejections import NoCapacity, Saturated, Shed
 from router.types import RouteRequest
 from scorers.base import RequestCtx
 from scorers.cost import CostModel, PairCosts, derive, pair_costs
@@ -81,6 +81,9 @@ class RouteDecision:
 @dataclass(frozen=True, slots=True)
 class PickerSettings:
     block_tokens: int = 16
+    # Flow control: a route whose predicted queue wait is over this (or that has no KV room) is
+    # ``Saturated`` and the request waits in the router; None: commit whatever the wait.
+    max_wait_s: float | None = None
     fallbacks: int = 2  # per role, tried in order when an engine fails
     shed_ttft_factor: float = 2.0  # shed sheddable requests above this × the TTFT SLO
 
@@ -170,8 +173,10 @@ class Picker:
         if not len(costs.decode):
             raise NoCapacity("no admitted endpoint with fresh metrics can decode", retry_after_s=1.0)
         choice = self.pair_picker.choose(costs, self.settings.fallbacks)
+        max_wait = self.settings.max_wait_s
         if choice is None:
-            raise NoCapacity("no decode endpoint has the KV capacity for this request", retry_after_s=1.0)
+            cls = NoCapacity if max_wait is None else Saturated
+            raise cls("no decode endpoint has the KV capacity for this request", retry_after_s=1.0)
         self._check(choice, costs)
         breakdown = costs.breakdown(choice.prefill, choice.decode)
         ttft = breakdown["ttft_s"]
@@ -182,6 +187,10 @@ class Picker:
             raise Shed(
                 f"pool saturated: predicted TTFT {ttft:.2f}s for a sheddable request", retry_after_s=1.0
             )
+        if max_wait is not None:
+            computes = choice.prefill if choice.prefill >= 0 else int(costs.decode[choice.decode])
+            if costs.view.wait_s[computes] > max_wait:
+                raise Saturated("every eligible pod's queue is over the wait bound", retry_after_s=1.0)
         return self._commit(request, costs, choice, breakdown)
 
     def _check(self, choice: PairChoice, costs: PairCosts) -> None:

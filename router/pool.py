@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,7 @@ class Reservation:
             if self.pool.generation[slot] == generation:
                 self.pool.queued_prefill_tokens[slot] -= self.prefill_tokens
                 self.pool.queued_prefill_requests[slot] -= 1
+            self.pool.on_free()
 
     def release(self) -> None:
         if self.open:
@@ -89,6 +91,7 @@ class Reservation:
             if self.pool.generation[self.decode_slot] == self.decode_generation:
                 self.pool.reserved_kv_tokens[self.decode_slot] -= self.kv_tokens
                 self.pool.inflight_requests[self.decode_slot] -= 1
+            self.pool.on_free()
 
 
 class Pool:
@@ -104,6 +107,8 @@ class Pool:
         self.links: dict[str, int] = {}
         self.outstanding = 0
         self.typical_prompt_tokens = 512.0
+        # Called whenever a reservation gives something back (flow control binds held requests).
+        self.on_free: Callable[[], None] = _nothing
         self._free_slots: list[int] = []
         self._allocate(capacity)
 
@@ -246,3 +251,7 @@ class Pool:
 
 def _or_nan(value: float | None) -> float:
     return math.nan if value is None else float(value)
+
+
+def _nothing() -> None:
+    pass

@@ -55,6 +55,19 @@ class NoCapacity(Rejection):
     """No admitted, fresh endpoint can take this request now: retry after ``Retry-After``."""
 
 
+class Saturated(NoCapacity):
+    """Every eligible pod is saturated (queue wait over the bound, or no KV room): with flow
+    control the request waits for room instead (``router.flow_control``)."""
+
+
+class QueueFull(NoCapacity):
+    """Flow control holds as many requests as it may: retry later."""
+
+
+class QueueTimeout(NoCapacity):
+    """The request waited its deadline in flow control without a pod having room."""
+
+
 class UpstreamFailed(Rejection):
     """Every engine tried for this request failed."""
 
@@ -75,6 +88,9 @@ KINDS: dict[type[Rejection], Kind] = {
     PrefillForbidden: Kind(403, "permission_error", "prefill_target_forbidden"),
     Shed: Kind(429, "rate_limit_error", "shed"),
     NoCapacity: Kind(503, "service_unavailable", "no_capacity"),
+    Saturated: Kind(503, "service_unavailable", "saturated"),
+    QueueFull: Kind(503, "service_unavailable", "queue_full"),
+    QueueTimeout: Kind(503, "service_unavailable", "queue_timeout"),
     UpstreamFailed: Kind(502, "server_error", "upstream_failed"),
 }
 

@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     "router.config": {"router.types", "scorers"},
     "router.request": {"router.types", "router.rejections", "kvindex"},
     "router.response": set(),
+    "router.flow_control": {"router.rejections", "router.types"},
     "router.pool": {"router.features", "router.types", "router.config", "scorers"},
     "router.extension": {"router.types", "scorers"},
     "router.filters": {"router.pool", "router.types", "scorers"},
@@ -39,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "router.kv_sink": {"router.pool", "kvindex"},
     "router.flow": {
         "router.extension",
+        "router.flow_control",
         "router.observe",
         "router.picker",
         "router.pool",

@@ -152,7 +152,7 @@ class ExtProcStream:
         try:
             self.subset = _subset_hint(message.metadata_context)
         except BadRequest as rejection:
-            return self._reject(rejection)
+            return self.reject(rejection)
         if message.request_headers.end_of_stream:
             self.flight.headers_only(self.subset)
             return self._route()
@@ -173,7 +173,7 @@ class ExtProcStream:
         self.body += body.body
         if len(self.body) > self.flow.limits.max_body_bytes:
             limit = self.flow.limits.max_body_bytes
-            return self._reject(BodyTooLarge(f"request body is over the limit of {limit} bytes"))
+            return self.reject(BodyTooLarge(f"request body is over the limit of {limit} bytes"))
         # A buffered body is whole in one message, even when trailers follow (end_of_stream false).
         if body.end_of_stream or self.mode in _WHOLE_BODY_MODES:
             return self._on_body_complete()
@@ -196,7 +196,7 @@ class ExtProcStream:
             try:
                 self.flight.parse(bytes(self.body), self.subset)
             except Rejection as rejection:
-                return self._reject(rejection)
+                return self.reject(rejection)
         return self._route()
 
     def _route(self) -> list[pb.ProcessingResponse]:
@@ -204,7 +204,7 @@ class ExtProcStream:
         try:
             decision = self.flight.pick()
         except Rejection as rejection:
-            return self._reject(rejection)
+            return self.reject(rejection)
         common = pb.CommonResponse(header_mutation=_routing_mutation(decision), clear_route_cache=True)
         metadata = _destination_metadata(decision)
         if not self.body_done:  # a request without a body: route on its headers
@@ -287,7 +287,7 @@ class ExtProcStream:
             )
         ]
 
-    def _reject(self, rejection: Rejection) -> list[pb.ProcessingResponse]:
+    def reject(self, rejection: Rejection) -> list[pb.ProcessingResponse]:
         self.finished = True
         assert self.flight is not None
         answer = self.flight.reject(rejection)
@@ -347,7 +347,14 @@ class ExtProcCall:
 
     def _handle(self, message: pb.ProcessingRequest, *, prepared: bool = False) -> None:
         stream = self.stream
-        if not prepared and stream.flow.prepares and stream.parse_if_complete(message):
+        flow = stream.flow
+        # Pause (a task per request) only for I/O before the pick, or when flow control holds it.
+        if (
+            not prepared
+            and (flow.prepares or flow.control is not None)
+            and stream.parse_if_complete(message)
+            and (flow.prepares or not self._bind_now())
+        ):
             self.paused = deque()
             self.task = asyncio.get_running_loop().create_task(self._prepare_then(message))
             return
@@ -357,10 +364,29 @@ class ExtProcCall:
             self.call.finish()  # a clean close: Envoy goes on without us
             self._close()
 
+    def _bind_now(self) -> bool:
+        """True unless flow control holds the request (a rejection is left for ``on_message``)."""
+        assert self.stream.flight is not None
+        try:
+            return self.stream.flow.bind_now(self.stream.flight)
+        except Rejection:
+            return True
+
     async def _prepare_then(self, message: pb.ProcessingRequest) -> None:
         flight = self.stream.flight
+        flow = self.stream.flow
         assert flight is not None and flight.request is not None
-        await self.stream.flow.prepare(flight.request)
+        if flow.prepares:
+            await flow.prepare(flight.request)
+        if flow.control is not None and flight.decision is None:
+            try:
+                await flow.admit(flight)
+            except Rejection as rejection:
+                for response in self.stream.reject(rejection):
+                    self.call.send(response.SerializeToString())
+                self.call.finish()
+                self._close()
+                return
         held, self.paused = self.paused or deque(), None
         try:
             if not self.closed:

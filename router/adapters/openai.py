@@ -81,7 +81,7 @@ class Proxy:
             route = flight.parse(await read_body(request, self.max_body_bytes))
             if self.flow.prepares:
                 await self.flow.prepare(route)
-            flight.pick()
+            await self.flow.admit(flight)
             return await self._forward(request, flight)
         except Rejection as rejection:
             return answer_response(flight.reject(rejection))

@@ -293,6 +293,52 @@ class PickerCollector:
         yield family
 
 
+class FlowMetrics:
+    """Flow control's queue, under llm-d's names and the Inference Extension's: the queue size and
+    how long requests waited, by tenant and priority (capped as the request series are)."""
+
+    def __init__(self, registry: CollectorRegistry, pool_name: str, per_request: RequestMetrics) -> None:
+        labels = ["fairness_id", "priority", "inference_pool", "model_name", "target_model_name"]
+        self.pool_name = pool_name
+        self.per_request = per_request
+        self.size = tuple(
+            Gauge(
+                f"{prefix}_flow_control_queue_size",
+                "Requests held by flow control.",
+                labels,
+                registry=registry,
+            )
+            for prefix in ("llm_d_epp", "inference_extension")
+        )
+        self.duration = tuple(
+            Histogram(
+                f"{prefix}_flow_control_request_queue_duration_seconds",
+                "How long requests were held, by outcome (dispatched, timeout, rejected, cancelled).",
+                [*labels, "outcome"],
+                buckets=_REQUEST_BUCKETS,
+                registry=registry,
+            )
+            for prefix in ("llm_d_epp", "inference_extension")
+        )
+
+    def _labels(self, waiter: Any) -> list[str]:
+        request = waiter.flight.request
+        model, fairness_id, rank = self.per_request.bind(
+            request.model, waiter.tenant, request.priority, request.stream
+        ).labels
+        return [fairness_id, rank, self.pool_name, model, model]
+
+    def queued(self, waiter: Any, delta: int) -> None:
+        labels = self._labels(waiter)
+        for gauge in self.size:
+            gauge.labels(*labels).inc(delta)
+
+    def left(self, waiter: Any, outcome: str, seconds: float) -> None:
+        labels = self._labels(waiter)
+        for histogram in self.duration:
+            histogram.labels(*labels, outcome).observe(seconds)
+
+
 class ControlMetrics:
     """The control plane's startup trace: gate checks, the group barrier, registration, failures."""
 

@@ -269,3 +269,23 @@ async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(
         assert decode_body["kv_transfer_params"]["remote_port"] == by_name[prefill].port
         assert decode_body["stream"] is True and "x-prefiller-host-port" not in decode_headers
         assert by_name[decode].stats.remote_prefills_received == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_flow_control_holds_the_ext_proc_stream_until_a_pod_has_room(tmp_path: Path, mode: str) -> None:
+    one = [dataclasses.replace(SINGLE[0], time=TimeModel(speed=4.0))]
+    flow = {"enabled": True, "max_wait_ms": 1.0, "poll_ms": 5}
+    async with gateway(tmp_path, mode, specs=one, flow_control=flow) as gw, aiohttp.ClientSession() as http:
+
+        async def one_request(i: int) -> int:
+            body = completion(f"{i} " + "word " * 800, max_tokens=4)
+            async with http.post(f"{gw.url}/v1/completions", json=body) as resp:
+                await resp.read()
+                return resp.status
+
+        tasks = [asyncio.create_task(one_request(i)) for i in range(10)]
+        control = gw.app.flow_control
+        await eventually(lambda: control.size > 0, 5.0, "an ext_proc stream held")
+        assert next(iter(gw.cluster.engines.values())).num_waiting <= 2  # held by us, not the engine
+        assert await asyncio.gather(*tasks) == [200] * 10
+        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")

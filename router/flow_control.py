@@ -1,0 +1,224 @@
+"""Flow control with late binding: hold requests while every eligible pod is saturated, and bind
+each to the pod that is best when one has room.
+
+Without it a request is committed at once to one engine's FIFO queue, however long; a burst then
+waits behind whichever pods the picker chose at arrival, even when another frees up first. With
+it the picker refuses a route whose predicted queue wait exceeds ``picker.max_wait_ms`` or that
+has no KV room (``Saturated``), and the request waits here instead:
+
+* **Ordered**: by priority (the objective's, higher first; sheddable < 0), then round-robin
+  between tenants (the ``x-llm-d-inference-fairness-id`` header) within a priority, FIFO within a
+  tenant. A new request never overtakes a waiting one of its priority or higher.
+* **Bound late**: whenever capacity frees (a prefill finishes, a request ends, a scrape lands) and
+  at least every ``poll_s``, the head is picked again *now*; it leaves with the best pod of that
+  moment, or stays if the pool is still saturated.
+* **Bounded**: at most ``max_queue`` requests (then 503 ``queue_full``; 429 ``shed`` for a
+  sheddable one), each at most ``queue_timeout_s`` (then 503 ``queue_timeout``, or 429), with
+  ``Retry-After``. Shutdown answers everyone still waiting.
+
+``bind_now`` never awaits (the ext_proc stream only pauses when it returns False); ``wait`` is
+the held path. Both go through ``Flight.pick``, so a held request is counted like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from router.rejections import QueueFull, QueueTimeout, Rejection, Saturated, Shed
+from router.types import RouteRequest
+
+
+class Flight(Protocol):
+    """What flow control needs of a request's flight (``router.flow.Flight``)."""
+
+    request: RouteRequest | None
+    decision: object
+
+    def pick(self) -> object: ...
+
+    def fairness_id(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSettings:
+    max_queue: int = 1024
+    queue_timeout_s: float = 30.0
+    poll_s: float = 0.05
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    flight: Flight
+    priority: int
+    tenant: str
+    enqueued_at: float
+    future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class FlowObserver:
+    """What flow control reports (``router.observe.metrics.FlowMetrics`` implements it)."""
+
+    def queued(self, waiter: Waiter, delta: int) -> None: ...
+
+    def left(self, waiter: Waiter, outcome: str, seconds: float) -> None: ...
+
+
+class FlowControl:
+    def __init__(
+        self,
+        settings: FlowSettings = FlowSettings(),
+        observer: FlowObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.observer = observer or FlowObserver()
+        self.clock = clock
+        # priority -> tenant -> FIFO; priorities kept sorted high to low on insert.
+        self.queues: dict[int, OrderedDict[str, deque[Waiter]]] = {}
+        self.size = 0
+        self._wake = asyncio.Event()
+        self._closed = False
+
+    # -- the request's side --------------------------------------------------------------------
+
+    def bind_now(self, flight: Flight) -> bool:
+        """Pick now unless the pool is saturated or requests of this priority or higher wait;
+        False: ``wait`` for it. Any other rejection is raised as ``Flight.pick`` raises it."""
+        request = flight.request
+        assert request is not None
+        if self.size and max(self.queues) >= request.priority:
+            return False
+        try:
+            flight.pick()
+        except Saturated:
+            return False
+        return True
+
+    async def wait(self, flight: Flight) -> None:
+        """Hold ``flight`` until it is bound (its decision set) or rejected."""
+        request = flight.request
+        assert request is not None
+        sheddable = request.priority < 0
+        if self._closed:
+            raise QueueFull("shutting down", retry_after_s=1.0)
+        if self.size >= self.settings.max_queue:
+            cls = Shed if sheddable else QueueFull
+            raise cls(f"flow control queue full ({self.size} requests wait)", retry_after_s=1.0)
+        waiter = Waiter(flight, request.priority, flight.fairness_id(), self.clock())
+        self._push(waiter)
+        self._wake.set()
+        outcome = "dispatched"
+        try:
+            async with asyncio.timeout(self.settings.queue_timeout_s):
+                await waiter.future
+        except TimeoutError:
+            outcome = "timeout"
+            self._remove(waiter)
+            if flight.decision is None:
+                cls = Shed if sheddable else QueueTimeout
+                raise cls(
+                    f"waited {self.settings.queue_timeout_s:g}s for a pod with room", retry_after_s=1.0
+                ) from None
+            outcome = "dispatched"  # bound in the same instant: go on
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            self._remove(waiter)
+            raise
+        except Rejection:
+            outcome = "rejected"
+            raise
+        finally:
+            self.observer.left(waiter, outcome, self.clock() - waiter.enqueued_at)
+
+    # -- the pool's side -------------------------------------------------------------------------
+
+    def capacity_freed(self) -> None:
+        """A prefill finished or a request ended: try the head at once (called from the pool)."""
+        if self.size:
+            self._wake.set()
+
+    def dispatch(self) -> int:
+        """Bind waiting requests, best first, while the pool has room. Never awaits."""
+        bound = 0
+        while self.size:
+            waiter = self._head()
+            try:
+                waiter.flight.pick()
+            except Saturated:
+                break
+            except Rejection as rejection:  # the pool changed under it (no pods): answer it
+                self._pop_head(waiter)
+                waiter.future.set_exception(rejection)
+                continue
+            self._pop_head(waiter)
+            waiter.future.set_result(None)
+            bound += 1
+        return bound
+
+    async def run(self) -> None:
+        """Dispatch on every wake-up and at least every ``poll_s`` while requests wait."""
+        while True:
+            if self.size:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.settings.poll_s)
+            else:
+                await self._wake.wait()
+            self._wake.clear()
+            self.dispatch()
+
+    def close(self) -> None:
+        """Shutdown: everyone still waiting is answered 503, nobody new is held."""
+        self._closed = True
+        for tenants in self.queues.values():
+            for fifo in tenants.values():
+                for waiter in fifo:
+                    if not waiter.future.done():
+                        waiter.future.set_exception(QueueFull("shutting down", retry_after_s=1.0))
+                    self.observer.queued(waiter, -1)
+        self.queues.clear()
+        self.size = 0
+
+    # -- the queues ------------------------------------------------------------------------------
+
+    def _push(self, waiter: Waiter) -> None:
+        tenants = self.queues.get(waiter.priority)
+        if tenants is None:
+            self.queues[waiter.priority] = tenants = OrderedDict()
+            self.queues = dict(sorted(self.queues.items(), reverse=True))
+        tenants.setdefault(waiter.tenant, deque()).append(waiter)
+        self.size += 1
+        self.observer.queued(waiter, +1)
+
+    def _head(self) -> Waiter:
+        tenants = next(iter(self.queues.values()))
+        return next(iter(tenants.values()))[0]
+
+    def _pop_head(self, waiter: Waiter) -> None:
+        tenants = self.queues[waiter.priority]
+        fifo = tenants.pop(waiter.tenant)
+        fifo.popleft()
+        if fifo:
+            tenants[waiter.tenant] = fifo  # round-robin: this tenant goes to the back
+        self._forget(waiter, tenants)
+
+    def _remove(self, waiter: Waiter) -> None:
+        tenants = self.queues.get(waiter.priority)
+        fifo = None if tenants is None else tenants.get(waiter.tenant)
+        if fifo is None or waiter not in fifo:
+            return  # already bound or answered
+        fifo.remove(waiter)
+        if not fifo:
+            del tenants[waiter.tenant]  # type: ignore[union-attr]
+        self._forget(waiter, tenants)  # type: ignore[arg-type]
+
+    def _forget(self, waiter: Waiter, tenants: OrderedDict[str, deque[Waiter]]) -> None:
+        if not tenants:
+            del self.queues[waiter.priority]
+        self.size -= 1
+        self.observer.queued(waiter, -1)
