@@ -228,7 +228,9 @@ class App:
             routes = (
                 []
                 if self.control is None
-                else control_routes(self.control, cfg.admin.token if cfg.admin.enabled else None)
+                else control_routes(
+                    self.control, cfg.admin.token if cfg.admin.enabled else None, cfg.admin.token
+                )
             )
             self.metrics_listener = await stack.enter_async_context(
                 MetricsListener(self.metrics, cfg.metrics, routes)

@@ -360,6 +360,7 @@ class MetricsConfig(_Strict):
     enabled: bool = False
     host: str = "127.0.0.1"
     port: Annotated[int, Field(ge=0, lt=65536)] = 9090
+    token: str | None = Field(None, description="bearer token /metrics requires (unset: open)")
 
 
 class PoolConfig(_Strict):

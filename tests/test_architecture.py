@@ -35,7 +35,14 @@ ALLOWED: dict[str, set[str]] = {
         "scorers",
         "kvindex",
     },
-    "router.observe": {"router.types", "router.features", "router.config", "router.pool", "router.picker"},
+    "router.observe": {
+        "router.types",
+        "router.features",
+        "router.config",
+        "router.pool",
+        "router.picker",
+        "router.http",
+    },
     "router.producers": {"router.pool", "router.types", "kvindex"},
     "router.kv_sink": {"router.pool", "kvindex"},
     "router.flow": {

@@ -23,6 +23,7 @@ from router.flow import CLIENT_GONE, Flight, RequestFlow
 from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
+from router.http.server import http_runner
 from router.rejections import Rejection, UpstreamFailed
 from router.request import COMPLETION_PATHS
 
@@ -186,9 +187,7 @@ class ProxyListener:
     async def __aenter__(self) -> ProxyListener:
         cfg = self.config
         # handler_cancellation: a client that hangs up cancels the engine calls, freeing their KV.
-        runner = web.AppRunner(
-            self.proxy.app(), handler_cancellation=True, access_log=None, shutdown_timeout=cfg.drain_timeout_s
-        )
+        runner = http_runner(self.proxy.app(), drain_timeout_s=cfg.drain_timeout_s, cancel_on_disconnect=True)
         await runner.setup()
         self._runner = runner
         try:

@@ -1,36 +1,41 @@
 """HTTP views of the control plane, served on the metrics listener.
 
-* ``GET /debug/pool`` (always, read-only): every group with its state, epoch, members, each check's
-  result and duration, and the last failure.
+* ``GET /debug/pool`` (read-only): every group with its state, epoch, members, each check's
+  result and duration, and the last failure; behind ``admin.token`` when one is set (it names
+  every pod's address).
 * ``POST /admin/groups/{key}/{drain|undrain|regate}`` (only with ``admin.enabled``): each needs
   ``Authorization: Bearer <admin.token>``; a wrong or missing token is 401, an unknown group 404.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 
 import orjson
 from aiohttp import web
 
 from router.control.groups import GroupController
+from router.http.server import bearer_ok
 
 log = logging.getLogger(__name__)
 
 VERBS = ("drain", "undrain", "regate")
 
 
-def control_routes(controller: GroupController, admin_token: str | None) -> list[web.RouteDef]:
-    """The debug view, plus the admin verbs when ``admin_token`` is set."""
+def control_routes(
+    controller: GroupController, admin_token: str | None, debug_token: str | None = None
+) -> list[web.RouteDef]:
+    """The debug view (behind ``debug_token`` when set), plus the admin verbs when
+    ``admin_token`` is set."""
 
-    async def pool_view(_: web.Request) -> web.Response:
+    async def pool_view(request: web.Request) -> web.Response:
+        if not bearer_ok(request, debug_token):
+            return _json(401, {"error": "debug view: missing or wrong bearer token"})
         return _json(200, controller.view())
 
     async def admin(request: web.Request) -> web.Response:
         assert admin_token is not None
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
+        if not bearer_ok(request, admin_token):
             return _json(401, {"error": "admin API: missing or wrong bearer token"})
         key, verb = request.match_info["key"], request.match_info["verb"]
         if verb not in VERBS:

@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router.http.server import bearer_ok, http_runner
+
 if TYPE_CHECKING:
     from router.config import MetricsConfig
     from router.picker import Picker, RouteDecision
@@ -551,15 +553,17 @@ class MetricsListener:
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
-    async def _exposition(self, _: web.Request) -> web.Response:
+    async def _exposition(self, request: web.Request) -> web.Response:
+        if not bearer_ok(request, self.config.token):
+            return web.Response(status=401, text="metrics: missing or wrong bearer token")
         body, content_type = self.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def __aenter__(self) -> MetricsListener:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024)  # GETs and admin POSTs without bodies
         app.router.add_get("/metrics", self._exposition)
         app.add_routes(self.routes)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = http_runner(app, drain_timeout_s=1.0, cancel_on_disconnect=False)
         await self._runner.setup()
         try:
             await web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True).start()

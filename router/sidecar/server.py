@@ -24,6 +24,7 @@ from yarl import URL
 from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
 from router.http.headers import HOP_HEADERS, PASSTHROUGH_DROPPED, PREFILLER, forwardable
+from router.http.server import http_runner
 from router.http.session import upstream_session
 from router.rejections import PrefillForbidden, Rejection, UpstreamFailed, answer
 from router.request import COMPLETION_PATHS, client_json
@@ -207,13 +208,7 @@ class SidecarServer:
         exchange = TwoLegExchange(session, self.connect_timeout_s, self.request_timeout_s)
         sidecar = Sidecar(self.decode_address, exchange, session, self.allow, self.max_body_bytes)
         # handler_cancellation: a client that hangs up cancels the engine calls, which frees their KV.
-        runner = web.AppRunner(
-            sidecar.app(),
-            handler_cancellation=True,
-            access_log=None,
-            handle_signals=False,
-            shutdown_timeout=self.drain_timeout_s,
-        )
+        runner = http_runner(sidecar.app(), drain_timeout_s=self.drain_timeout_s, cancel_on_disconnect=True)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)  # runs before the session closes: streams drain first
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
