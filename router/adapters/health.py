@@ -1,6 +1,8 @@
 """``grpc.health.v1`` for the names gateways and probes ask about, served by the gRPC listeners.
 
-``Check`` answers from the table; ``Watch`` streams the current status, then every change.
+``Check`` answers from the table (an unknown name is ``SERVICE_UNKNOWN``, as the Inference
+Extension's picker answers it); ``Watch`` streams the current status, then every change; ``List``
+returns every name with its status.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from router.transport.h2grpc import INVALID_ARGUMENT, NOT_FOUND, Call, CallHandler
+from router.transport.h2grpc import INVALID_ARGUMENT, Call, CallHandler
 
 CHECK_METHOD = "/grpc.health.v1.Health/Check"
 WATCH_METHOD = "/grpc.health.v1.Health/Watch"
+LIST_METHOD = "/grpc.health.v1.Health/List"
 
 
 class HealthState:
@@ -47,9 +50,12 @@ class HealthState:
     def watch(self, call: Call) -> CallHandler:
         return _HealthCall(self, call, watch=True)
 
+    def list(self, call: Call) -> CallHandler:
+        return _ListCall(self, call)
+
     def methods(self) -> dict[str, Callable[[Call], CallHandler]]:
-        """The two health methods, for an ``H2GrpcServer``'s method table."""
-        return {CHECK_METHOD: self.check, WATCH_METHOD: self.watch}
+        """The health methods, for an ``H2GrpcServer``'s method table."""
+        return {CHECK_METHOD: self.check, WATCH_METHOD: self.watch, LIST_METHOD: self.list}
 
 
 def _health_response(status: int) -> bytes:
@@ -77,13 +83,41 @@ class _HealthCall:
     def on_end(self) -> None:
         if self.watch:
             return  # a watch lasts until the client cancels it
-        status = self.state.statuses.get(self.service) if self.service is not None else None
-        if status is None:
-            self.call.finish(NOT_FOUND, "unknown service")
-        else:
-            self.call.send(_health_response(status))
-            self.call.finish()
+        if self.service is None:
+            self.call.finish(INVALID_ARGUMENT, "no HealthCheckRequest")
+            return
+        unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        self.call.send(_health_response(self.state.statuses.get(self.service, unknown)))
+        self.call.finish()
 
     def on_cancel(self) -> None:
         if self.service is not None:
             self.state.watchers.get(self.service, set()).discard(self.call)
+
+
+class _ListCall:
+    def __init__(self, state: HealthState, call: Call) -> None:
+        self.state = state
+        self.call = call
+        self.asked = False
+
+    def on_message(self, data: bytes) -> None:
+        try:
+            health_pb2.HealthListRequest.FromString(data)
+        except DecodeError:
+            self.call.finish(INVALID_ARGUMENT, "malformed HealthListRequest")
+            return
+        self.asked = True
+
+    def on_end(self) -> None:
+        if not self.asked:
+            self.call.finish(INVALID_ARGUMENT, "no HealthListRequest")
+            return
+        answer = health_pb2.HealthListResponse()
+        for name, status in self.state.statuses.items():
+            answer.statuses[name].status = status  # type: ignore[assignment]
+        self.call.send(answer.SerializeToString())
+        self.call.finish()
+
+    def on_cancel(self) -> None:
+        pass

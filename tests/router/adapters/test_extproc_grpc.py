@@ -49,9 +49,18 @@ async def test_health_answers_every_name_on_both_ports_and_readiness_follows_the
         for port in (app.health_port, app.extproc_port):
             for name in NAMES:
                 assert await status(port, name) == SERVING, name
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await status(port, "something-else")
-            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            # As the Inference Extension's picker: an answer, not an error.
+            assert await status(port, "something-else") == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                listed = await channel.unary_unary(
+                    "/grpc.health.v1.Health/List",
+                    request_serializer=lambda m: m.SerializeToString(),
+                    response_deserializer=health_pb2.HealthListResponse.FromString,
+                )(health_pb2.HealthListRequest())
+            assert {name: s.status for name, s in listed.statuses.items()} == {
+                **dict.fromkeys(NAMES, SERVING),
+                "liveness": SERVING,
+            }
         app.health.set_ready(False)  # what stop() does first
         assert await status(app.health_port, "readiness") == NOT_SERVING
         assert await status(app.health_port, "liveness") == SERVING
