@@ -323,7 +323,11 @@ class SignalsConfig(_Strict):
     """The online performance model and the replica recommendation per role (``router/signals``)."""
 
     tick_ms: Annotated[float, Field(ge=50)] = 1000.0
-    learn: bool = Field(True, description="route with the engine speeds fitted from observed TTFT/TPOT")
+    learn: bool = Field(
+        True,
+        description="route with what answers teach: engine speeds fitted from observed TTFT/TPOT, "
+        "tokens per character, engines' cached-token reports (off: observed and exported only)",
+    )
     min_samples: Annotated[int, Field(ge=2)] = 16
     prior_samples: NonNegative = Field(
         0.1,

@@ -151,7 +151,7 @@ class Flight:
         signals = self.flow.signals
         if signals is not None:  # calibrated by what engines reported for earlier prompts
             self.estimated_tokens = request.prompt_tokens
-            ratio = signals.tokens.ratio
+            ratio = signals.tokens.ratio if signals.perf.settings.learn else 1.0
             if ratio != 1.0:
                 request.prompt_tokens = signals.tokens.scale(request.prompt_tokens)
                 request.block_tokens = self.flow.limits.block_tokens * ratio
@@ -308,7 +308,7 @@ class Flight:
         signals.perf.observe_cached(held, computed.cached_tokens)
         tokens_per_block = request.block_tokens or self.flow.limits.block_tokens
         blocks = evicted_blocks(held, computed.cached_tokens, tokens_per_block)
-        if blocks is not None:
+        if blocks is not None and signals.perf.settings.learn:
             # The engine has just recomputed and cached this prompt, so its blocks are right in
             # the index now; what was wrong is how much the index thinks the engine keeps.
             endpoint = decision.prefill or decision.decode
