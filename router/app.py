@@ -63,6 +63,7 @@ from router.observe.metrics import (
 from router.observe.scrape import ScrapeError, Scraper
 from router.pool import Pool
 from router.producers import PreciseKeys, SharedLookup
+from router.signals.engines import EngineSpeeds
 from router.signals.perf import PerformanceModel
 from router.signals.pool import SignalsCollector
 from router.signals.scaling import PoolSignals
@@ -143,6 +144,8 @@ class App:
             block_tokens=limits.block_tokens,
         )
         self.metrics.registry.register(self.scaling)
+        # Per-engine speed against the pool's model; learned only while signals.learn is on.
+        self.engine_speeds = EngineSpeeds() if config.signals.learn else None
         self.flow_control: FlowControl | None = None
         if config.flow_control.enabled:
             self.flow_control = FlowControl(
@@ -158,6 +161,7 @@ class App:
             producers,
             self.scaling,
             self.flow_control,
+            self.engine_speeds,
         )
         self.health = HealthState()
         self.ready = False
@@ -201,6 +205,9 @@ class App:
         stack.push_async_callback(stop_task, scrape_task)
         signals_task = asyncio.create_task(self.scaling.run(), name="signals-tick")
         stack.push_async_callback(stop_task, signals_task)
+        if self.engine_speeds is not None:
+            speeds = asyncio.create_task(self._apply_speeds(), name="engine-speeds")
+            stack.push_async_callback(stop_task, speeds)
         if self.flow_control is not None:
             dispatcher = asyncio.create_task(self.flow_control.run(), name="flow-control")
             stack.push_async_callback(stop_task, dispatcher)
@@ -382,6 +389,12 @@ class App:
                 self.pool.record_failure(endpoint, str(result))
             else:
                 self.pool.apply_metrics(endpoint, result, now)
+
+    async def _apply_speeds(self) -> None:
+        assert self.engine_speeds is not None
+        while True:
+            await asyncio.sleep(self.config.signals.tick_ms / 1000.0)
+            self.engine_speeds.apply(self.pool)
 
     async def _scrape_loop(self) -> None:
         interval = self.config.scrape.interval_ms / 1000.0

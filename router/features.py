@@ -90,6 +90,7 @@ FEATURES: tuple[Feature, ...] = (
     ),
     # The router's own bookkeeping: exact between scrapes, zero when nothing is in flight.
     Feature("queued_prefill_tokens", 0.0, doc="uncached prompt tokens we routed, not yet prefilled"),
+    Feature("slowness", 1.0, doc="this engine's latency over the pool model's (router/signals/engines.py)"),
     Feature("reserved_kv_tokens", 0.0, doc="KV tokens reserved by requests we routed"),
     Feature("inflight_requests", 0, np.int64, doc="requests we routed that are decoding here"),
     Feature("queued_prefill_requests", 0, np.int64, candidate=False),

@@ -27,6 +27,7 @@ from router.rejections import Answer, Rejection, answer
 from router.request import headers_only_request, parse_request
 from router.response import ResponseMeter, Usage, usage_of
 from router.signals.calibration import evicted_blocks
+from router.signals.engines import EngineSpeeds
 from router.signals.scaling import PoolSignals
 from router.types import RequestLimits, RouteRequest
 
@@ -64,6 +65,7 @@ class RequestFlow:
         producers: Sequence[Producer] = (),
         signals: PoolSignals | None = None,
         control: FlowControl | None = None,
+        speeds: EngineSpeeds | None = None,
     ) -> None:
         """``signals``: where arrivals and observed latencies go (demand, the performance model);
         ``control``: flow control, which holds requests while the pool is saturated."""
@@ -74,6 +76,7 @@ class RequestFlow:
         self.producers = tuple(producers)
         self.signals = signals
         self.control = control
+        self.speeds = speeds
 
     @property
     def prepares(self) -> bool:
@@ -279,16 +282,23 @@ class Flight:
         perf, b, now = signals.perf, decision.breakdown, time.monotonic()
         work = b["queued_tokens"] + b["uncached_tokens"]
         first = None if meter is None or not meter.streaming else meter.first_at
-        if self.prefill_leg_s is not None:
-            perf.observe_prefill(work, self.prefill_leg_s)
-        elif first is not None and decision.prefill is None:
-            perf.observe_prefill(work, first - self.picked_at)
+        computed_in = self.prefill_leg_s
+        if computed_in is None and first is not None and decision.prefill is None:
+            computed_in = first - self.picked_at
+        speeds = self.flow.speeds
+        if computed_in is not None:
+            perf.observe_prefill(work, computed_in)
+            if speeds is not None:
+                base, per_token = perf.prefill.coefficients
+                speeds.observe((decision.prefill or decision.decode).id, computed_in, base + per_token * work)
         if first is not None:
             perf.observe_ttft(now, first - self.picked_at, b["ttft_s"])
         tpot = None if meter is None else meter.tpot()
         if tpot is not None:
             decode_only = decision.decode.role == "decode"
             perf.observe_tpot(now, tpot, b["tpot_s"], b["batch"], b["kv_tokens"], fit=decode_only)
+            if speeds is not None:
+                speeds.observe(decision.decode.id, tpot, b["tpot_s"] / b["slowness_d"])
         self._correct(decision)
 
     def _correct(self, decision: RouteDecision) -> None:

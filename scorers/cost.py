@@ -70,7 +70,8 @@ def derive(cand: Candidates, ctx: RequestCtx, cm: CostModel) -> View:
     """The quantities every term shares, computed once per pick."""
     o, model = cm.objectives, cm.model
     cached = prefix.cached_tokens(cand, ctx)
-    wait = queue.wait_s(cand, ctx, model)
+    slow = cand.slowness  # per engine, 1 = as the pool's model says
+    wait = queue.wait_s(cand, ctx, model) * slow
     uncached = prefix.uncached_tokens(
         cached, ctx, prefix.fairness_trust(wait, o.prefix_trust, o.max_wait_skew_s)
     )
@@ -85,11 +86,11 @@ def derive(cand: Candidates, ctx: RequestCtx, cm: CostModel) -> View:
         cached=cached,
         wait_s=wait,
         uncached=uncached,
-        prefill_s=uncached / model.prefill_tokens_per_s,
+        prefill_s=uncached / model.prefill_tokens_per_s * slow,
         batch=batch,
         used_kv=used,
         need_kv=need,
-        tpot_s=load.tpot_s(model, used + need, batch),
+        tpot_s=load.tpot_s(model, used + need, batch) * slow,
     )
 
 
@@ -150,10 +151,13 @@ class PairCosts:
             "cached_tokens": self.view.ctx.prompt_tokens - uncached,
             "uncached_tokens": uncached,
             # What the performance model learns against (``router/signals/perf.py``).
-            "queued_tokens": float(self.view.wait_s[p]) * self.view.model.prefill_tokens_per_s,
+            "queued_tokens": float(self.view.wait_s[p] / self.view.cand.slowness[p])
+            * self.view.model.prefill_tokens_per_s,
             "batch": float(self.view.batch[d]) + 1.0,
             "kv_tokens": float(self.view.used_kv[d] + self.view.need_kv[d]),
             "held_tokens": float(self.view.cached[p]),  # cached there, before the trust cap
+            "slowness_p": float(self.view.cand.slowness[p]),
+            "slowness_d": float(self.view.cand.slowness[d]),
         }
         prefill_side = self.prefill_side
         for name, values in self.terms.items():
