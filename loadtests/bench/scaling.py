@@ -35,12 +35,15 @@ Policies (same fleet, same stabilisation: scale up at once, down to the max desi
 
 Reported per scenario × policy: SLO violation time (10-s buckets, by arrival, where more than 10% of
 the requests missed TTFT or TPOT SLO or failed), violation area (Σ share missed × bucket), replica-
-minutes (simulated, until the scenario's end), scale actions, failed requests; and a PNG of replicas
-and load over time (``--png``, needs matplotlib: ``pip install -e '.[bench]'``).
+minutes (simulated, until the scenario's end), scale actions, failed requests; a PNG of replicas
+and load over time (``--png``, needs matplotlib: ``pip install -e '.[bench]'``); and a CSV of the
+router's recommendation per autoscaler tick and role (``--trace``: demand, forecast, capacity,
+load, desired, recommended, refusal; in wall-clock units, as the compressed router sees them).
 
     python -m loadtests.bench.scaling                      # every scenario and policy (~5 min)
     python -m loadtests.bench.scaling --quick --scenarios isl-burst --policies queue
     python -m loadtests.bench.scaling --png scaling.png --table scaling.md
+    python -m loadtests.bench.scaling --scenarios ramp --trace ramp.csv  # the router's reasoning per tick
 
 Everything listens on 127.0.0.1; every run is bounded by its scenario's length and ``--run-timeout``.
 """
@@ -50,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import csv
 import dataclasses
 import functools
 import logging
@@ -361,6 +365,8 @@ class Outcome:
     violation_s: float = 0.0
     violation_area_s: float = 0.0
     shares: list[float] = field(default_factory=list)  # per bucket: share of requests that missed
+    # per autoscaler tick and role: the router's recommendation (whichever policy applies it)
+    trace: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def failed(self) -> int:
@@ -493,8 +499,22 @@ async def autoscale(
                 outcome.actions[role][0 if want > current else 1] += 1
                 await fleet.scale(role, want)
         replicas = {role: fleet.count(role) for role in ROLES}
+        latest = getattr(getattr(app, "scaling", None), "latest", {})
+        for role, rec in latest.items():
+            outcome.trace.append(
+                {"t": round((now - t0) * settings.speed, 1), "replicas": replicas[role], **rec_fields(rec)}
+            )
         outcome.samples.append(Sample((now - t0) * settings.speed, replicas, admitted(app)))
         await asyncio.sleep(settings.wall(settings.tick_s))
+
+
+def rec_fields(rec: Any) -> dict[str, Any]:
+    """A recommendation's fields (a dataclass), rounded for a CSV."""
+    out = {}
+    for f in dataclasses.fields(rec):
+        value = getattr(rec, f.name)
+        out[f.name] = round(value, 3) if isinstance(value, float) else value
+    return out
 
 
 @contextlib.asynccontextmanager
@@ -592,6 +612,22 @@ def verdict(outcomes: Sequence[Outcome]) -> str:
     )
 
 
+def write_trace(path: str, runs: dict[str, list[Outcome]]) -> None:
+    """The router's recommendation per autoscaler tick and role, for every run, as a CSV."""
+    rows = [
+        {"scenario": o.scenario, "policy": o.policy, **row}
+        for outcomes in runs.values()
+        for o in outcomes
+        for row in o.trace
+    ]
+    if not rows:
+        return
+    with open(path, "w", encoding="utf-8", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def arrivals(workload: Workload, bucket_s: float, n: int) -> dict[str, list[float]]:
     """Offered load per bucket (simulated): requests/s, prompt and answer ktokens/s."""
     load = {"req/s": [0.0] * n, "prompt ktok/s": [0.0] * n, "answer ktok/s": [0.0] * n}
@@ -680,6 +716,8 @@ async def main_async(args: argparse.Namespace, settings: Settings) -> int:
     if args.table:
         with open(args.table, "w", encoding="utf-8") as out:
             out.write("\n".join(tables))
+    if args.trace:
+        write_trace(args.trace, runs)
     if args.png and write_png(args.png, runs, workloads, settings):
         sys.stderr.write(f"wrote {args.png}\n")
     return 0 if failed == 0 else 1
@@ -715,6 +753,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--png", default="", help="write replicas and load over time here (matplotlib)")
     parser.add_argument("--table", default="", help="also write the markdown tables here")
+    parser.add_argument(
+        "--trace", default="", help="write the router's recommendation per tick and role here (CSV)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speed", type=float, default=defaults.speed, help="simulated s per wall s")
     parser.add_argument("--ready-s", type=float, default=defaults.ready_s, help="replica ready time (sim s)")

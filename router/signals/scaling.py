@@ -3,21 +3,33 @@
 Every tick (``signals.tick_ms``) ``PoolSignals`` refits the performance model (``perf.py``), hands
 the picker the engine model it implies, and recomputes per role (prefill, decode):
 
-* **demand**: prefill — uncached prompt tokens arriving per second (what the picker routed this
-  tick) plus the queued backlog drained over ``backlog_drain_s``; decode — sequences in flight on
-  the decode pods (scraped running + waiting, or ours when larger) and KV tokens resident.
+* **demand**: prefill — uncached prompt tokens arriving per second, over ``level_window_s`` or
+  the last ``min_rate_requests`` arrivals if that is longer (a few requests' Poisson noise is not
+  a rate), plus the queued backlog spread over ``max(backlog_drain_s, H)`` (a replica asked for
+  now helps only after the ready time); decode — the sequences past their prefill on the decode
+  pods (scraped running + waiting, or ours when more, minus those still queued for their
+  prefill), counted *at the TPOT SLO*: Little's law scales today's count by SLO / TPOT, so the
+  demand is linear in the arrival rate whatever the pods' speed now.
 * **forecast** over the horizon ``H`` = the ready time (``ready_time_s``, or the p90 of the gate's
-  measured discovered → admitted times once there are some): ``level + max(0, trend) × H``, the
-  level the mean of the last ``level_window_s`` and the trend a least-squares slope over the last
-  ``trend_window_s``, at most ``max_growth`` × the level. Demand that is falling is never
-  forecast down: scaling down waits for it to happen.
+  measured discovered → admitted times once there are some): each role's level (the mean of its
+  last ``level_window_s``) × the growth of the *request rate* over ``H``. The request rate is the
+  cause of both roles' demand: a longer prompt or answer mix is a new level, not a trend, and the
+  in-flight count also rises while long answers accumulate after a step. The growth is
+  ``1 + slope × H / level`` (at most ``max_growth``) with the slope the smaller of the
+  least-squares slopes over the two halves of ``trend_window_s``, each only when it is
+  ``trend_significance`` standard errors above zero (one independent sample per level window):
+  noise and single jumps are not extrapolated, sustained growth is. Demand that is falling is
+  never forecast down: scaling down waits for it to happen.
 * **capacity per replica at the SLO**, from the fitted model: prefill — tokens per second at the
-  utilisation ``ρ`` where an M/D/1 queue's wait plus the typical prefill meets the TTFT SLO
-  (``ρ = 2h / (s + 2h)``, ``s`` the typical prefill, ``h = slo − s``; at most ``max_utilization``);
-  decode — the batch at which the step time reaches the TPOT SLO with the pool's mean context,
-  at most what fits in ``kv_target`` of a replica's KV.
+  utilisation ``ρ`` where an M/D/1 queue's wait plus the prefill meets the TTFT SLO
+  (``ρ = 2h / (s + 2h)``, ``s`` the prefill of the mean uncached prompt of the requests that make
+  the rate, ``h = slo − s``; at most ``max_utilization``); decode — the batch at which the step
+  time reaches the TPOT SLO with the pool's mean context, at most what fits in ``kv_target`` of
+  a replica's KV.
 * **desired** = ``ceil(forecast / capacity)`` within ``[min_replicas, max_replicas]``; while the
-  role's load (``max(predicted, observed) / SLO``) is above 1 it is at least one more than now.
+  role's load (``max(predicted, observed) / SLO``) and its prediction alone are above 1 it is at
+  least one more than admitted — once what was asked for before is admitted (or the ready time
+  passed) and the observed p90 has had its window to see it (no ratchet on one overload).
 * **recommended** = the max of desired over the last ``scale_down_window_s`` (scale up at once,
   down only after the window: no flapping on periodic load). A scale-down from ``N`` to ``M`` is
   **refused** (the smallest safe count kept, the reason exported) when the consolidated load
@@ -61,7 +73,12 @@ class ScalingSettings:
     level_window_s: float = 10.0
     trend_window_s: float = 120.0
     max_growth: float = 3.0  # the forecast is at most this × the current level
-    backlog_drain_s: float = 30.0
+    # The trend is extrapolated only when its slope is this many standard errors above zero.
+    trend_significance: float = 2.0
+    # The prefill arrival rate spans at least this many requests (Poisson noise ≈ 1/√n), up to
+    # ``trend_window_s``, when ``level_window_s`` holds fewer.
+    min_rate_requests: int = 16
+    backlog_drain_s: float = 30.0  # at the soonest: never faster than a new replica can help
     max_utilization: float = 0.85
     kv_target: float = 0.8
     min_replicas: tuple[int, int] = (1, 1)  # prefill, decode
@@ -78,6 +95,9 @@ class RoleState:
     load: float | None  # max(predicted, observed) / SLO; None while unknown
     kv_used_tokens: float = 0.0
     kv_capacity_tokens: float = 0.0  # per replica
+    # The prediction alone (``load`` is the larger of it and the observed p90): for a request
+    # arriving now, from the queues now. None while unknown.
+    predicted_load: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +110,8 @@ class Recommendation:
     forecast: float
     capacity: float
     horizon_s: float
+    demand: float = 0.0  # this tick's, in the capacity's unit
+    load: float | None = None  # max(predicted, observed) / SLO
 
 
 class Trend:
@@ -104,26 +126,74 @@ class Trend:
         while self.points and self.points[0][0] < now - self.settings.trend_window_s:
             self.points.popleft()
 
-    def forecast(self, now: float, horizon_s: float) -> float:
+    def level(self, now: float) -> float:
+        """The mean of the last ``level_window_s`` (the last point if none is that recent)."""
         if not self.points:
             return 0.0
         t, v = np.array(self.points).T
         recent = v[t >= now - self.settings.level_window_s]
-        level = float(recent.mean()) if recent.size else float(v[-1])
-        slope = 0.0
-        if len(t) >= 3 and np.ptp(t) > 0:
-            slope = max(0.0, float(np.polyfit(t - t[-1], v, 1)[0]))
+        return float(recent.mean()) if recent.size else float(v[-1])
+
+    def forecast(self, now: float, horizon_s: float) -> float:
+        """``level + slope × horizon``, at most ``max_growth`` × the level (see ``slope``)."""
+        level = self.level(now)
         if level <= 0:
             return 0.0
-        return min(level + slope * horizon_s, self.settings.max_growth * level)
+        return min(level + self.slope() * horizon_s, self.settings.max_growth * level)
+
+    def growth(self, now: float, horizon_s: float) -> float:
+        """The forecast over the level: how many times today's level the horizon will need (≥ 1)."""
+        level = self.level(now)
+        return self.forecast(now, horizon_s) / level if level > 0 else 1.0
+
+    def slope(self) -> float:
+        """The growth per second the trend window shows, 0 unless it is sustained and significant:
+        the smaller of the least-squares slopes over the window's older and newer halves, each
+        only when significantly above zero. Growth through the whole window is a trend; a single
+        jump (a step, or load arriving at a fresh router) is a change of level, already in it."""
+        if len(self.points) < 6:
+            return 0.0
+        t, v = np.array(self.points).T
+        middle = t[0] + (t[-1] - t[0]) / 2
+        older, newer = t <= middle, t > middle
+        return min(self._significant_slope(t[older], v[older]), self._significant_slope(t[newer], v[newer]))
+
+    def _significant_slope(self, t: np.ndarray, v: np.ndarray) -> float:
+        """The least-squares slope if it is ``trend_significance`` standard errors above zero (the
+        series is smoothed over ``level_window_s``: one independent sample per level window), else 0."""
+        s = self.settings
+        if len(v) < 3:
+            return 0.0
+        x = t - t.mean()
+        sxx = float(x @ x)
+        if sxx <= 0:
+            return 0.0
+        slope = float(x @ (v - v.mean())) / sxx
+        if slope <= 0:
+            return 0.0
+        residuals = v - v.mean() - slope * x
+        noise = float(residuals @ residuals) / (len(v) - 2)
+        independent = min(float(len(v)), max(3.0, float(np.ptp(t)) / s.level_window_s))
+        # Var(slope) = noise / Σx², with Σx² over ``independent`` samples rather than every tick.
+        stderr = math.sqrt(noise / (sxx * independent / len(v)))
+        return slope if slope > s.trend_significance * stderr else 0.0
 
 
 class Recommender:
-    """Pure: per-role states in, recommendations out; keeps the desired history for hysteresis."""
+    """Pure: per-role states in, recommendations out; keeps the desired history for hysteresis.
 
-    def __init__(self, settings: ScalingSettings) -> None:
+    ``settle_s``: how long an observed latency speaks for the past (the observed p90's window): a
+    broken SLO asks for one more replica only once the replicas already asked for are admitted
+    (or the ready time passed without them) and have been for ``settle_s``, so one overload is
+    not answered again and again while its cure is starting or its latencies are still counted."""
+
+    def __init__(self, settings: ScalingSettings, settle_s: float = 0.0) -> None:
         self.settings = settings
+        self.settle_s = settle_s
         self.history: dict[str, deque[tuple[float, int]]] = {role: deque() for role in ROLES}
+        self.asked: dict[str, int] = {}  # the last recommendation per role
+        self.asked_since: dict[str, float] = {}  # since when it has been above the admitted count
+        self.admitted: dict[str, tuple[int, float]] = {}  # admitted count and since when
 
     def recommend(
         self, now: float, role: str, state: RoleState, forecast: float, horizon_s: float
@@ -132,8 +202,15 @@ class Recommender:
         index = ROLES.index(role)
         low, high = s.min_replicas[index], s.max_replicas[index]
         desired = math.ceil(forecast / state.capacity - 1e-9) if state.capacity > 0 else state.current
-        if state.load is not None and state.load > 1.0:
-            desired = max(desired, state.current + 1)  # the SLO is broken now, whatever the model says
+        starting, settled = self._settled(now, role, state, horizon_s)
+        broken = state.load is not None and state.load > 1.0
+        if broken and (state.predicted_load is None or state.predicted_load > 1.0):
+            # The SLO is broken, whatever the model says: one more than admitted, or keep the
+            # ones asked for while they start (answered once per overload, not every tick).
+            if starting:
+                desired = max(desired, self.asked[role])
+            elif settled:
+                desired = max(desired, state.current + 1)
         desired = min(max(desired, low), high)
         history = self.history[role]
         if not history and s.scale_down_window_s > 0:
@@ -146,9 +223,36 @@ class Recommender:
         recommended, refused = stabilised, None
         if stabilised < state.current:
             recommended, refused = self._safe_scale_down(state, stabilised)
+        if recommended > state.current:
+            self.asked_since.setdefault(role, now)
+        else:
+            self.asked_since.pop(role, None)
+        self.asked[role] = recommended
         return Recommendation(
-            role, state.current, desired, recommended, refused, forecast, state.capacity, horizon_s
+            role,
+            state.current,
+            desired,
+            recommended,
+            refused,
+            forecast,
+            state.capacity,
+            horizon_s,
+            state.demand,
+            state.load,
         )
+
+    def _settled(self, now: float, role: str, state: RoleState, horizon_s: float) -> tuple[bool, bool]:
+        """``(starting, settled)``: replicas asked for are not admitted yet (within the ready
+        time); the admitted count has not changed for ``settle_s`` (the observed latency has had
+        its window to see them)."""
+        count, since = self.admitted.get(role, (state.current, -math.inf))
+        if state.current != count:
+            since = now
+        self.admitted[role] = (state.current, since)
+        starting = (
+            self.asked.get(role, 0) > state.current and now - self.asked_since.get(role, now) < horizon_s
+        )
+        return starting, not starting and now - since >= self.settle_s
 
     def _safe_scale_down(self, state: RoleState, target: int) -> tuple[int, str | None]:
         """The smallest count from ``target`` up that keeps the SLO and the KV (and why a smaller
@@ -241,11 +345,14 @@ class PoolSignals:
         self.clock = clock
         self.demand = DemandMeter()
         self.tokens = TokenCalibration()
-        self.recommender = Recommender(settings)
+        self.recommender = Recommender(settings, settle_s=perf.settings.observed_window_s)
+        # Per role its demand (for the level); requests per second (for the growth of both).
         self.trends = {role: Trend(settings) for role in ROLES}
+        self.arrivals = Trend(settings)
         self.latest: dict[str, Recommendation] = {}
-        # (time, prefill tokens routed so far) per tick, over the level window: the arrival rate.
-        self._arrived: deque[tuple[float, float]] = deque()
+        # (time, prefill tokens routed so far, requests so far) per tick, over the trend window:
+        # the arrival rate and the uncached size of the prompts that make it.
+        self._arrived: deque[tuple[float, float, int]] = deque()
 
     @property
     def cost_model(self) -> CostModel:
@@ -260,11 +367,18 @@ class PoolSignals:
         if self.perf.refit() and self.perf.settings.learn:
             self.reprice(replace(self.cost_model, model=self.perf.engine_model()))
         horizon = self.horizon_s()
-        states = {"prefill": self._prefill_state(now), "decode": self._decode_state(now)}
+        tokens_per_s, requests_per_s, per_request = self._arrival_rate(
+            now, self.demand.prefill_tokens, self.demand.requests
+        )
+        self.arrivals.add(now, requests_per_s)
+        growth = self.arrivals.growth(now, horizon)  # the cause of both roles' demand
+        decode = self._decode_state(now)
+        prefill = self._prefill_state(now, horizon, tokens_per_s, per_request)
         out = {}
-        for role, (state, value) in states.items():
-            self.trends[role].add(now, value)
-            forecast = max(self.trends[role].forecast(now, horizon), value)
+        for role, (state, value) in {"prefill": prefill, "decode": decode}.items():
+            trend = self.trends[role]
+            trend.add(now, value)
+            forecast = max(trend.level(now) * growth, value)
             out[role] = self.recommender.recommend(now, role, state, forecast, horizon)
         self.latest = out
         return out
@@ -283,6 +397,11 @@ class PoolSignals:
     def load(self, role: str, now: float | None = None) -> float | None:
         """``max(predicted, observed) / SLO``: TTFT for prefill, TPOT for decode; None while
         neither is known."""
+        known = [v for v in self.load_parts(role, now) if v is not None]
+        return max(known) if known else None
+
+    def load_parts(self, role: str, now: float | None = None) -> tuple[float | None, float | None]:
+        """``(predicted, observed p90) / SLO`` (each None while unknown)."""
         now = self.clock() if now is None else now
         o = self.cost_model.objectives
         stage = "prefill" if role == "prefill" else "decode"
@@ -290,59 +409,109 @@ class PoolSignals:
             self.pool, self.cost_model, stage, self.typical_max_tokens, self.block_tokens, now
         )
         observed = (self.perf.ttft if role == "prefill" else self.perf.tpot).p90(now)
-        known = [v for v in (predicted, observed) if v is not None]
-        if not known:
-            return None
-        return max(known) / (o.ttft_slo_s if role == "prefill" else o.tpot_slo_s)
+        slo = o.ttft_slo_s if role == "prefill" else o.tpot_slo_s
+        return tuple(None if v is None else v / slo for v in (predicted, observed))  # type: ignore[return-value]
 
-    def _prefill_state(self, now: float) -> tuple[RoleState, float]:
+    def _loads(self, role: str, now: float) -> tuple[float | None, float | None]:
+        """``(load, predicted load)`` for ``RoleState``."""
+        predicted, observed = self.load_parts(role, now)
+        known = [v for v in (predicted, observed) if v is not None]
+        return (max(known) if known else None), predicted
+
+    def _prefill_state(
+        self,
+        now: float,
+        horizon_s: float,
+        tokens_per_s: float,
+        per_request: float | None,
+    ) -> tuple[RoleState, float]:
+        """Demand: uncached prompt tokens per second, plus the queued backlog spread over the time
+        a new replica needs to help (``backlog_drain_s`` at the soonest); capacity: at the SLO for
+        the uncached size of the very prompts that make the rate (``per_request``)."""
         pool = self.pool
         slots = self._role_slots("prefill")
-        rate = self._arrival_rate(now, self.demand.prefill_tokens)
         queued = stage_signals(pool, "prefill", SaturationSettings(), now).queued_prompt_tokens
-        demand = rate + queued / self.settings.backlog_drain_s
-        typical = self.demand.typical_uncached
+        demand = tokens_per_s + queued / max(self.settings.backlog_drain_s, horizon_s)
+        typical = per_request if per_request is not None else self.demand.typical_uncached
         capacity = prefill_capacity(
             self.perf,
             pool.typical_prompt_tokens if typical is None else max(typical, 1.0),
             self.cost_model.objectives.ttft_slo_s,
             self.settings.max_utilization,
         )
-        state = RoleState(self._replicas(slots), demand, capacity, self.load("prefill", now))
+        load, predicted = self._loads("prefill", now)
+        state = RoleState(self._replicas(slots), demand, capacity, load, predicted_load=predicted)
         return state, demand
 
-    def _arrival_rate(self, now: float, tokens: float) -> float:
-        """Tokens per second over the last ``level_window_s`` (a burst inside one tick is spread
-        over the window, not read as its instantaneous rate)."""
+    def _arrival_rate(self, now: float, tokens: float, requests: int) -> tuple[float, float, float | None]:
+        """Uncached tokens and requests per second over the last ``level_window_s``, or further
+        back (up to ``trend_window_s``) until it spans ``min_rate_requests`` arrivals: a burst
+        inside one tick is spread over the window, and a few requests' Poisson noise is not read
+        as the rate. Also the mean uncached tokens per request over that span (None without any)."""
+        s = self.settings
         arrived = self._arrived
-        arrived.append((now, tokens))
-        window = self.settings.level_window_s
-        while len(arrived) > 1 and arrived[1][0] <= now - window:
+        arrived.append((now, tokens, requests))
+        while len(arrived) > 1 and arrived[1][0] <= now - s.trend_window_s:
             arrived.popleft()
-        return (tokens - arrived[0][1]) / window
+        start = arrived[0]
+        for point in reversed(arrived):  # the newest point far enough back
+            start = point
+            if point[0] <= now - s.level_window_s and requests - point[2] >= s.min_rate_requests:
+                break
+        span = max(s.level_window_s, now - start[0])
+        count = requests - start[2]
+        per_request = (tokens - start[1]) / count if count > 0 else None
+        return (tokens - start[1]) / span, count / span, per_request
 
     def _decode_state(self, now: float) -> tuple[RoleState, float]:
+        """Demand: the sequences decoding (scraped running + waiting on the decode pods, or ours
+        past their prefill when more: a request still queued for its prefill holds no decode slot
+        yet and arrives only as fast as prefill lets it), counted as they would be *at the TPOT
+        SLO*: by Little's law a sequence is in flight for as long as its tokens take, so the count
+        at today's time per token is scaled by SLO / TPOT (fewer in flight while the pods are
+        fast, more while they are slow). That count is linear in the arrival rate, so its level
+        and its trend mean the same at any load; capacity is in the same unit."""
         pool = self.pool
         slots = self._role_slots("decode")
-        scraped = np.nan_to_num(pool.running[slots]) + np.nan_to_num(pool.waiting[slots])
-        sequences = float(np.maximum(scraped, pool.inflight_requests[slots]).sum())
+        running = np.nan_to_num(pool.running[slots])
+        scraped = float((running + np.nan_to_num(pool.waiting[slots])).sum())
+        ours = float(pool.inflight_requests[slots].sum())
+        prefilling = float(pool.queued_prefill_requests[pool.in_use].sum())
         capacity_tokens = pool.kv_capacity_tokens[slots]
         used = np.fmax(np.nan_to_num(pool.kv_usage[slots]) * capacity_tokens, pool.reserved_kv_tokens[slots])
         used_tokens = float(np.nansum(used))
+        tpot_slo = self.cost_model.objectives.tpot_slo_s
+        sequences = max(scraped, ours - prefilling) * self._slo_over_tpot(running, used, tpot_slo)
         known = capacity_tokens[np.isfinite(capacity_tokens)]
         per_replica_kv = float(known.mean()) if known.size else 0.0
+        holding = max(scraped, ours)  # every sequence with KV on (or reserved for) the pods
         context = (
-            used_tokens / sequences
-            if sequences >= 1
+            used_tokens / holding
+            if holding >= 1
             else pool.typical_prompt_tokens + self.typical_max_tokens / 2
         )
-        capacity = decode_capacity(
-            self.perf, context, self.cost_model.objectives.tpot_slo_s, per_replica_kv, self.settings.kv_target
-        )
+        capacity = decode_capacity(self.perf, context, tpot_slo, per_replica_kv, self.settings.kv_target)
+        load, predicted = self._loads("decode", now)
         state = RoleState(
-            self._replicas(slots), sequences, capacity, self.load("decode", now), used_tokens, per_replica_kv
+            self._replicas(slots),
+            sequences,
+            capacity,
+            load,
+            used_tokens,
+            per_replica_kv,
+            predicted_load=predicted,
         )
         return state, sequences
+
+    def _slo_over_tpot(self, running: np.ndarray, kv_tokens: np.ndarray, tpot_slo_s: float) -> float:
+        """SLO / time per token of the running sequences (the fitted step time at each pod's
+        batch and KV, weighted by its sequences); 1 with nothing running."""
+        total = float(running.sum())
+        if total <= 0:
+            return 1.0
+        base, per_seq, per_kv = self.perf.decode.coefficients
+        step = base + per_seq * running + per_kv * np.nan_to_num(kv_tokens)
+        return float((running * tpot_slo_s / np.maximum(step, 1e-9)).sum()) / total
 
     async def run(self) -> None:
         """Tick until cancelled."""

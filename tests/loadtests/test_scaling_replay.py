@@ -5,6 +5,7 @@ gate, drains that cut nothing), the threshold policies' HPA arithmetic, the SLO 
 from __future__ import annotations
 
 import asyncio
+import csv
 import dataclasses
 from pathlib import Path
 
@@ -149,7 +150,7 @@ def test_slo_violation_time_and_area_by_arrival_bucket() -> None:
 def test_quick_run_of_one_scenario_prints_a_table_row(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    table, png = tmp_path / "scaling.md", tmp_path / "scaling.png"
+    table, png, trace = tmp_path / "scaling.md", tmp_path / "scaling.png", tmp_path / "trace.csv"
     argv = [
         "--quick",
         "--scenarios",
@@ -160,6 +161,8 @@ def test_quick_run_of_one_scenario_prints_a_table_row(
         str(table),
         "--png",
         str(png),
+        "--trace",
+        str(trace),
     ]
     assert main(argv) == 0  # no request failed
     rows = [line for line in table.read_text().splitlines() if line.startswith("| queue |")]
@@ -170,6 +173,11 @@ def test_quick_run_of_one_scenario_prints_a_table_row(
     assert rep_total == pytest.approx(rep_p + rep_d, abs=0.11)
     failed, sent = (int(c) for c in cells[9].split("/"))
     assert failed == 0 and sent > 10
+    # The router's recommendation per tick and role, whichever policy applied its own.
+    with trace.open(encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["role"] for r in rows} == {"prefill", "decode"} and {r["policy"] for r in rows} == {"queue"}
+    assert all(int(r["recommended"]) >= 1 and float(r["capacity"]) > 0 for r in rows)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

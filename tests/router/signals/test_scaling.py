@@ -169,3 +169,126 @@ def test_the_horizon_is_measured_once_the_gate_has_seen_replicas_start() -> None
     signals.ready_times = lambda: [100.0, 120.0, 300.0]
     assert signals.horizon_s() == pytest.approx(np.quantile([100.0, 120.0, 300.0], 0.9))
     assert math.isfinite(signals.tick()["prefill"].horizon_s)
+
+
+def test_noise_and_a_single_step_are_not_a_trend_sustained_growth_is() -> None:
+    settings = ScalingSettings(level_window_s=5.0, trend_window_s=60.0, max_growth=10.0)
+    rng = np.random.default_rng(0)
+    noisy, step, ramp = Trend(settings), Trend(settings), Trend(settings)
+    for t in range(60):
+        noisy.add(float(t), 100.0 + rng.normal(0.0, 30.0))
+        step.add(float(t), 100.0 if t < 40 else 300.0)  # a jump: a new level
+        ramp.add(float(t), 100.0 + 5.0 * t + rng.normal(0.0, 10.0))
+    assert noisy.slope() == 0.0 and noisy.growth(59.0, 30.0) == 1.0
+    assert step.slope() == 0.0
+    assert step.forecast(59.0, 30.0) == pytest.approx(300.0)  # the level, not extrapolated
+    assert ramp.slope() == pytest.approx(5.0, rel=0.2)
+    assert ramp.growth(59.0, 30.0) == pytest.approx(1.0 + ramp.slope() * 30.0 / ramp.level(59.0))
+    # A fall is never forecast down.
+    fall = Trend(settings)
+    for t in range(60):
+        fall.add(float(t), 1000.0 - 10.0 * t)
+    assert fall.growth(59.0, 30.0) == 1.0
+
+
+def test_a_broken_slo_asks_once_per_overload_not_again_while_the_cure_is_starting() -> None:
+    r = Recommender(ScalingSettings(scale_down_window_s=0.0), settle_s=30.0)
+    broken = dict(load=1.5)
+    assert r.recommend(0.0, "prefill", state(2, 100.0, **broken), 100.0, 60.0).recommended == 3
+    # Still broken while the third replica starts: kept (not cancelled), and no fourth.
+    for t in (1.0, 30.0, 59.0):
+        assert r.recommend(t, "prefill", state(2, 100.0, **broken), 100.0, 60.0).desired == 3
+    # The third is admitted: its effect is not in the observed p90 for ``settle_s``.
+    for t in (61.0, 90.0):  # held by the refused scale-down, no fourth
+        assert r.recommend(t, "prefill", state(3, 100.0, **broken), 100.0, 60.0).recommended == 3
+    # Settled and still broken: one more.
+    assert r.recommend(92.0, "prefill", state(3, 100.0, **broken), 100.0, 60.0).desired == 4
+    # A replica that never came (ready time passed): asked again.
+    assert r.recommend(160.0, "prefill", state(3, 100.0, **broken), 100.0, 60.0).desired == 4
+
+
+def test_a_broken_slo_is_not_answered_when_the_prediction_for_a_request_now_meets_it() -> None:
+    r = Recommender(ScalingSettings(scale_down_window_s=0.0))
+    lagging = RoleState(2, 100.0, capacity=100.0, load=1.3, predicted_load=0.6)  # observed p90 lags
+    assert r.recommend(0.0, "prefill", lagging, 100.0, 60.0).desired == 1
+    now_broken = RoleState(2, 100.0, capacity=100.0, load=1.3, predicted_load=1.3)
+    assert Recommender(SETTINGS).recommend(0.0, "prefill", now_broken, 100.0, 60.0).desired == 3
+
+
+def test_decode_demand_counts_sequences_past_their_prefill_at_the_tpot_slo() -> None:
+    signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
+    pool = signals.pool
+    d0, d1, p0 = (pool.endpoints[n].slot for n in ("d0", "d1", "p0"))
+    for _ in range(6):  # six requests routed, all still queued for their prefill on p0
+        pool.reserve(d0, p0, 1000.0, 1100.0)
+    state, _ = signals._decode_state(clock.now)
+    assert state.demand == 0.0  # none holds a decode slot yet
+    # The decode pods report 10 running each: step 10 ms + 1 ms × 10 = 20 ms, SLO 50 ms.
+    for name in ("d0", "d1"):
+        pool.apply_metrics(pool.endpoints[name], Metrics(running=10.0), clock.now)
+    state, _ = signals._decode_state(clock.now)
+    base, per_seq, per_kv = signals.perf.decode.coefficients
+    slo = signals.cost_model.objectives.tpot_slo_s
+    d0_step, d1_step = base + per_seq * 10 + per_kv * 6 * 1100.0, base + per_seq * 10
+    # Little's law at the SLO: each pod's 10 sequences × SLO / its step time.
+    assert state.demand == pytest.approx(10 * slo / d0_step + 10 * slo / d1_step)
+    assert state.demand > 20  # the pods are faster than the SLO: at it, more would be in flight
+    # Overloaded pods (step time over the SLO) count fewer than they hold.
+    for name in ("d0", "d1"):
+        pool.apply_metrics(pool.endpoints[name], Metrics(running=1000.0), clock.now)
+    assert signals._decode_state(clock.now)[0].demand < 2000
+    assert d1 != d0
+
+
+def test_prefill_rate_spans_enough_requests_and_capacity_uses_their_uncached_size() -> None:
+    signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
+    signals.settings = ScalingSettings(level_window_s=10.0, trend_window_s=120.0, min_rate_requests=8)
+    for _ in range(60):  # one 500-token request every 5 s for 5 min, then long ones
+        clock.now += 5.0
+        signals.demand.arrived(500.0)
+        tokens, requests, per_request = signals._arrival_rate(
+            clock.now, signals.demand.prefill_tokens, signals.demand.requests
+        )
+    # 10 s holds 2 requests: the rate spans 8 of them (40 s) instead.
+    assert requests == pytest.approx(8 / 40.0) and tokens == pytest.approx(100.0)
+    assert per_request == pytest.approx(500.0)
+    for _ in range(8):
+        clock.now += 5.0
+        signals.demand.arrived(5000.0)
+        tokens, requests, per_request = signals._arrival_rate(
+            clock.now, signals.demand.prefill_tokens, signals.demand.requests
+        )
+    assert per_request == pytest.approx(5000.0)  # the prompts making the rate, not a slow average
+    assert signals.demand.typical_uncached < 2000.0
+    state, _ = signals._prefill_state(clock.now, 60.0, tokens, per_request)
+    assert state.capacity == pytest.approx(prefill_capacity(signals.perf, 5000.0, 1.0, 0.85))
+
+
+def test_the_backlog_is_spread_over_the_ready_time_when_that_is_longer() -> None:
+    signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
+    pool = signals.pool
+    pool.reserve(pool.endpoints["d0"].slot, pool.endpoints["p0"].slot, 60000.0, 60000.0)
+    short, _ = signals._prefill_state(clock.now, 10.0, 0.0, None)
+    long, _ = signals._prefill_state(clock.now, 600.0, 0.0, None)
+    assert short.demand == pytest.approx(60000.0 / 30.0)  # backlog_drain_s
+    assert long.demand == pytest.approx(60000.0 / 600.0)  # a new replica helps only after 600 s
+
+
+def test_a_rising_request_rate_raises_both_roles_forecast_a_longer_prompt_mix_does_not() -> None:
+    signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
+    signals.settings = ScalingSettings(scale_down_window_s=0.0, ready_time_s=60.0)
+    signals.trends = {role: Trend(signals.settings) for role in ("prefill", "decode")}
+    signals.arrivals = Trend(signals.settings)
+    for t in range(120):  # the same requests per second, prompts 10× longer half way
+        clock.now += 1.0
+        for _ in range(20):
+            signals.demand.arrived(400.0 if t < 60 else 4000.0)
+        steady = signals.tick()
+    assert steady["prefill"].forecast == pytest.approx(steady["prefill"].demand, rel=0.05)
+    signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
+    for t in range(120):  # requests per second rising steadily
+        clock.now += 1.0
+        for _ in range(10 + t // 2):
+            signals.demand.arrived(400.0)
+        rising = signals.tick()
+    assert rising["prefill"].forecast > 1.3 * rising["prefill"].demand
