@@ -134,6 +134,8 @@ def scaling_settings_from(config: PoolConfig) -> ScalingSettings:
         level_window_s=signals.level_window_s,
         trend_window_s=signals.trend_window_s,
         max_growth=signals.max_growth,
+        trend_significance=signals.trend_significance,
+        min_rate_requests=signals.min_rate_requests,
         backlog_drain_s=signals.backlog_drain_s,
         max_utilization=signals.max_utilization,
         kv_target=signals.kv_target,

@@ -342,7 +342,15 @@ class SignalsConfig(_Strict):
     trend_window_s: Positive = Field(120.0, description="demand trend: a least-squares slope over this")
     max_growth: Annotated[float, Field(ge=1)] = Field(3.0, description="forecast at most this × the level")
     observed_window_s: Positive = Field(30.0, description="observed TTFT/TPOT: the p90 over this")
-    backlog_drain_s: Positive = 30.0
+    trend_significance: NonNegative = Field(
+        2.0, description="extrapolate a demand trend only when its slope is this many standard errors above 0"
+    )
+    min_rate_requests: Annotated[int, Field(ge=1)] = Field(
+        16, description="the arrival rate spans at least this many requests (up to trend_window_s)"
+    )
+    backlog_drain_s: Positive = Field(
+        30.0, description="drain the queued backlog over at least this (and never faster than the ready time)"
+    )
     max_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
         0.85, description="a prefill replica's utilisation at most, whatever the SLO allows"
     )
