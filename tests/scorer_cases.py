@@ -29,6 +29,7 @@ def cands(n: int = 3, **features: list[float]) -> Candidates:
         "kv_usage": np.zeros(n),
         "kv_capacity_tokens": np.full(n, 10000.0),
         "queued_prefill_tokens": np.zeros(n),
+        "slowness": np.ones(n),
         "reserved_kv_tokens": np.zeros(n),
         "inflight_requests": np.zeros(n, dtype=np.int64),
         "link_index": np.zeros(n, dtype=np.int64),

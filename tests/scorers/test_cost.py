@@ -142,3 +142,16 @@ def test_an_extra_term_moves_the_choice_and_a_zero_weight_keeps_its_filter() -> 
     )
     assert np.isinf(muted.cost[:, 0]).all() and np.isfinite(muted.cost[0, 1])
     assert muted.cost[0, 1] == pytest.approx(costs_of(cand, is_decode, is_decode).cost[0, 1])
+
+
+def test_a_slow_engine_pays_its_slowness_on_wait_prefill_and_tpot() -> None:
+    c = ctx(2000)
+    cand = cands(
+        2, running=[8, 8], queued_prefill_tokens=[4000, 4000], can_decode=[True, True], slowness=[1.0, 3.0]
+    )
+    view = derive(cand, c, cost_model())
+    assert view.wait_s[1] == pytest.approx(3 * view.wait_s[0])
+    assert view.prefill_s[1] == pytest.approx(3 * view.prefill_s[0])
+    assert view.tpot_s[1] == pytest.approx(3 * view.tpot_s[0])
+    costs = costs_of(cand, np.array([False, False]), np.array([True, True]), c)
+    assert costs.cost[0, 0] < costs.cost[0, 1]  # everything else equal, the slow one loses
