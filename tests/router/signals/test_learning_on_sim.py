@@ -75,6 +75,9 @@ async def burst_peaks(isl: int, osl: int, n: int, speed: float, tpot_ms: float) 
     sections = {
         "slo": {"ttft_ms": 1000 / speed, "tpot_ms": tpot_ms / speed},
         "signals": {"tick_ms": 50, "backlog_drain_s": 1.0, "learn": False},
+        # A burst of this size keeps the loop busy: generous staleness, so a late scrape on a
+        # loaded machine is not mistaken for a dead engine.
+        "scrape": {"interval_ms": 50, "timeout_ms": 2000, "stale_after_ms": 5000, "eject_after_failures": 5},
         "picker": {"allow_local_prefill": False},
     }
     # A decode pod with KV for every request of the burst: KV is not what these bursts test.
@@ -89,7 +92,7 @@ async def burst_peaks(isl: int, osl: int, n: int, speed: float, tpot_ms: float) 
             prompt = f"{i} " + "".join(random.Random(i).choice("abcdefgh ") for _ in range(isl * 4))
             body = {"model": "sim-model", "prompt": prompt, "max_tokens": osl, "ignore_eos": True}
             async with http.post(f"{base}/v1/completions", json=body) as resp:
-                assert resp.status == 200
+                assert resp.status == 200, await resp.text()
                 await resp.read()
 
         requests = asyncio.gather(*(one(i) for i in range(n)))
