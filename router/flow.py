@@ -177,7 +177,7 @@ class Flight:
         metrics = self.flow.metrics
         metrics.observe_pick(self.decision, self.picked_at - self.started)
         if self.flow.signals is not None:
-            self.flow.signals.demand.arrived(self.decision.breakdown["uncached_tokens"])
+            self.flow.signals.demand.arrived(self.decision.breakdown["uncached_tokens"], request.max_tokens)
         self.series = metrics.per_request.bind(
             request.model, self.fairness_id(), request.priority, request.stream
         )
@@ -279,6 +279,8 @@ class Flight:
         signals, meter = self.flow.signals, self.meter
         if signals is None:
             return
+        if meter is not None and self.request is not None:
+            signals.demand.answered(self.request.max_tokens, meter.output_tokens)
         perf, b, now = signals.perf, decision.breakdown, time.monotonic()
         work = b["queued_tokens"] + b["uncached_tokens"]
         first = None if meter is None or not meter.streaming else meter.first_at

@@ -9,7 +9,9 @@ the picker the engine model it implies, and recomputes per role (prefill, decode
   now helps only after the ready time); decode — the sequences past their prefill on the decode
   pods (scraped running + waiting, or ours when more, minus those still queued for their
   prefill), counted *at the TPOT SLO*: Little's law scales today's count by SLO / TPOT, so the
-  demand is linear in the arrival rate whatever the pods' speed now.
+  demand is linear in the arrival rate whatever the pods' speed now; and at least what the
+  arrivals will need (answer tokens asked for per second × the share answers use × the TPOT
+  SLO), so a burst of long answers counts from its first request.
 * **forecast** over the horizon ``H`` = the ready time (``ready_time_s``, or the p90 of the gate's
   measured discovered → admitted times once there are some): each role's level (the mean of its
   last ``level_window_s``) × the growth of the *request rate* over ``H``. The request rate is the
@@ -300,20 +302,28 @@ def decode_capacity(
 class DemandMeter:
     """What the flow tells the signals: fed on the request path with plain additions."""
 
-    __slots__ = ("prefill_tokens", "requests", "typical_uncached")
+    __slots__ = ("answered_share", "max_tokens", "prefill_tokens", "requests", "typical_uncached")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0.0  # uncached prompt tokens routed, ever
+        self.max_tokens = 0.0  # answer tokens asked for (max_tokens), ever
         self.requests = 0
         self.typical_uncached: float | None = None  # a moving average per request
+        self.answered_share = 1.0  # answer tokens produced over max_tokens, a moving average
 
-    def arrived(self, uncached_tokens: float) -> None:
+    def arrived(self, uncached_tokens: float, max_tokens: int = 0) -> None:
         self.prefill_tokens += uncached_tokens
+        self.max_tokens += max_tokens
         self.requests += 1
         typical = self.typical_uncached
         self.typical_uncached = (
             uncached_tokens if typical is None else typical + 0.02 * (uncached_tokens - typical)
         )
+
+    def answered(self, max_tokens: int, produced: int) -> None:
+        """A request ended having produced ``produced`` of its ``max_tokens``."""
+        if max_tokens > 0 and produced > 0:
+            self.answered_share += 0.05 * (min(produced / max_tokens, 1.0) - self.answered_share)
 
 
 class PoolSignals:
@@ -352,7 +362,7 @@ class PoolSignals:
         self.latest: dict[str, Recommendation] = {}
         # (time, prefill tokens routed so far, requests so far) per tick, over the trend window:
         # the arrival rate and the uncached size of the prompts that make it.
-        self._arrived: deque[tuple[float, float, int]] = deque()
+        self._arrived: deque[tuple[float, float, int, float]] = deque()
 
     @property
     def cost_model(self) -> CostModel:
@@ -367,12 +377,12 @@ class PoolSignals:
         if self.perf.refit() and self.perf.settings.learn:
             self.reprice(replace(self.cost_model, model=self.perf.engine_model()))
         horizon = self.horizon_s()
-        tokens_per_s, requests_per_s, per_request = self._arrival_rate(
-            now, self.demand.prefill_tokens, self.demand.requests
+        tokens_per_s, requests_per_s, per_request, answer_tokens_per_s = self._arrival_rate(
+            now, self.demand.prefill_tokens, self.demand.requests, self.demand.max_tokens
         )
         self.arrivals.add(now, requests_per_s)
         growth = self.arrivals.growth(now, horizon)  # the cause of both roles' demand
-        decode = self._decode_state(now)
+        decode = self._decode_state(now, answer_tokens_per_s * self.demand.answered_share)
         prefill = self._prefill_state(now, horizon, tokens_per_s, per_request)
         out = {}
         for role, (state, value) in {"prefill": prefill, "decode": decode}.items():
@@ -443,14 +453,17 @@ class PoolSignals:
         state = RoleState(self._replicas(slots), demand, capacity, load, predicted_load=predicted)
         return state, demand
 
-    def _arrival_rate(self, now: float, tokens: float, requests: int) -> tuple[float, float, float | None]:
+    def _arrival_rate(
+        self, now: float, tokens: float, requests: int, max_tokens: float
+    ) -> tuple[float, float, float | None, float]:
         """Uncached tokens and requests per second over the last ``level_window_s``, or further
         back (up to ``trend_window_s``) until it spans ``min_rate_requests`` arrivals: a burst
         inside one tick is spread over the window, and a few requests' Poisson noise is not read
-        as the rate. Also the mean uncached tokens per request over that span (None without any)."""
+        as the rate. Also the mean uncached tokens per request over that span (None without any),
+        and the answer tokens asked for per second."""
         s = self.settings
         arrived = self._arrived
-        arrived.append((now, tokens, requests))
+        arrived.append((now, tokens, requests, max_tokens))
         while len(arrived) > 1 and arrived[1][0] <= now - s.trend_window_s:
             arrived.popleft()
         start = arrived[0]
@@ -461,16 +474,19 @@ class PoolSignals:
         span = max(s.level_window_s, now - start[0])
         count = requests - start[2]
         per_request = (tokens - start[1]) / count if count > 0 else None
-        return (tokens - start[1]) / span, count / span, per_request
+        return (tokens - start[1]) / span, count / span, per_request, (max_tokens - start[3]) / span
 
-    def _decode_state(self, now: float) -> tuple[RoleState, float]:
+    def _decode_state(self, now: float, answer_tokens_per_s: float = 0.0) -> tuple[RoleState, float]:
         """Demand: the sequences decoding (scraped running + waiting on the decode pods, or ours
         past their prefill when more: a request still queued for its prefill holds no decode slot
         yet and arrives only as fast as prefill lets it), counted as they would be *at the TPOT
         SLO*: by Little's law a sequence is in flight for as long as its tokens take, so the count
         at today's time per token is scaled by SLO / TPOT (fewer in flight while the pods are
         fast, more while they are slow). That count is linear in the arrival rate, so its level
-        and its trend mean the same at any load; capacity is in the same unit."""
+        and its trend mean the same at any load; capacity is in the same unit. At least what the
+        arrivals will need (Little's law on arrivals: answer tokens asked for per second × the
+        share produced × the TPOT SLO): a burst of long answers counts from its first request,
+        not once the answers have piled up."""
         pool = self.pool
         slots = self._role_slots("decode")
         running = np.nan_to_num(pool.running[slots])
@@ -481,7 +497,10 @@ class PoolSignals:
         used = np.fmax(np.nan_to_num(pool.kv_usage[slots]) * capacity_tokens, pool.reserved_kv_tokens[slots])
         used_tokens = float(np.nansum(used))
         tpot_slo = self.cost_model.objectives.tpot_slo_s
-        sequences = max(scraped, ours - prefilling) * self._slo_over_tpot(running, used, tpot_slo)
+        sequences = max(
+            max(scraped, ours - prefilling) * self._slo_over_tpot(running, used, tpot_slo),
+            answer_tokens_per_s * tpot_slo,
+        )
         known = capacity_tokens[np.isfinite(capacity_tokens)]
         per_replica_kv = float(known.mean()) if known.size else 0.0
         holding = max(scraped, ours)  # every sequence with KV on (or reserved for) the pods

@@ -246,8 +246,8 @@ def test_prefill_rate_spans_enough_requests_and_capacity_uses_their_uncached_siz
     for _ in range(60):  # one 500-token request every 5 s for 5 min, then long ones
         clock.now += 5.0
         signals.demand.arrived(500.0)
-        tokens, requests, per_request = signals._arrival_rate(
-            clock.now, signals.demand.prefill_tokens, signals.demand.requests
+        tokens, requests, per_request, _ = signals._arrival_rate(
+            clock.now, signals.demand.prefill_tokens, signals.demand.requests, signals.demand.max_tokens
         )
     # 10 s holds 2 requests: the rate spans 8 of them (40 s) instead.
     assert requests == pytest.approx(8 / 40.0) and tokens == pytest.approx(100.0)
@@ -255,8 +255,8 @@ def test_prefill_rate_spans_enough_requests_and_capacity_uses_their_uncached_siz
     for _ in range(8):
         clock.now += 5.0
         signals.demand.arrived(5000.0)
-        tokens, requests, per_request = signals._arrival_rate(
-            clock.now, signals.demand.prefill_tokens, signals.demand.requests
+        tokens, requests, per_request, _ = signals._arrival_rate(
+            clock.now, signals.demand.prefill_tokens, signals.demand.requests, signals.demand.max_tokens
         )
     assert per_request == pytest.approx(5000.0)  # the prompts making the rate, not a slow average
     assert signals.demand.typical_uncached < 2000.0
@@ -292,3 +292,23 @@ def test_a_rising_request_rate_raises_both_roles_forecast_a_longer_prompt_mix_do
             signals.demand.arrived(400.0)
         rising = signals.tick()
     assert rising["prefill"].forecast > 1.3 * rising["prefill"].demand
+
+
+def test_long_answers_count_for_decode_from_the_first_request_not_once_they_pile_up() -> None:
+    idle = {n: Metrics() for n in ("p0", "p1", "d0", "d1")}
+    signals, clock = pool_signals(idle)
+    signals.tick()  # where the rate starts
+    # 2 requests/s asking for 2,000 answer tokens each; nothing is running yet.
+    for _ in range(10):
+        clock.now += 1.0
+        for _ in range(2):
+            signals.demand.arrived(100.0, 2000)
+        latest = signals.tick()
+    # Little's law on arrivals: 4,000 tokens/s at the 50 ms TPOT SLO = 200 sequences in flight.
+    assert latest["decode"].demand == pytest.approx(200.0, rel=0.05)
+    assert latest["decode"].desired > 2 and latest["prefill"].desired == 1
+    # Answers that stop at a tenth of max_tokens (EOS) teach the share, and the need shrinks.
+    for _ in range(200):
+        signals.demand.answered(2000, 200)
+    clock.now += 1.0
+    assert signals.tick()["decode"].demand < 0.2 * 200.0
