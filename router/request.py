@@ -6,6 +6,7 @@ sidecar's body check all reject the same mistakes with the same ``router.rejecti
 
 from __future__ import annotations
 
+import reprlib
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,23 @@ from router.rejections import BadRequest, BodyTooLarge, UnknownModel
 from router.types import RequestLimits, RouteRequest
 
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# orjson encodes at most this many nested arrays/objects (it reads up to 1024), and the proxy
+# re-encodes bodies (the usage request of a streamed answer, both legs of a P/D pair): a deeper
+# body is refused at parse, whichever adapter it came through, instead of failing half-way.
+MAX_JSON_DEPTH = 254
+
+
+# Client values quoted in error messages are cut short: an answer (or a log line) never echoes
+# megabytes of the client's own body back.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 80
+_SHOWN.maxlist = _SHOWN.maxdict = 4
+_SHOWN.maxlevel = 2
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, shortened for an error message."""
+    return _SHOWN.repr(value)
 
 
 PRIORITY_HEADER = "x-pd-router-priority"
@@ -35,7 +53,7 @@ def priority_of(headers: Mapping[str, str]) -> int:
         try:
             return int(value)
         except ValueError:
-            raise BadRequest(f"header {PRIORITY_HEADER} must be an integer, got {value!r}") from None
+            raise BadRequest(f"header {PRIORITY_HEADER} must be an integer, got {_shown(value)}") from None
     for name in OBJECTIVE_HEADERS:
         objective = headers.get(name)
         if objective is not None:
@@ -89,7 +107,7 @@ def max_tokens_of(body: dict[str, Any], default: int) -> int:
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise BadRequest(f"'{name}' must be a positive integer, got {value!r}")
+            raise BadRequest(f"'{name}' must be a positive integer, got {_shown(value)}")
         return value
     return default
 
@@ -104,6 +122,12 @@ def client_json(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    # Only a body with that many brackets can be that deep: the common case costs two counts in C.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        try:
+            orjson.dumps(body)
+        except orjson.JSONEncodeError:
+            raise BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     # A client-chosen remote_host would make an engine pull KV from a host of the client's choice.
     if "kv_transfer_params" in body:
         raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
@@ -125,7 +149,9 @@ def parse_request(
     if not isinstance(model, str) or not model:
         raise BadRequest("missing required field 'model'")
     if limits.served_model is not None and model != limits.served_model:
-        raise UnknownModel(f"model {model!r} is not served here; this pool serves {limits.served_model!r}")
+        raise UnknownModel(
+            f"model {_shown(model)} is not served here; this pool serves {limits.served_model!r}"
+        )
     text = prompt_text(body)
     prompt_tokens = estimate_tokens(text, limits.chars_per_token)
     if prompt_tokens > limits.max_prompt_tokens:

@@ -128,7 +128,7 @@ class ExtProcStream:
         Lets ``ExtProcCall`` run the flow's producers before the synchronous ``on_message`` picks;
         a body that does not parse is left for ``on_message`` to reject.
         """
-        if self.flight is None or self.flight.request is not None or self.finished:
+        if self.flight is None or self.flight.request is not None or self.finished or self.flight.closed:
             return False
         kind = message.WhichOneof("request")
         if kind == "request_body" and (message.request_body.end_of_stream or self.mode in _WHOLE_BODY_MODES):
@@ -144,6 +144,12 @@ class ExtProcStream:
         return True
 
     def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if self.flight is not None:
+            # Envoy sends the request headers once, first. A second start would orphan the flight
+            # (and any reservation it holds), so a stream out of this order is refused instead.
+            if self.finished:
+                return []
+            return self.reject(BadRequest("ext_proc: request_headers after the request had started"))
         headers = {
             h.key.lower(): h.raw_value.decode("utf-8", "replace") or h.value
             for h in message.request_headers.headers.headers
@@ -201,6 +207,8 @@ class ExtProcStream:
 
     def _route(self) -> list[pb.ProcessingResponse]:
         assert self.flight is not None and self.flight.request is not None
+        if self.flight.closed:  # its response already ended: a pick now would never be released
+            return self.reject(BadRequest("ext_proc: the request ended after its response"))
         try:
             decision = self.flight.pick()
         except Rejection as rejection:
@@ -489,10 +497,11 @@ def _served_endpoint(message: pb.ProcessingRequest) -> str | None:
 
 
 def _status(headers: Any) -> int | None:
+    """The ``:status`` header's three ASCII digits; ``None`` when absent or anything else."""
     for header in headers.headers:
         if header.key == ":status":
-            value = header.raw_value.decode() or header.value
-            return int(value) if value.isdigit() else None
+            value = header.raw_value.decode("latin-1") or header.value
+            return int(value) if len(value) == 3 and value.isascii() and value.isdigit() else None
     return None
 
 

@@ -1,7 +1,7 @@
 """Engine ``/metrics``: a cheap parser for the few vLLM series the router reads, and the scraper.
 
 ``parse_vllm_metrics`` only ever looks at lines that start with one of the wanted metric names:
-one compiled regex finds them (its ``\\nvllm:`` literal prefix lets ``re`` skip between candidate
+one compiled regex finds them (its ``\\n`` literal prefix lets ``re`` skip between candidate
 lines in C), so HELP/TYPE comments, histogram buckets and every other family cost no Python work
 at all. Measured on a 320-line two-engine exposition: ~33 µs per parse, where ``split`` plus a
 per-line ``startswith`` alone took ~40 µs, and ``prometheus_client``'s parser ~3.6 ms
@@ -52,11 +52,14 @@ _CAPACITY: tuple[tuple[str, str], ...] = tuple(
 _SCRAPED = tuple(f.name for f in FEATURES if f.scraped is not None)
 _NAMES = "|".join(re.escape(name.removeprefix("vllm:")) for name in (*_SAMPLE_NAMES, *dict(_CAPACITY)))
 # A wanted sample line: exact name (the separator after it rules out "…_total" matching "…"
-# and skips "…_created"), then the labels/value tail. The "\nvllm:" literal lets the regex
-# engine jump between candidate lines in C instead of Python visiting every line.
-_SAMPLE_LINE = r"(vllm:(?:" + _NAMES + r"))([{ \t][^\n]*)"
+# and skips "…_created"), then the labels/value tail. The "\n" literal lets the regex engine
+# jump between candidate lines in C instead of Python visiting every line. Blanks and tabs may
+# lead a line (the text format ignores leading whitespace).
+_SAMPLE_LINE = r"[ \t]*(vllm:(?:" + _NAMES + r"))([{ \t][^\n]*)"
 _LINE = re.compile(r"\n" + _SAMPLE_LINE)
 _FIRST_LINE = re.compile(_SAMPLE_LINE)
+# Past this a block count or size is not a real engine's (and its product must stay a float).
+_MAX_CONFIG_INT = 1 << 40
 
 
 def parse_vllm_metrics(text: str) -> EngineMetrics:
@@ -68,9 +71,11 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
     num_gpu_blocks: int | None = None
     lines: list[tuple[str, str]] = _LINE.findall(text)
     first = _FIRST_LINE.match(text)
-    if first is not None:
-        lines.append((first[1], first[2]))
+    if first is not None:  # in text order: the first series' block_size is the one kept
+        lines.insert(0, (first[1], first[2]))
     for name, tail in lines:
+        if tail[0] != "{" and tail.lstrip(" \t")[:1] == "{":
+            tail = tail.lstrip(" \t")  # blanks between the name and its labels
         if tail[0] == "{":
             # Values and timestamps never contain "}", so the last one closes the label set even
             # when a quoted label value holds "}" itself.
@@ -99,7 +104,8 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
     values: dict[str, float | None] = dict.fromkeys(_SCRAPED)
     for feature, ranks in acc.items():
         best = ranks[min(ranks)]
-        values[feature] = best[0] / best[1] if _MEAN[feature] else best[0]
+        value = best[0] / best[1] if _MEAN[feature] else best[0]
+        values[feature] = value if math.isfinite(value) else None  # finite samples may overflow a sum
     if block_size and num_gpu_blocks:
         for feature in capacity.values():
             values[feature] = float(block_size * num_gpu_blocks)
@@ -126,13 +132,15 @@ def _sample_value(rest: str) -> float | None:
 
 
 def _int_or_none(raw: str | None) -> int | None:
-    # vLLM prints unset config fields as "None".
+    """A non-negative integer label value of a sane size, else None (vLLM prints unset config
+    fields as "None")."""
     if raw is None:
         return None
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         return None
+    return value if 0 <= value <= _MAX_CONFIG_INT else None
 
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
