@@ -18,8 +18,8 @@ from router.types import RequestLimits
 from scorers.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
 
 Role = Literal["prefill", "decode", "prefill-decode"]
-Positive = Annotated[float, Field(gt=0)]
-NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class ConfigError(ValueError):
@@ -467,11 +467,15 @@ def parse_config(data: Any, overrides: list[str] | tuple[str, ...] = ()) -> Pool
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PoolConfig:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text: byte {exc.start}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML: nested too deeply") from None
+    except (yaml.YAMLError, ValueError, TypeError) as exc:  # the constructor's own (a 13th month, !!int x)
+        raise ConfigError(f"{path}: not valid YAML: {_short(str(exc))}") from None
     try:
         return parse_config(data, overrides)
     except ConfigError as exc:
@@ -479,6 +483,30 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 
 def _apply_override(data: dict[str, Any], override: str) -> None:
+    try:
+        _set_path(data, override)
+    except ConfigError:
+        raise
+    except (
+        ValueError,
+        IndexError,
+        TypeError,
+        AttributeError,
+        KeyError,
+        RecursionError,
+        yaml.YAMLError,
+    ) as exc:
+        raise ConfigError(
+            f"--set {_short(override)}: cannot apply ({type(exc).__name__}: {_short(str(exc))})"
+        ) from None
+
+
+def _short(text: str, limit: int = 200) -> str:
+    """A value as it goes into an error message: bounded, so a huge input gives a short message."""
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
+def _set_path(data: dict[str, Any], override: str) -> None:
     path, sep, raw = override.partition("=")
     if not sep or not path:
         raise ConfigError(f"--set {override!r}: expected dotted.path=value")
@@ -505,5 +533,5 @@ def _describe(exc: ValidationError) -> str:
         elif error["type"] == "missing":
             lines.append(f"{where}: required field is missing")
         else:
-            lines.append(f"{where}: {message}, got {error.get('input')!r}")
+            lines.append(f"{where}: {message}, got {_short(repr(error.get('input')))}")
     return "; ".join(lines)

@@ -3,8 +3,8 @@ each to the pod that is best when one has room.
 
 Without it a request is committed at once to one engine's FIFO queue, however long; a burst then
 waits behind whichever pods the picker chose at arrival, even when another frees up first. With
-it the picker refuses a route whose predicted queue wait exceeds ``picker.max_wait_ms`` or that
-has no KV room (``Saturated``), and the request waits here instead:
+it the picker refuses a route whose predicted queue wait exceeds ``flow_control.max_wait_ms``
+(``Saturated``), and the request waits here instead:
 
 * **Ordered**: by priority (the objective's, higher first; sheddable < 0), then round-robin
   between tenants (the ``x-llm-d-inference-fairness-id`` header) within a priority, FIFO within a

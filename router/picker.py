@@ -19,7 +19,7 @@ import numpy as np
 from kvindex.base import PrefixIndex
 from router.extension import CandidateFilter
 from router.pool import Endpoint, Pool, Reservation
-from router.rejections import NoCapacity, Saturated, Shed
+from router.rejections import BadRequest, NoCapacity, Saturated, Shed
 from router.types import RouteRequest
 from scorers.base import RequestCtx
 from scorers.cost import CostModel, PairCosts, derive, pair_costs
@@ -81,7 +81,7 @@ class RouteDecision:
 @dataclass(frozen=True, slots=True)
 class PickerSettings:
     block_tokens: int = 16
-    # Flow control: a route whose predicted queue wait is over this (or that has no KV room) is
+    # Flow control: a route whose predicted queue wait is over this (or, with unknown KV sizes, no fit) is
     # ``Saturated`` and the request waits in the router; None: commit whatever the wait.
     max_wait_s: float | None = None
     fallbacks: int = 2  # per role, tried in order when an engine fails
@@ -175,6 +175,14 @@ class Picker:
         choice = self.pair_picker.choose(costs, self.settings.fallbacks)
         max_wait = self.settings.max_wait_s
         if choice is None:
+            view = costs.view
+            capacity = view.cand.kv_capacity_tokens[costs.decode]
+            need = view.need_kv[costs.decode]
+            if np.isfinite(capacity).all() and (need > capacity).all():  # no retry will ever fit it
+                raise BadRequest(
+                    f"the request needs about {int(need.min())} KV tokens (prompt + max_tokens); "
+                    f"the largest decode endpoint holds {int(capacity.max())}"
+                )
             cls = NoCapacity if max_wait is None else Saturated
             raise cls("no decode endpoint has the KV capacity for this request", retry_after_s=1.0)
         self._check(choice, costs)

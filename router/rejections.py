@@ -56,7 +56,7 @@ class NoCapacity(Rejection):
 
 
 class Saturated(NoCapacity):
-    """Every eligible pod is saturated (queue wait over the bound, or no KV room): with flow
+    """Every eligible pod is saturated (the predicted queue wait is over the bound): with flow
     control the request waits for room instead (``router.flow_control``)."""
 
 

@@ -56,6 +56,14 @@ class ResponseMeter:
         complete events but the usage chunk (an event cut between chunks waits for its end)."""
         if not chunk:
             return chunk
+        if (
+            self.streaming
+            and not self._tail
+            and self.events == 0
+            and not chunk.startswith((b"data", b":", b"event"))
+        ):
+            self.streaming = False  # asked to stream, answered in JSON (an engine's error): read it whole
+            self.strip_usage = False
         if not self.streaming:
             if len(self._json) + len(chunk) <= MAX_JSON_BYTES:
                 self._json += chunk

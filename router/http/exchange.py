@@ -147,7 +147,7 @@ class TwoLegExchange:
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     raise UpstreamError(address, f"decode answer cut: {type(exc).__name__}") from None
                 on_first_byte()
-                payload = on_body(payload)
+                payload = on_body(payload) + on_end()
                 out = await start_response(resp)
                 await out.write(payload)
                 return out

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.picker import Picker
-from router.rejections import NoCapacity, Shed
+from router.rejections import BadRequest, NoCapacity, Shed
 
 NOW = 100.0
 SLOW_CROSS_LINK = {
@@ -84,16 +84,17 @@ def test_fairness_cap_drops_locality_credit_on_an_overloaded_pod() -> None:
     assert decision.prefill.id == "p0"
 
 
-def test_full_decode_pod_is_avoided_and_a_request_no_pod_can_hold_is_no_capacity() -> None:
+def test_a_full_decode_pod_is_avoided_and_a_request_no_pod_could_ever_hold_is_a_400() -> None:
     metrics = {
         "d0": Metrics(kv_usage=0.99, num_gpu_blocks=100),
         "d1": Metrics(kv_usage=0.1, num_gpu_blocks=100),
     }
     picker = picker_for(PD_TWO_RACKS, metrics)
     assert picker.pick(make_request(500), now=NOW).decode.id == "d1"
-    with pytest.raises(NoCapacity) as err:
-        picker.pick(make_request(1590), now=NOW)  # 1590 + 16 > 1600 tokens of capacity
-    assert err.value.status == 503 and err.value.retry_after_s
+    # Not a 503 with Retry-After: no retry will ever fit it.
+    with pytest.raises(BadRequest) as never:
+        picker.pick(make_request(1590), now=NOW)  # 1590 + 16 > 1,600: no retry will ever fit it
+    assert never.value.status == 400 and "max_tokens" in never.value.message
 
 
 def test_kv_reservation_counts_only_blocks_the_decode_pod_does_not_hold() -> None:

@@ -70,3 +70,12 @@ def test_garbage_and_oversized_answers_give_no_usage_and_keep_no_memory() -> Non
     streamed = ResponseMeter(streaming=True)
     streamed.feed(b'data: {"usage": {"prompt_tokens": 5}, broken\n\n', now=0.0)
     assert streamed.usage is None and streamed.events == 1
+
+
+def test_a_json_answer_to_a_streamed_request_passes_whole() -> None:
+    # An engine refuses a streamed request with a JSON error: nothing is held back or stripped.
+    meter = ResponseMeter(streaming=True, strip_usage=True)
+    body = orjson.dumps({"error": {"message": "messages is required"}, "usage": None})
+    assert meter.feed(body) + meter.rest() == body
+    meter.finish()
+    assert not meter.streaming and meter.events == 0
