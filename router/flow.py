@@ -320,7 +320,9 @@ class Flight:
         signals.perf.observe_cached(held, computed.cached_tokens)
         tokens_per_block = request.block_tokens or self.flow.limits.block_tokens
         blocks = evicted_blocks(held, computed.cached_tokens, tokens_per_block)
-        if blocks is not None and signals.perf.settings.learn:
+        # Only when nothing else was computing there at the pick: a prompt sharing this prefix
+        # still in prefill makes the engine report it uncached without any eviction.
+        if blocks is not None and signals.perf.settings.learn and not decision.breakdown["prefilling_there"]:
             # The engine has just recomputed and cached this prompt, so its blocks are right in
             # the index now; what was wrong is how much the index thinks the engine keeps.
             endpoint = decision.prefill or decision.decode

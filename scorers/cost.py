@@ -156,6 +156,11 @@ class PairCosts:
             "batch": float(self.view.batch[d]) + 1.0,
             "kv_tokens": float(self.view.used_kv[d] + self.view.need_kv[d]),
             "held_tokens": float(self.view.cached[p]),  # cached there, before the trust cap
+            # Prompts were still being computed there: a low cached count may be one of them
+            # not done yet, not an eviction (router/signals/calibration.py).
+            "prefilling_there": float(
+                self.view.cand.queued_prefill_tokens[p] > 0 or np.nan_to_num(self.view.cand.waiting[p]) > 0
+            ),
             "slowness_p": float(self.view.cand.slowness[p]),
             "slowness_d": float(self.view.cand.slowness[d]),
         }
