@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import logging
+import operator
 import socket
 import time
 import uuid
@@ -146,6 +148,8 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    steps: int = 0  # batch steps run
+    busy_s: float = 0.0  # simulated seconds spent in steps (utilisation = busy_s / wall time)
 
 
 class _EngineDead(Exception):
@@ -171,6 +175,43 @@ class _Request:
     admitted_once: bool = False
     first_token_at: float | None = None
     timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SimJob:
+    """One request as the engine's scheduler sees it, for read-only forecasts (``snapshot``).
+
+    ``prefill``: tokens still to compute before its next token (at least 1 once admitted, as the
+    engine always recomputes the last prompt token); ``tokens``: tokens still to emit; ``need_blocks``:
+    blocks its admission takes (waiting requests only); ``frees_blocks``: blocks given back when it
+    ends (its private blocks and the prompt blocks no other request references);
+    ``transfer_s``: a remote prefill's KV transfer time, started at admission (waiting only)."""
+
+    prefill: int
+    tokens: int
+    need_blocks: int = 0
+    frees_blocks: int = 0
+    transfer_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """An engine's exact scheduler state at ``now`` (event-loop time), with the step in progress
+    (if any) applied as if it had ended: ``start`` is when the next step can begin (its end, or
+    ``now`` when idle). ``running`` and ``waiting`` are in the scheduler's order; ``transfers`` are
+    ``(done_at, job)`` in loop time, ``job.prefill`` the tail recomputed after the KV arrives."""
+
+    name: str
+    now: float
+    start: float
+    stepping: bool
+    time: TimeModel
+    block_tokens: int
+    num_gpu_blocks: int
+    held_blocks: int
+    running: tuple[SimJob, ...]
+    waiting: tuple[SimJob, ...]
+    transfers: tuple[tuple[float, SimJob], ...]
 
 
 def _blocks_for(tokens: int, block_tokens: int) -> int:
@@ -229,6 +270,8 @@ class SimEngine:
         self._publisher: KVEventPublisher | None = None
         self._kv_pending: list[KVEvent] = []
         self._kv_ports = (spec.kv_events_port, spec.kv_replay_port)
+        # The step in progress, for read-only forecasts: (loop time it ends, prefill chunks, decodes).
+        self._in_step: tuple[float, list[tuple[_Request, int]], list[_Request]] | None = None
 
     # -- state readable by tests -------------------------------------------------------------
 
@@ -263,6 +306,131 @@ class SimEngine:
     def kv_ports(self) -> tuple[int, int]:
         """(PUB, replay) ports the KV-event publisher bound; kept after a kill so revive reuses them."""
         return self._kv_ports
+
+    # -- read-only introspection (forecasts by benchmarks; nothing here changes the engine) -----
+
+    def prompt_blocks(self, body: Mapping[str, Any]) -> tuple[int, list[int]]:
+        """(prompt tokens, full-block cache keys) this engine would give a completions body (chat
+        when it has ``messages``), exactly as it tokenizes a request; raises ``InvalidRequest``."""
+        text = self._chat_text(dict(body)) if "messages" in body else _completion_text(dict(body))
+        token_ids, block_keys = self._tokenize(text)
+        tokens = len(token_ids) if token_ids is not None else estimate_tokens(text, self.spec.chars_per_token)
+        return tokens, block_keys
+
+    def cached_prefix_tokens(self, block_keys: Sequence[int], prompt_tokens: int) -> int:
+        """Prompt tokens this engine would not recompute if the prompt were admitted now (its
+        cached leading blocks, at most ``prompt_tokens - 1``), without touching the LRU order."""
+        return max(0, min(self._hit_blocks(block_keys) * self.spec.block_tokens, prompt_tokens - 1))
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or waiting that are not computed yet (waiting ones as if admitted now)."""
+        snap = self.snapshot()
+        return sum(job.prefill for job in (*snap.running, *snap.waiting, *(j for _, j in snap.transfers)))
+
+    def free_kv_tokens(self) -> int:
+        """KV tokens not held by any request (cached-but-unreferenced blocks count as free)."""
+        return self._free_blocks() * self.spec.block_tokens
+
+    def snapshot(self) -> EngineSnapshot:
+        """The scheduler's exact state now, the step in progress applied (see ``EngineSnapshot``)."""
+        now = asyncio.get_running_loop().time()
+        chunks: dict[int, int] = {}
+        emits: set[int] = set()
+        start = now
+        if self._in_step is not None:
+            start, prefill, decoding = self._in_step
+            chunks = {id(req): n for req, n in prefill if req.state == "running"}
+            emits = {id(req) for req in decoding if req.state == "running"}
+        held = self._held
+        running: list[SimJob] = []
+        for req in self._running:
+            computed = req.computed + chunks.get(id(req), 0)
+            generated = req.generated
+            if id(req) in emits or (id(req) in chunks and computed >= req.target):
+                generated += 1
+            frees = req.blocks + self._sole_refs(req.block_keys)
+            if generated >= req.max_tokens:
+                held -= frees  # ends with the step in progress
+                continue
+            left = req.max_tokens - generated
+            frees += left // self.spec.block_tokens  # what it holds when it ends
+            running.append(SimJob(max(0, req.target - computed), left, 0, frees))
+        waiting = [self._waiting_job(req) for req in self._waiting]
+        transfers = sorted(
+            (
+                (req.timer.when() if req.timer is not None else start, self._arrived_job(req))
+                for req in self._transfer
+            ),
+            key=lambda item: item[0],
+        )
+        spec = self.spec
+        return EngineSnapshot(
+            spec.name,
+            now,
+            max(now, start),
+            self._in_step is not None,
+            spec.time,
+            spec.block_tokens,
+            spec.num_gpu_blocks,
+            held,
+            tuple(running),
+            tuple(waiting),
+            tuple(transfers),
+        )
+
+    def job_for(
+        self, block_keys: Sequence[int], prompt_tokens: int, max_tokens: int, remote: SimEngine | None = None
+    ) -> SimJob:
+        """The job a new request would be if it arrived now (``remote``: a decode leg pulling the
+        prompt's KV from that engine), for forecasts."""
+        bt = self.spec.block_tokens
+        private = _blocks_for(prompt_tokens + 1, bt) - len(block_keys)
+        need = private + self._unreferenced(block_keys)
+        hit = self._hit_blocks(block_keys)
+        computed = max(0, min(hit * bt, prompt_tokens - 1))
+        transfer = None
+        if remote is not None:
+            transfer = self._transfer_s(remote, _blocks_for(prompt_tokens, bt) - hit)
+            computed = max(computed, min(len(block_keys) * bt, prompt_tokens - 1))
+        return SimJob(prompt_tokens - computed, max_tokens, need, need + max_tokens // bt, transfer)
+
+    def _hit_blocks(self, keys: Sequence[int]) -> int:
+        """Leading blocks of ``keys`` in the prefix cache (as ``_cache_match``, without the LRU touch)."""
+        return len(list(itertools.takewhile(self._cache.__contains__, keys)))
+
+    def _sole_refs(self, keys: Sequence[int]) -> int:
+        """Blocks of ``keys`` that no other request references (freed when this one ends)."""
+        return operator.countOf(map(self._refs.get, keys), 1)
+
+    def _unreferenced(self, keys: Sequence[int]) -> int:
+        """Blocks of ``keys`` no admitted request references (what admitting them takes)."""
+        return len(keys) - operator.countOf(map(self._refs.__contains__, keys), True)
+
+    def _transfer_s(self, remote: SimEngine, missing_blocks: int) -> float:
+        cost = self._cluster.link_cost if self._cluster is not None else _default_link_cost
+        latency, bandwidth = cost(remote.spec.link, self.spec.link)
+        missing_bytes = max(0, missing_blocks) * self.spec.block_tokens * self.spec.kv_bytes_per_token
+        return latency + missing_bytes / bandwidth
+
+    def _waiting_job(self, req: _Request) -> SimJob:
+        bt = self.spec.block_tokens
+        private = self._private_blocks(req)
+        need = private + self._unreferenced(req.block_keys)
+        hit_blocks = self._hit_blocks(req.block_keys)
+        computed = min(hit_blocks * bt, req.target - 1)
+        transfer = None
+        if req.remote is not None:
+            transfer = self._transfer_s(req.remote, _blocks_for(req.prompt_tokens, bt) - hit_blocks)
+            computed = max(computed, min(len(req.block_keys) * bt, req.prompt_tokens - 1))
+        left = req.max_tokens - req.generated
+        return SimJob(req.target - computed, left, need, need + left // bt, transfer)
+
+    def _arrived_job(self, req: _Request) -> SimJob:
+        transferred = min(len(req.block_keys) * self.spec.block_tokens, req.prompt_tokens - 1)
+        computed = max(req.computed, transferred)
+        left = req.max_tokens - req.generated
+        frees = req.blocks + self._sole_refs(req.block_keys) + left // self.spec.block_tokens
+        return SimJob(req.target - computed, left, 0, frees)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache and publish ``AllBlocksCleared``, like vLLM's ``BlockPool``.
@@ -975,7 +1143,13 @@ class SimEngine:
                 + tm.decode_s_per_seq * n_decoding
                 + tm.kv_s_per_token * self._held * spec.block_tokens
             ) / tm.speed
-            await asyncio.sleep(step)
+            self.stats.steps += 1
+            self.stats.busy_s += step
+            self._in_step = (asyncio.get_running_loop().time() + step, prefill, decoding)
+            try:
+                await asyncio.sleep(step)
+            finally:
+                self._in_step = None
             now = time.monotonic()
             for req, n in prefill:
                 if req.state != "running":

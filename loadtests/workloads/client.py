@@ -30,6 +30,7 @@ class Result:
     reason: str = ""
     error: str = ""
     at_s: float = float("nan")  # the item's arrival offset (set by run_workload)
+    request_id: str = ""  # the X-Request-Id the router answered with (matches its pick)
 
 
 @dataclass(slots=True)
@@ -81,6 +82,7 @@ async def send(session: aiohttp.ClientSession, base_url: str, item: WorkItem) ->
             decode = resp.headers.get("x-pd-router-decode", "")
             prefill = resp.headers.get("x-pd-router-prefill", "")
             reason = resp.headers.get("x-pd-router-reason", "")
+            request_id = resp.headers.get("x-request-id", "")
             if resp.status != 200:
                 return Result(False, resp.status, error=(await resp.text())[:200])
             async for line in resp.content:
@@ -114,6 +116,7 @@ async def send(session: aiohttp.ClientSession, base_url: str, item: WorkItem) ->
         decode=decode,
         prefill=prefill,
         reason=reason,
+        request_id=request_id,
     )
 
 

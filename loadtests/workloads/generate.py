@@ -123,15 +123,22 @@ def multi_turn(
     rate: float = 10.0,
     model: str = "sim-model",
     seed: int = 0,
+    phases: Sequence[Phase] | None = None,
 ) -> Workload:
     """Chat sessions whose every turn resends the whole conversation so far.
 
     Turns of one session arrive in order, ``turns`` apart on the session's own clock; the
     assistant's earlier answers are fixed text so the workload does not depend on the engine.
+    ``phases`` (bursty chat): sessions start at their request rates ÷ ``turns`` instead of at
+    ``rate`` ÷ ``turns``, the phases repeated as a cycle (``phase_arrivals``); only their durations
+    and rates are used. ``rate`` still sets the pace of turns within a session.
     """
     rng = random.Random(seed)
     items = []
-    starts = _arrivals(rng, n_sessions, rate / turns)
+    if phases is None:
+        starts = _arrivals(rng, n_sessions, rate / turns)
+    else:
+        starts = phase_arrivals(rng, n_sessions, phases, scale=1.0 / turns)
     for session, start in enumerate(starts):
         messages: list[dict[str, str]] = [{"role": "system", "content": _text(rng, system_tokens)}]
         at = start
@@ -172,6 +179,32 @@ class Phase:
         """Requests/s at ``t`` seconds into the phase."""
         end = self.rate if self.rate_end is None else self.rate_end
         return self.rate + (end - self.rate) * min(1.0, max(0.0, t / self.duration_s))
+
+
+def phase_arrivals(rng: random.Random, n: int, phases: Sequence[Phase], *, scale: float = 1.0) -> list[float]:
+    """``n`` arrival offsets of a non-homogeneous Poisson process whose rate is ``scale`` × the
+    phases' rates, the phases repeated back to back as a cycle (bursts, periodic load)."""
+    cycle = sum(p.duration_s for p in phases)
+    if n <= 0:
+        return []
+    if not phases or cycle <= 0 or max(max(p.rate, p.rate_end or 0.0) for p in phases) <= 0:
+        raise ValueError("phase_arrivals needs phases with a positive duration and rate")
+    out: list[float] = []
+    start = 0.0
+    while True:
+        for phase in phases:
+            peak = scale * max(phase.rate, phase.rate if phase.rate_end is None else phase.rate_end)
+            t = 0.0
+            while peak > 0:
+                t += rng.expovariate(peak)
+                if t >= phase.duration_s:
+                    break
+                if rng.random() * peak > scale * phase.rate_at(t):
+                    continue  # thinned: the rate here is below the peak
+                out.append(start + t)
+                if len(out) == n:
+                    return out
+            start += phase.duration_s
 
 
 def phased(
