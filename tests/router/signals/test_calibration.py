@@ -107,4 +107,3 @@ async def test_streamed_answers_carry_the_usage_the_router_asked_for_and_the_cli
         async with http.post(f"{base}/v1/completions", json=asked) as resp:
             events = await sse_events(resp)
         assert events[-2]["usage"]["completion_tokens"] == 5  # the client asked: it gets it
-
