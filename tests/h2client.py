@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import ssl
 import struct
 from dataclasses import dataclass, field
 
@@ -25,10 +26,11 @@ END_HEADERS = 0x4
 PADDED = 0x8
 PRIORITY_FLAG = 0x20
 
-NO_ERROR, PROTOCOL_ERROR, REFUSED_STREAM, CANCEL = 0x0, 0x1, 0x7, 0x8
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x0, 0x1, 0x3, 0x6
+REFUSED_STREAM, CANCEL, COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x7, 0x8, 0x9, 0xB
 
 SETTINGS_HEADER_TABLE_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS = 0x1, 0x3
-SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
+SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x4, 0x5, 0x6
 
 _HEAD = struct.Struct(">IBI")
 _U32 = struct.Struct(">I")
@@ -118,13 +120,26 @@ class H2Client:
         self.encoder = hpack.Encoder()
         self.decoder = hpack.Decoder()
         self.server_settings: dict[int, int] = {}
+        # The server's receive windows as the frames read so far grant them (``window``, ``spend``):
+        # a client that sends only what they allow is a well-behaved one, whatever else it does.
+        self.conn_window = 65_535
+        self.stream_windows: dict[int, int] = {}
 
     @classmethod
     async def connect(
-        cls, port: int, client_settings: dict[int, int] | None = None, *, handshake: bool = True
+        cls,
+        port: int,
+        client_settings: dict[int, int] | None = None,
+        *,
+        handshake: bool = True,
+        tls: ssl.SSLContext | None = None,
     ) -> H2Client:
-        """Connect; with ``handshake``, exchange SETTINGS and wait for the server's ACK of ours."""
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        """Connect (over TLS with ``tls``, to the name ``localhost``); with ``handshake``, exchange
+        SETTINGS and wait for the server's ACK of ours."""
+        server_hostname = "localhost" if tls is not None else None
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=tls, server_hostname=server_hostname
+        )
         client = cls(reader, writer)
         if handshake:
             await client.send(PREFACE + settings(client_settings))
@@ -135,11 +150,33 @@ class H2Client:
                     acked = True
                 elif got.kind == SETTINGS:
                     seen = True
-                    for offset in range(0, len(got.payload), 6):
-                        key, value = struct.unpack_from(">HI", got.payload, offset)
-                        client.server_settings[key] = value
                     await client.send(frame(SETTINGS, ACK, 0))
         return client
+
+    def _stream_window(self, stream_id: int) -> int:
+        initial = self.server_settings.get(SETTINGS_INITIAL_WINDOW_SIZE, 65_535)
+        return self.stream_windows.get(stream_id, initial)
+
+    def window(self, stream_id: int) -> int:
+        """What the server lets us send on ``stream_id`` now (its stream and connection windows)."""
+        return min(self.conn_window, self._stream_window(stream_id))
+
+    def spend(self, stream_id: int, size: int) -> None:
+        """Account for ``size`` bytes of DATA sent on ``stream_id``."""
+        self.conn_window -= size
+        self.stream_windows[stream_id] = self._stream_window(stream_id) - size
+
+    def _track(self, got: Frame) -> None:
+        if got.kind == SETTINGS and not got.flags & ACK:
+            for offset in range(0, len(got.payload), 6):
+                key, value = struct.unpack_from(">HI", got.payload, offset)
+                self.server_settings[key] = value
+        elif got.kind == WINDOW_UPDATE:
+            increment = _U32.unpack(got.payload)[0] & 0x7FFFFFFF
+            if got.stream_id == 0:
+                self.conn_window += increment
+            else:
+                self.stream_windows[got.stream_id] = self._stream_window(got.stream_id) + increment
 
     async def close(self) -> None:
         self.writer.close()
@@ -173,6 +210,7 @@ class H2Client:
         length_kind, flags, stream_id = _HEAD.unpack(head)
         payload = await asyncio.wait_for(self.reader.readexactly(length_kind >> 8), timeout_s)
         got = Frame(length_kind & 0xFF, flags, stream_id & 0x7FFFFFFF, payload)
+        self._track(got)
         if got.kind == HEADERS:  # decode every block in order: the HPACK table must follow
             assert flags & END_HEADERS, "the server never sends CONTINUATION"
             got.headers = dict(self.decoder.decode(payload))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -52,7 +54,6 @@ from hypothesis import strategies as st
 from router.adapters.health import CHECK_METHOD as HEALTH_CHECK_METHOD
 from router.adapters.health import WATCH_METHOD as HEALTH_WATCH_METHOD
 from router.adapters.health import HealthState
-from router.transport import h2grpc
 from router.transport.h2grpc import FRAME_SIZE_ERROR, Call, Connection, H2GrpcServer, HeaderDecoder
 
 ECHO = "/test.Echo/Bidi"  # echoes every message, finishes OK when the client half-closes
@@ -330,7 +331,16 @@ async def test_compressed_message_is_unimplemented_in_trailers(env: Env) -> None
 
 async def test_unknown_method_with_a_huge_path_still_fits_one_frame(env: Env) -> None:
     client = await env.connect()
-    await client.send(client.request(1, "/" + "é" * 10_000, end_stream=True))
+    # 8 KB of path (within the header list cap, sent without Huffman), 24 KB once percent-encoded.
+    path = "/" + "\N{GRINNING FACE}" * 2000
+    headers = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        ("content-type", "application/grpc"),
+    ]
+    block = client.encoder.encode(headers, huffman=False)
+    await client.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, block))
     result = await client.read_stream(1)
     assert result.trailers["grpc-status"] == "12"
     assert all(len(f.payload) <= 16_384 for f in result.frames)  # the peer's max frame size
@@ -506,10 +516,8 @@ async def test_headers_on_an_even_stream_is_a_connection_error(env: Env) -> None
     assert frames[0].error_code == PROTOCOL_ERROR
 
 
-async def test_padding_is_credited_back_to_the_stream_window(
-    env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(h2grpc, "RECV_STREAM_WINDOW", 1000)  # top-ups after 500 bytes, not 8 MiB
+async def test_padding_is_credited_back_to_the_stream_window(env: Env) -> None:
+    env.server.stream_refill_at = 500  # top-ups after 500 consumed bytes, not half a stream window
     client = await env.connect()
     await client.send(client.request(1, HOLD))
     body = grpc_message(b"p" * 100)
@@ -556,6 +564,29 @@ async def test_stop_cancels_calls_still_open_after_grace(env: Env) -> None:
     await eventually(lambda: not env.server.connections, what="connection closed")
 
 
+async def test_shutting_down_a_connection_the_peer_already_reset_is_quiet(env: Env) -> None:
+    """A peer that sent GOAWAY, then reset its socket before we noticed: our half-close meets
+    ENOTCONN, which must not escape into stop()."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", env.port))
+        wire = PREFACE + settings() + frame(HEADERS, END_HEADERS, 1, _request_block(HOLD)) + goaway(0)
+        await loop.sock_sendall(sock, wire + frame(PING, 0, 0, b"barrier!"))
+        seen = b""
+        while frame(PING, ACK, 0, b"barrier!") not in seen:  # the server has handled all of it
+            seen += await loop.sock_recv(sock, 65_536)
+        [conn] = env.server.connections
+        assert conn.going_away and conn.calls
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    finally:
+        sock.close()  # with SO_LINGER 0: a reset, delivered at once on loopback
+    time.sleep(0.05)  # blocking on purpose: the loop must not run, it would notice the reset first
+    conn.abort_calls()  # what stop() does after its grace period
+    await eventually(lambda: not env.server.connections and not env.server.closing, what="forgotten")
+
+
 # -- health through the real extproc pieces ---------------------------------------------------------
 async def test_health_watch_streams_the_status_then_changes_and_cancel_unwatches() -> None:
     state = HealthState()
@@ -596,6 +627,15 @@ class FakeTransport:
     def close(self) -> None:
         self.closed = True
 
+    def abort(self) -> None:
+        self.closed = True
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.closed = True
+
     def is_closing(self) -> bool:
         return self.closed
 
@@ -633,7 +673,9 @@ async def test_control_frames_of_the_wrong_length_are_frame_size_errors(env: Env
             transport = FakeTransport()
             conn = Connection(env.server)
             conn.connection_made(transport)  # type: ignore[arg-type]
-            conn.data_received(PREFACE + frame(kind, 0, stream_id, bytes(length)))
+            # A stream's frames go to an open stream (RST_STREAM on an idle one is an error too).
+            opening = frame(HEADERS, END_HEADERS, stream_id, _request_block(HOLD)) if stream_id else b""
+            conn.data_received(PREFACE + opening + frame(kind, 0, stream_id, bytes(length)))
             conn.connection_lost(None)
             goaways = [f for f in parse_frames(bytes(transport.written)) if f[0] == GOAWAY]
             codes = [struct.unpack_from(">I", f[3], 4)[0] for f in goaways]

@@ -1,0 +1,184 @@
+"""TLS on the HTTP/2 gRPC server: grpcio over TLS, ALPN h2, certificate reload, minimum version."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from h2client import DATA, END_STREAM, H2Client, frame, grpc_message
+from helpers import eventually
+
+from router.adapters.health import CHECK_METHOD, HealthState
+from router.transport.h2grpc import H2GrpcServer
+from router.transport.tls import ServerTls, self_signed
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+async def serve(tls: ServerTls) -> tuple[H2GrpcServer, int]:
+    health = HealthState()
+    health.set_ready(True)
+    server = H2GrpcServer(health.methods())
+    return server, await server.start("127.0.0.1", 0, ssl=tls.context)
+
+
+@pytest.fixture
+async def servers() -> AsyncIterator[list[H2GrpcServer]]:
+    started: list[H2GrpcServer] = []
+    yield started
+    for server in started:
+        await server.stop(0)
+
+
+def _unverified() -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    return context
+
+
+def client_context(cert: Path, *, maximum: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    """A client that trusts ``cert`` (self-signed: its own root) and offers ALPN h2."""
+    context = ssl.create_default_context(cafile=str(cert))
+    context.set_alpn_protocols(["h2"])
+    if maximum is not None:
+        context.maximum_version = maximum
+    return context
+
+
+async def peer_certificate(port: int, trusted: Path | None) -> tuple[bytes, str | None]:
+    """The certificate (DER) a new TLS connection is shown, and the ALPN protocol agreed.
+
+    With ``trusted`` None the certificate is not verified (to see which one is shown)."""
+    context = client_context(trusted) if trusted is not None else _unverified()
+    _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname="localhost")
+    try:
+        tls = writer.get_extra_info("ssl_object")
+        return tls.getpeercert(binary_form=True), tls.selected_alpn_protocol()
+    finally:
+        writer.close()
+
+
+async def health_check(port: int, trusted: Path) -> int:
+    credentials = grpc.ssl_channel_credentials(root_certificates=trusted.read_bytes())
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5.0)
+        return reply.status
+
+
+async def test_grpcio_health_check_over_tls_with_a_generated_certificate(servers: list[H2GrpcServer]) -> None:
+    tls = ServerTls.load()  # no files: a self-signed pair for localhost, 127.0.0.1 and ::1
+    try:
+        server, port = await serve(tls)
+        servers.append(server)
+        assert await health_check(port, tls.cert_file) == SERVING
+        der, alpn = await peer_certificate(port, tls.cert_file)
+        assert alpn == "h2"
+        assert der == ssl.PEM_cert_to_DER_cert(tls.cert_file.read_text())
+    finally:
+        tls.close()
+    assert not tls.cert_file.exists()  # a generated pair does not outlive its owner
+
+
+async def test_alpn_is_h2_and_a_raw_http2_client_is_served_over_tls(
+    tmp_path: Path, servers: list[H2GrpcServer]
+) -> None:
+    cert, key = self_signed(tmp_path)
+    tls = ServerTls(cert, key)
+    server, port = await serve(tls)
+    servers.append(server)
+    client = await H2Client.connect(port, tls=client_context(cert))
+    try:
+        assert client.writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2"
+        request = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
+        await client.send(client.request(1, CHECK_METHOD), frame(DATA, END_STREAM, 1, grpc_message(request)))
+        [reply] = (await client.read_stream(1)).messages
+        assert health_pb2.HealthCheckResponse.FromString(reply).status == SERVING
+    finally:
+        await client.close()
+        tls.close()
+
+
+async def test_a_rotated_certificate_is_shown_to_new_connections(
+    tmp_path: Path, servers: list[H2GrpcServer]
+) -> None:
+    cert, key = self_signed(tmp_path / "live")
+    first = cert.read_bytes()
+    async with ServerTls(cert, key, reload_interval_s=0.05) as tls:
+        server, port = await serve(tls)
+        servers.append(server)
+        old_client = await H2Client.connect(port, tls=client_context(cert))
+        try:
+            # Rotate as a secret mount does: whole new files in place, certificate and key.
+            new_cert, new_key = self_signed(tmp_path / "next")
+            shutil.copyfile(new_key, key)
+            shutil.copyfile(new_cert, cert)
+            assert cert.read_bytes() != first
+
+            async def shows_the_new_one() -> bool:
+                der, _ = await peer_certificate(port, None)
+                return der == ssl.PEM_cert_to_DER_cert(new_cert.read_text())
+
+            await eventually(shows_the_new_one, timeout_s=5.0, what="the new certificate on a new connection")
+            assert await health_check(port, new_cert) == SERVING
+            assert await old_client.barrier() == []  # a connection made before goes on with the old one
+        finally:
+            await old_client.close()
+
+
+async def test_a_half_written_rotation_keeps_the_current_certificate(
+    tmp_path: Path, servers: list[H2GrpcServer]
+) -> None:
+    cert, key = self_signed(tmp_path / "live")
+    original = tmp_path / "original.crt"
+    shutil.copyfile(cert, original)
+    tls = ServerTls(cert, key)
+    try:
+        server, port = await serve(tls)
+        servers.append(server)
+        new_cert, _ = self_signed(tmp_path / "next")
+        shutil.copyfile(new_cert, cert)  # the certificate is new, its key not there yet
+        assert not tls.reload_if_changed()
+        der, _ = await peer_certificate(port, original)
+        assert der == ssl.PEM_cert_to_DER_cert(original.read_text())
+        assert await health_check(port, original) == SERVING
+    finally:
+        tls.close()
+
+
+async def test_a_tls12_client_is_refused_when_the_minimum_is_13(
+    tmp_path: Path, servers: list[H2GrpcServer]
+) -> None:
+    cert, key = self_signed(tmp_path)
+    tls = ServerTls(cert, key, minimum_version=ssl.TLSVersion.TLSv1_3)
+    try:
+        server, port = await serve(tls)
+        servers.append(server)
+        with pytest.raises((ssl.SSLError, ConnectionResetError)):  # an alert, or the reset after it
+            await asyncio.open_connection(
+                "127.0.0.1",
+                port,
+                ssl=client_context(cert, maximum=ssl.TLSVersion.TLSv1_2),
+                server_hostname="localhost",
+            )
+        _, alpn = await peer_certificate(port, cert)  # a TLS 1.3 client is fine
+        assert alpn == "h2"
+        assert await health_check(port, cert) == SERVING
+    finally:
+        tls.close()
+
+
+def test_a_certificate_without_its_key_is_a_configuration_error(tmp_path: Path) -> None:
+    cert, _ = self_signed(tmp_path)
+    with pytest.raises(ValueError, match="both"):
+        ServerTls.load(cert, None)
+    assert os.stat(tmp_path / "tls.key").st_mode & 0o077 == 0  # the key is the owner's alone
