@@ -196,6 +196,23 @@ class ProxyConfig(_Strict):
     debug_headers: bool = Field(False, description="add x-pd-router-decode/-prefill/-reason to responses")
 
 
+class TlsConfig(_Strict):
+    """TLS on the ext_proc port (ALPN h2). The gRPC health port stays cleartext: kubelet's gRPC
+    probes do not speak TLS."""
+
+    enabled: bool = False
+    cert_file: str | None = Field(None, description="PEM certificate; unset: a self-signed one is generated")
+    key_file: str | None = None
+    min_version: Literal["1.2", "1.3"] = "1.2"
+    reload_interval_s: Positive = Field(5.0, description="how often changed certificate files are reloaded")
+
+    @model_validator(mode="after")
+    def _pair(self) -> TlsConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (neither: self-signed)")
+        return self
+
+
 class ExtProcConfig(_Strict):
     """The Envoy ext_proc endpoint picker (Gateway API InferencePool protocol) and its gRPC health."""
 
@@ -214,6 +231,11 @@ class ExtProcConfig(_Strict):
         "connection per worker thread, and a stream over the cap is refused (REFUSED_STREAM)",
     )
     grace_s: NonNegative = Field(10.0, description="on shutdown, how long open streams may finish")
+    tls: TlsConfig = TlsConfig()
+    max_connections: Annotated[int, Field(gt=0)] = Field(
+        1024, description="gRPC connections at most; the oldest one without a stream makes room"
+    )
+    idle_timeout_s: Positive = Field(300.0, description="a connection with no open call is closed after this")
 
 
 GateCheck = Literal["ranks", "revision", "model", "kv_capacity", "canary", "canary_pair", "kv_events"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ from router.flow import ROUTED, Flight, RequestFlow
 from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUBSET, PREFILLER, ROUTER_HEADERS
 from router.picker import RouteDecision
 from router.rejections import BadRequest, BodyTooLarge, Rejection
-from router.transport.h2grpc import INTERNAL, INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer
+from router.transport.h2grpc import INTERNAL, INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer, H2Limits
+from router.transport.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -520,6 +522,7 @@ class ExtProcListener:
         self.port: int | None = None
         self.health_port: int | None = None
         self._servers: list[tuple[H2GrpcServer, float | None]] = []
+        self.tls: ServerTls | None = None
 
     async def __aenter__(self) -> ExtProcListener:
         cfg, flow, health = self.config, self.flow, self.health
@@ -532,26 +535,49 @@ class ExtProcListener:
         # oversized body is our 413, not a gRPC error.
         max_message = max(4 * 1024 * 1024, flow.limits.max_body_bytes + 64 * 1024)
         # Health on the ext_proc port too: Envoy health-checks the cluster endpoint it connects to.
-        server = H2GrpcServer(
-            {PROCESS_METHOD: process, **health.methods()},
+        limits = H2Limits(
             max_concurrent_streams=cfg.max_concurrent_streams,
             max_message_bytes=max_message,
+            max_connections=cfg.max_connections,
+            idle_timeout_s=cfg.idle_timeout_s,
         )
+        server = H2GrpcServer({PROCESS_METHOD: process, **health.methods()}, limits=limits)
         health_server = H2GrpcServer(health.methods())
         health.set_ready(False)  # alive (liveness SERVING), not ready until the App says so
         try:
-            self.port = await server.start(cfg.host, cfg.port)
+            context = None
+            if cfg.tls.enabled:
+                tls = self.tls = ServerTls.load(
+                    cfg.tls.cert_file,
+                    cfg.tls.key_file,
+                    minimum_version=ssl.TLSVersion.TLSv1_3
+                    if cfg.tls.min_version == "1.3"
+                    else ssl.TLSVersion.TLSv1_2,
+                    reload_interval_s=cfg.tls.reload_interval_s,
+                )
+                await tls.__aenter__()
+                context = tls.context
+            self.port = await server.start(cfg.host, cfg.port, ssl=context)
             self._servers.append((server, cfg.grace_s))
             self.health_port = await health_server.start(cfg.host, cfg.health_port)
             self._servers.append((health_server, None))
         except BaseException:
             await self.__aexit__()
             raise
-        log.info("ext_proc listening on %s:%s, gRPC health on %s", cfg.host, self.port, self.health_port)
+        log.info(
+            "ext_proc listening on %s:%s (%s), gRPC health on %s",
+            cfg.host,
+            self.port,
+            "TLS" if context is not None else "h2c",
+            self.health_port,
+        )
         return self
 
     async def __aexit__(self, *_: object) -> None:
-        # The ext_proc server drains open streams first, then health goes.
+        # The ext_proc server drains open streams first, then health goes, then TLS's watcher.
         for server, grace in self._servers:
             await server.stop(grace)
         self._servers.clear()
+        if self.tls is not None:
+            await self.tls.__aexit__()
+            self.tls = None

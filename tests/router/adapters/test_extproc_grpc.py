@@ -94,3 +94,22 @@ async def test_metrics_listener_serves_the_router_metrics() -> None:
             text = await resp.text()
         assert 'llm_d_epp_ready_endpoints{name="pd-router"} 1.0' in text
         assert "pd_router_outstanding_reservations 0.0" in text
+
+
+async def test_ext_proc_over_tls_with_a_self_signed_certificate_and_health_in_the_clear() -> None:
+    extproc = {"enabled": True, "port": 0, "health_port": 0, "tls": {"enabled": True, "min_version": "1.3"}}
+    async with extproc_app(extproc=extproc) as app:
+        tls = app.extproc.tls
+        assert tls is not None
+        trusted = grpc.ssl_channel_credentials(root_certificates=tls.cert_file.read_bytes())
+        # The generated certificate names localhost; the gateway connects by address.
+        options = (("grpc.ssl_target_name_override", "localhost"),)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{app.extproc_port}", trusted, options) as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="")
+            )
+            assert answer.status == SERVING
+        # A cleartext client on the TLS port gets nowhere; the health port stays cleartext for kubelet.
+        with pytest.raises(grpc.aio.AioRpcError):
+            await status(app.extproc_port, "")
+        assert await status(app.health_port, "readiness") == SERVING
