@@ -39,6 +39,22 @@ def render(mode: str, **values: Any) -> dict[str, Any]:
     return yaml.safe_load(text)
 
 
+def with_tls_to_picker(config: dict[str, Any], sni: str = "localhost") -> dict[str, Any]:
+    """The example config connecting to the picker over TLS (ALPN h2), as gateways that front the
+    reference picker do: the picker's certificate is self-signed, so it is not verified here — give
+    ``common_tls_context.validation_context`` a CA to verify a real one."""
+    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "ext_proc")
+    cluster["transport_socket"] = {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "sni": sni,
+            "common_tls_context": {"alpn_protocols": ["h2"]},
+        },
+    }
+    return config
+
+
 async def wait_ready(admin: str, deadline_s: float) -> None:
     """Poll Envoy's admin until it is LIVE and the ext_proc cluster passed its health check."""
     loop = asyncio.get_running_loop()

@@ -15,6 +15,7 @@ import pytest
 from gateway import example_config, run_envoy, with_subset_header
 from helpers import eventually, router_for
 
+from loadtests.servers.envoy import with_tls_to_picker
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
@@ -40,16 +41,19 @@ async def gateway(
     mode: str = "full-duplex",
     specs: list[EngineSpec] = SINGLE,
     subset_header: bool = False,
+    tls: bool = False,
     **sections: Any,
 ) -> AsyncIterator[Gateway]:
     async with SimCluster(specs) as cluster:
         endpoints = [{"address": cluster.address(s.name), "role": s.role, "name": s.name} for s in specs]
-        extproc = {"enabled": True, "port": 0, "health_port": 0}
+        extproc = {"enabled": True, "port": 0, "health_port": 0, "tls": {"enabled": tls}}
         data = {"endpoints": endpoints, "proxy": {"enabled": False}, "extproc": extproc, **sections}
         async with router_for(data) as (app, _):
             config, listen, admin = example_config(mode, app.extproc_port, cluster.address(specs[0].name))
             if subset_header:
                 config = with_subset_header(config)
+            if tls:
+                config = with_tls_to_picker(config)
             async with run_envoy(config, tmp_path, admin):
                 yield Gateway(cluster, app, f"http://127.0.0.1:{listen}")
 
@@ -288,4 +292,15 @@ async def test_flow_control_holds_the_ext_proc_stream_until_a_pod_has_room(tmp_p
         await eventually(lambda: control.size > 0, 5.0, "an ext_proc stream held")
         assert next(iter(gw.cluster.engines.values())).num_waiting <= 2  # held by us, not the engine
         assert await asyncio.gather(*tasks) == [200] * 10
+        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_envoy_reaches_the_picker_over_tls(tmp_path: Path, mode: str) -> None:
+    async with gateway(tmp_path, mode, tls=True) as gw, aiohttp.ClientSession() as http:
+        assert gw.app.extproc.tls is not None  # the picker serves a self-signed certificate
+        for i in range(4):
+            async with http.post(f"{gw.url}/v1/completions", json=completion(f"over tls {i} " * 30)) as resp:
+                assert resp.status == 200
+        assert sum(gw.served_by().values()) == 4  # routed by the picker, not the fail-open fallback
         await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
