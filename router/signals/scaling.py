@@ -407,12 +407,11 @@ class PoolSignals:
     def load(self, role: str, now: float | None = None) -> float | None:
         """``max(predicted, observed) / SLO``: TTFT for prefill, TPOT for decode; None while
         neither is known."""
-        known = [v for v in self.load_parts(role, now) if v is not None]
-        return max(known) if known else None
+        return self._loads(role, self.clock() if now is None else now)[0]
 
-    def load_parts(self, role: str, now: float | None = None) -> tuple[float | None, float | None]:
-        """``(predicted, observed p90) / SLO`` (each None while unknown)."""
-        now = self.clock() if now is None else now
+    def _loads(self, role: str, now: float) -> tuple[float | None, float | None]:
+        """``(max(predicted, observed p90), predicted) / SLO`` for ``RoleState`` (None while
+        unknown)."""
         o = self.cost_model.objectives
         stage = "prefill" if role == "prefill" else "decode"
         predicted = predicted_latency(
@@ -420,13 +419,8 @@ class PoolSignals:
         )
         observed = (self.perf.ttft if role == "prefill" else self.perf.tpot).p90(now)
         slo = o.ttft_slo_s if role == "prefill" else o.tpot_slo_s
-        return tuple(None if v is None else v / slo for v in (predicted, observed))  # type: ignore[return-value]
-
-    def _loads(self, role: str, now: float) -> tuple[float | None, float | None]:
-        """``(load, predicted load)`` for ``RoleState``."""
-        predicted, observed = self.load_parts(role, now)
-        known = [v for v in (predicted, observed) if v is not None]
-        return (max(known) if known else None), predicted
+        known = [v / slo for v in (predicted, observed) if v is not None]
+        return (max(known) if known else None), (None if predicted is None else predicted / slo)
 
     def _prefill_state(
         self,
