@@ -117,9 +117,16 @@ async def test_the_dispatcher_binds_when_capacity_frees() -> None:
     runner.cancel()
 
 
-def test_a_pool_that_lost_every_pod_is_not_saturated_but_no_capacity() -> None:
-    assert issubclass(Saturated, NoCapacity)  # without flow control it answers 503 like before
-    assert answer(Saturated("x", retry_after_s=1.0)).status == 503
+async def test_a_pool_without_pods_is_answered_at_once_not_held() -> None:
+    class NoPods(FakeFlight):
+        def pick(self) -> object:
+            raise NoCapacity("no admitted endpoint with fresh metrics can decode", retry_after_s=1.0)
+
+    control = FlowControl(FlowSettings())
+    with pytest.raises(NoCapacity) as err:
+        control.bind_now(NoPods(Room(), "r"))
+    assert not isinstance(err.value, Saturated) and control.size == 0  # waiting would not help
+    assert answer(Saturated("x", retry_after_s=1.0)).status == 503  # without flow control: a 503
 
 
 async def test_a_saturated_pool_holds_requests_in_the_router_and_serves_them_all() -> None:
