@@ -705,6 +705,10 @@ async def main_async(args: argparse.Namespace, settings: Settings) -> int:
             outcome = await replay(scn, POLICIES[name], workload, settings, args.seed)
             failed += outcome.failed
             runs[key].append(outcome)
+            for result in (r for r in outcome.results if not r.ok):  # why, not just how many
+                sys.stderr.write(
+                    f"  [{key}] {name}: failed at {result.at_s:.1f} s: {result.status} {result.error}\n"
+                )
             sys.stderr.write(
                 f"  [{key}] {name}: {len(outcome.results) - outcome.failed}/{len(outcome.results)} ok, "
                 f"violation {outcome.violation_s:.0f} s, {outcome.replica_min:.1f} replica-min "
