@@ -143,6 +143,9 @@ class PairCosts:
         transfer = self._transfer(prefill, col)
         ttft = self._ttft(prefill, col, transfer)
         uncached = float(self.view.uncached[p])
+        view = self.view
+        cand = view.cand
+        slow_p = float(cand.slowness[p])
         out = {
             "cost": (ttft + float(self.column_s[d])) / self.ttft_slo_s,
             "ttft_s": ttft,
@@ -151,18 +154,15 @@ class PairCosts:
             "cached_tokens": self.view.ctx.prompt_tokens - uncached,
             "uncached_tokens": uncached,
             # What the performance model learns against (``router/signals/perf.py``).
-            "queued_tokens": float(self.view.wait_s[p] / self.view.cand.slowness[p])
-            * self.view.model.prefill_tokens_per_s,
-            "batch": float(self.view.batch[d]) + 1.0,
-            "kv_tokens": float(self.view.used_kv[d] + self.view.need_kv[d]),
-            "held_tokens": float(self.view.cached[p]),  # cached there, before the trust cap
+            "queued_tokens": float(view.wait_s[p]) / slow_p * view.model.prefill_tokens_per_s,
+            "batch": float(view.batch[d]) + 1.0,
+            "kv_tokens": float(view.used_kv[d]) + float(view.need_kv[d]),
+            "held_tokens": float(view.cached[p]),  # cached there, before the trust cap
             # Prompts were still being computed there: a low cached count may be one of them
-            # not done yet, not an eviction (router/signals/calibration.py).
-            "prefilling_there": float(
-                self.view.cand.queued_prefill_tokens[p] > 0 or np.nan_to_num(self.view.cand.waiting[p]) > 0
-            ),
-            "slowness_p": float(self.view.cand.slowness[p]),
-            "slowness_d": float(self.view.cand.slowness[d]),
+            # not done yet, not an eviction (router/signals/calibration.py). NaN > 0 is False.
+            "prefilling_there": float(float(cand.queued_prefill_tokens[p]) > 0 or float(cand.waiting[p]) > 0),
+            "slowness_p": slow_p,
+            "slowness_d": float(cand.slowness[d]),
         }
         prefill_side = self.prefill_side
         for name, values in self.terms.items():
