@@ -197,10 +197,16 @@ class ProxyConfig(_Strict):
 
 
 class TlsConfig(_Strict):
-    """TLS on the ext_proc port (ALPN h2). The gRPC health port stays cleartext: kubelet's gRPC
-    probes do not speak TLS."""
+    """TLS on the ext_proc port (ALPN h2), on by default with a self-signed certificate as the
+    reference picker does. The gRPC health port stays cleartext: kubelet's gRPC probes do not speak
+    TLS."""
 
-    enabled: bool = False
+    enabled: bool = Field(True, description="serve TLS on the ext_proc port (false: cleartext h2c only)")
+    accept_cleartext: bool = Field(
+        True,
+        description="also serve h2c clients on the same port (told apart by their first byte); "
+        "false refuses them",
+    )
     cert_file: str | None = Field(None, description="PEM certificate; unset: a self-signed one is generated")
     key_file: str | None = None
     min_version: Literal["1.2", "1.3"] = "1.2"

@@ -39,19 +39,11 @@ def render(mode: str, **values: Any) -> dict[str, Any]:
     return yaml.safe_load(text)
 
 
-def with_tls_to_picker(config: dict[str, Any], sni: str = "localhost") -> dict[str, Any]:
-    """The example config connecting to the picker over TLS (ALPN h2), as gateways that front the
-    reference picker do: the picker's certificate is self-signed, so it is not verified here — give
-    ``common_tls_context.validation_context`` a CA to verify a real one."""
+def with_cleartext_to_picker(config: dict[str, Any]) -> dict[str, Any]:
+    """The example config connecting to the picker in cleartext (h2c), for a picker with TLS off
+    (the examples speak TLS to it, as gateways in front of the reference picker do)."""
     cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "ext_proc")
-    cluster["transport_socket"] = {
-        "name": "envoy.transport_sockets.tls",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-            "sni": sni,
-            "common_tls_context": {"alpn_protocols": ["h2"]},
-        },
-    }
+    del cluster["transport_socket"]
     return config
 
 

@@ -524,6 +524,11 @@ class ExtProcListener:
         self._servers: list[tuple[H2GrpcServer, float | None]] = []
         self.tls: ServerTls | None = None
 
+    @property
+    def server(self) -> H2GrpcServer | None:
+        """The ext_proc listener's server (None until started)."""
+        return self._servers[0][0] if self._servers else None
+
     async def __aenter__(self) -> ExtProcListener:
         cfg, flow, health = self.config, self.flow, self.health
         loop = asyncio.get_running_loop()
@@ -557,7 +562,9 @@ class ExtProcListener:
                 )
                 await tls.__aenter__()
                 context = tls.context
-            self.port = await server.start(cfg.host, cfg.port, ssl=context)
+            self.port = await server.start(
+                cfg.host, cfg.port, ssl=context, cleartext=context is None or cfg.tls.accept_cleartext
+            )
             self._servers.append((server, cfg.grace_s))
             self.health_port = await health_server.start(cfg.host, cfg.health_port)
             self._servers.append((health_server, None))
@@ -568,7 +575,7 @@ class ExtProcListener:
             "ext_proc listening on %s:%s (%s), gRPC health on %s",
             cfg.host,
             self.port,
-            "TLS" if context is not None else "h2c",
+            "h2c" if context is None else "TLS and h2c" if cfg.tls.accept_cleartext else "TLS only",
             self.health_port,
         )
         return self

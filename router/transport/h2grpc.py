@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import socket
 import struct
 import time
 from collections.abc import Callable, Mapping
@@ -90,6 +91,7 @@ MAX_STATUS_MESSAGE = 1000
 _BUDGET_CHECK_MASK = 31
 _HEAVY_FRAME = 1024
 _NEVER = float("-inf")
+_TLS_HANDSHAKE_RECORD = b"\x16"  # the first byte of a TLS ClientHello (a handshake record)
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -1169,7 +1171,9 @@ class H2GrpcServer:
         self.preamble = preamble  # what every connection sends first
         self.connections: dict[Connection, None] = {}  # serving, oldest first
         self.closing: dict[Connection, asyncio.BaseTransport] = {}  # GOAWAY sent, socket lingering
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._accepter: asyncio.Task[None] | None = None
+        self._opening: set[asyncio.Task[None]] = set()  # accepted, first byte (or handshake) awaited
         self._sweeper: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._warned_at = float("-inf")
@@ -1183,21 +1187,94 @@ class H2GrpcServer:
     def max_message_bytes(self) -> int:
         return self.limits.max_message_bytes
 
-    async def start(self, host: str, port: int, *, ssl: SSLContext | None = None) -> int:
-        """Listen; with ``ssl`` (a server context offering ALPN ``h2``, see ``tls.py``), over TLS."""
+    async def start(
+        self, host: str, port: int, *, ssl: SSLContext | None = None, cleartext: bool = True
+    ) -> int:
+        """Listen on ``host:port``; returns the bound port.
+
+        With ``ssl`` (a server context offering ALPN ``h2``, see ``tls.py``) connections are served
+        over TLS, and with ``cleartext`` as well, h2c on the same port: each connection's first
+        byte tells which (a TLS record starts with 0x16, the HTTP/2 preface with ``P``), so a
+        gateway configured either way is served. A connection speaking the other protocol than
+        the port serves is closed with a log line that says so.
+        """
+        if ssl is None and not cleartext:
+            raise ValueError("a listener needs TLS, cleartext or both")
         loop = asyncio.get_running_loop()
         limits = self.limits
-        self._server = await loop.create_server(
-            lambda: Connection(self),
-            host,
-            port,
-            reuse_address=True,
-            backlog=limits.listen_backlog,
-            ssl=ssl,
-            ssl_handshake_timeout=limits.handshake_timeout_s if ssl is not None else None,
-        )
+        family, kind, proto, _, address = (
+            await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        )[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(limits.listen_backlog)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self._accepter = loop.create_task(self._accept(listener, ssl, cleartext))
         self._sweeper = loop.create_task(self._sweep())
-        return self._server.sockets[0].getsockname()[1]
+        return listener.getsockname()[1]
+
+    async def _accept(self, listener: socket.socket, ssl: SSLContext | None, cleartext: bool) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and the like: the connection stays in the backlog
+                self.warn(f"accept failed: {exc}")
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._opening) >= self.limits.max_connections:
+                # Connections that have not sent a byte yet are not in ``connections``: bound them too.
+                self.warn(f"{len(self._opening)} connections still opening: refusing a new one")
+                sock.close()
+                continue
+            task = loop.create_task(self._open(sock, ssl, cleartext))
+            self._opening.add(task)
+            task.add_done_callback(self._opening.discard)
+
+    async def _open(self, sock: socket.socket, ssl: SSLContext | None, cleartext: bool) -> None:
+        """Wait for the connection's first byte, then serve it over TLS or cleartext."""
+        loop = asyncio.get_running_loop()
+        timeout = self.limits.handshake_timeout_s
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            first = await asyncio.wait_for(_peek(loop, sock), timeout)
+            tls = first == _TLS_HANDSHAKE_RECORD
+            refused = (
+                "closed before sending a byte"  # a port probe: not worth a warning
+                if not first
+                else "a TLS client on a cleartext port (turn TLS on for this listener, or off at the client)"
+                if tls and ssl is None
+                else "a cleartext (h2c) client on a TLS-only port (accept_cleartext is off)"
+                if not tls and not cleartext
+                else None
+            )
+            if refused is not None:
+                if first:
+                    self.warn(refused)
+                sock.close()
+                return
+            await loop.connect_accepted_socket(
+                lambda: Connection(self),
+                sock,
+                ssl=ssl if tls else None,
+                ssl_handshake_timeout=timeout if tls else None,
+            )
+        except TimeoutError:
+            self.warn(f"no byte or no TLS handshake within {timeout:g} s of connecting")
+            sock.close()
+        except OSError as exc:  # ssl.SSLError is one
+            self.warn(f"connection failed before HTTP/2: {exc}")
+            sock.close()
+        except asyncio.CancelledError:  # stop(): the socket is ours until a transport took it
+            sock.close()
+            raise
 
     async def _sweep(self) -> None:
         """Handshake and idle timeouts, looked at a few times per the shorter of the two."""
@@ -1268,9 +1345,18 @@ class H2GrpcServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop listening, let open calls finish for ``grace_s`` seconds, then cancel the rest."""
-        if self._server is None:
+        if self._listener is None:
             return
-        self._server.close()
+        if self._accepter is not None:
+            self._accepter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepter
+            self._accepter = None
+        self._listener.close()
+        opening = list(self._opening)
+        for task in opening:
+            task.cancel()
+        await asyncio.gather(*opening, return_exceptions=True)
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -1286,5 +1372,25 @@ class H2GrpcServer:
         await asyncio.sleep(0)  # the last frames reach the kernel before the sockets go
         for transport in list(self.closing.values()):
             transport.abort()
-        await self._server.wait_closed()
-        self._server = None
+        self._listener = None
+
+
+async def _peek(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """The socket's first byte, left unread (b"" when the peer closed first)."""
+    while True:
+        try:
+            return sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            pass
+        readable = loop.create_future()
+        fd = sock.fileno()
+        loop.add_reader(fd, _resolve, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -144,7 +144,7 @@ class ServerTls:
         if cert_file is None or key_file is None:
             directory = Path(tempfile.mkdtemp(prefix="pd-router-self-signed-"))
             cert_file, key_file = self_signed(directory, self_signed_hosts)
-            log.warning("TLS: no certificate configured; serving a self-signed one for %s", self_signed_hosts)
+            log.info("TLS: no certificate configured; serving a self-signed one for %s", self_signed_hosts)
             return cls(
                 cert_file,
                 key_file,

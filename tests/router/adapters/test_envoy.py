@@ -15,7 +15,7 @@ import pytest
 from gateway import example_config, run_envoy, with_subset_header
 from helpers import eventually, router_for
 
-from loadtests.servers.envoy import with_tls_to_picker
+from loadtests.servers.envoy import with_cleartext_to_picker
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
@@ -41,7 +41,7 @@ async def gateway(
     mode: str = "full-duplex",
     specs: list[EngineSpec] = SINGLE,
     subset_header: bool = False,
-    tls: bool = False,
+    tls: bool = True,
     **sections: Any,
 ) -> AsyncIterator[Gateway]:
     async with SimCluster(specs) as cluster:
@@ -52,8 +52,8 @@ async def gateway(
             config, listen, admin = example_config(mode, app.extproc_port, cluster.address(specs[0].name))
             if subset_header:
                 config = with_subset_header(config)
-            if tls:
-                config = with_tls_to_picker(config)
+            if not tls:
+                config = with_cleartext_to_picker(config)
             async with run_envoy(config, tmp_path, admin):
                 yield Gateway(cluster, app, f"http://127.0.0.1:{listen}")
 
@@ -295,12 +295,21 @@ async def test_flow_control_holds_the_ext_proc_stream_until_a_pod_has_room(tmp_p
         await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
 
 
+@pytest.mark.parametrize("tls", [True, False], ids=["tls-default", "h2c"])
 @pytest.mark.parametrize("mode", MODES)
-async def test_envoy_reaches_the_picker_over_tls(tmp_path: Path, mode: str) -> None:
-    async with gateway(tmp_path, mode, tls=True) as gw, aiohttp.ClientSession() as http:
-        assert gw.app.extproc.tls is not None  # the picker serves a self-signed certificate
+async def test_envoy_reaches_the_picker_over_tls_by_default_or_in_cleartext(
+    tmp_path: Path, mode: str, tls: bool
+) -> None:
+    async with gateway(tmp_path, mode, tls=tls) as gw, aiohttp.ClientSession() as http:
+        assert (gw.app.extproc.tls is not None) == tls  # on by default: a self-signed certificate
         for i in range(4):
             async with http.post(f"{gw.url}/v1/completions", json=completion(f"over tls {i} " * 30)) as resp:
                 assert resp.status == 200
         assert sum(gw.served_by().values()) == 4  # routed by the picker, not the fail-open fallback
+        server = gw.app.extproc.server
+        assert server is not None
+        secured = [
+            c.transport.get_extra_info("ssl_object") is not None for c in server.connections if c.transport
+        ]
+        assert secured and all(secure == tls for secure in secured)  # Envoy's connections, all as configured
         await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")

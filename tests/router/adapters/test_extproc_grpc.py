@@ -109,7 +109,15 @@ async def test_ext_proc_over_tls_with_a_self_signed_certificate_and_health_in_th
                 health_pb2.HealthCheckRequest(service="")
             )
             assert answer.status == SERVING
-        # A cleartext client on the TLS port gets nowhere; the health port stays cleartext for kubelet.
+        # The TLS port serves h2c clients too (a gateway configured either way works); the health
+        # port stays cleartext for kubelet.
+        assert await status(app.extproc_port, "") == SERVING
+        assert await status(app.health_port, "readiness") == SERVING
+
+
+async def test_ext_proc_tls_only_refuses_cleartext_clients() -> None:
+    tls = {"enabled": True, "accept_cleartext": False}
+    async with extproc_app(extproc={"enabled": True, "port": 0, "health_port": 0, "tls": tls}) as app:
         with pytest.raises(grpc.aio.AioRpcError):
             await status(app.extproc_port, "")
         assert await status(app.health_port, "readiness") == SERVING

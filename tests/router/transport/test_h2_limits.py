@@ -677,6 +677,7 @@ async def test_connection_cap_closes_unused_connections_first_then_refuses(serve
             await client.send(client.request(2 * stream_id + 1, HOLD))
             await client.barrier()
         refused = await env.connect(handshake=False)
+        await refused.send(PREFACE)  # a connection is served (or refused) from its first byte on
         goaway, _ = await goaway_then_closed(refused)
         assert goaway.error_code == ENHANCE_YOUR_CALM and "connection limit" in reason(goaway)
         await checker.still_served(started)

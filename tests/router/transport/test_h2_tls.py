@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import shutil
+import socket
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,21 +15,34 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from h2client import DATA, END_STREAM, H2Client, frame, grpc_message
+from h2client import DATA, END_STREAM, PREFACE, H2Client, frame, grpc_message
 from helpers import eventually
 
 from router.adapters.health import CHECK_METHOD, HealthState
-from router.transport.h2grpc import H2GrpcServer
+from router.transport.h2grpc import H2GrpcServer, H2Limits
 from router.transport.tls import ServerTls, self_signed
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-async def serve(tls: ServerTls) -> tuple[H2GrpcServer, int]:
+async def serve(
+    tls: ServerTls | None, *, cleartext: bool = True, **limits: float
+) -> tuple[H2GrpcServer, int]:
     health = HealthState()
     health.set_ready(True)
-    server = H2GrpcServer(health.methods())
-    return server, await server.start("127.0.0.1", 0, ssl=tls.context)
+    server = H2GrpcServer(health.methods(), limits=dataclasses.replace(H2Limits(), **limits))
+    return server, await server.start(
+        "127.0.0.1", 0, ssl=tls.context if tls is not None else None, cleartext=cleartext
+    )
+
+
+async def liveness(client: H2Client, stream_id: int = 1) -> int:
+    request = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
+    await client.send(
+        client.request(stream_id, CHECK_METHOD), frame(DATA, END_STREAM, stream_id, grpc_message(request))
+    )
+    [reply] = (await client.read_stream(stream_id)).messages
+    return health_pb2.HealthCheckResponse.FromString(reply).status
 
 
 @pytest.fixture
@@ -99,10 +115,7 @@ async def test_alpn_is_h2_and_a_raw_http2_client_is_served_over_tls(
     client = await H2Client.connect(port, tls=client_context(cert))
     try:
         assert client.writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2"
-        request = health_pb2.HealthCheckRequest(service="liveness").SerializeToString()
-        await client.send(client.request(1, CHECK_METHOD), frame(DATA, END_STREAM, 1, grpc_message(request)))
-        [reply] = (await client.read_stream(1)).messages
-        assert health_pb2.HealthCheckResponse.FromString(reply).status == SERVING
+        assert await liveness(client) == SERVING
     finally:
         await client.close()
         tls.close()
@@ -182,3 +195,81 @@ def test_a_certificate_without_its_key_is_a_configuration_error(tmp_path: Path) 
     with pytest.raises(ValueError, match="both"):
         ServerTls.load(cert, None)
     assert os.stat(tmp_path / "tls.key").st_mode & 0o077 == 0  # the key is the owner's alone
+
+
+# -- TLS and h2c on one port ------------------------------------------------------------------------
+async def test_one_port_serves_tls_and_cleartext_clients_side_by_side(
+    tmp_path: Path, servers: list[H2GrpcServer]
+) -> None:
+    """A gateway configured for TLS and one configured for h2c both reach a TLS-on picker."""
+    cert, key = self_signed(tmp_path)
+    tls = ServerTls(cert, key)
+    server, port = await serve(tls)
+    servers.append(server)
+    secure = await H2Client.connect(port, tls=client_context(cert))
+    clear = await H2Client.connect(port)
+    try:
+        assert secure.writer.get_extra_info("ssl_object") is not None
+        assert clear.writer.get_extra_info("ssl_object") is None
+        assert await liveness(secure) == SERVING
+        assert await liveness(clear) == SERVING
+        assert len(server.connections) == 2
+    finally:
+        await secure.close()
+        await clear.close()
+        tls.close()
+
+
+async def test_a_tls_only_port_closes_a_cleartext_client(
+    tmp_path: Path, servers: list[H2GrpcServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    cert, key = self_signed(tmp_path)
+    tls = ServerTls(cert, key)
+    server, port = await serve(tls, cleartext=False)
+    servers.append(server)
+    try:
+        clear = await H2Client.connect(port, handshake=False)
+        await clear.send(PREFACE)
+        with contextlib.suppress(ConnectionResetError):  # closed with our preface unread: a reset
+            assert await clear.reader.read() == b""  # closed without a byte of HTTP/2
+        assert "cleartext (h2c) client on a TLS-only port" in caplog.text
+        secure = await H2Client.connect(port, tls=client_context(cert))
+        assert await liveness(secure) == SERVING  # TLS clients are served meanwhile
+        await secure.close()
+    finally:
+        tls.close()
+
+
+async def test_a_cleartext_port_tells_a_tls_client_apart(
+    servers: list[H2GrpcServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a PROTOCOL_ERROR about a bad preface: the log names the mismatch."""
+    server, port = await serve(None)
+    servers.append(server)
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        await H2Client.connect(port, handshake=False, tls=_unverified())
+    assert "a TLS client on a cleartext port" in caplog.text
+    assert not server.connections
+
+
+async def test_connections_that_never_send_a_byte_are_closed_and_bounded(
+    servers: list[H2GrpcServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    server, port = await serve(None, handshake_timeout_s=0.3, max_connections=4)
+    servers.append(server)
+    silent = []
+    for _ in range(6):  # past the cap of connections still opening: the newest are refused
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setblocking(False)
+        silent.append(sock)
+    loop = asyncio.get_running_loop()
+    try:
+        for sock in silent:  # every one ends: refused at the cap, or at the handshake timeout
+            assert await asyncio.wait_for(loop.sock_recv(sock, 1), 5) == b""
+        assert "still opening: refusing" in caplog.text  # (warnings are one a second: the first)
+        client = await H2Client.connect(port)
+        assert await liveness(client) == SERVING
+        await client.close()
+    finally:
+        for sock in silent:
+            sock.close()
