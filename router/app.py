@@ -35,6 +35,7 @@ from router.compose import (
     flow_settings_from,
     gate_settings_from,
     learn_settings_from,
+    model_rewrites_from,
     picker_from,
     scaling_settings_from,
 )
@@ -60,13 +61,14 @@ from router.observe.metrics import (
     PickerCollector,
     RouterMetrics,
 )
-from router.observe.scrape import ScrapeError, Scraper
+from router.observe.scrape import ANSWERED, ScrapeError, Scraper
 from router.pool import Pool
 from router.producers import PreciseKeys, SharedLookup
 from router.signals.engines import EngineSpeeds
 from router.signals.perf import PerformanceModel
 from router.signals.pool import SignalsCollector
 from router.signals.scaling import PoolSignals
+from router.types import EngineMetrics
 from scorers.cost import CostModel
 
 log = logging.getLogger(__name__)
@@ -162,6 +164,7 @@ class App:
             self.scaling,
             self.flow_control,
             self.engine_speeds,
+            model_rewrites_from(config, seed),
         )
         self.health = HealthState()
         self.ready = False
@@ -382,13 +385,15 @@ class App:
         endpoints = list(self.pool.endpoints.values())
         results = await self._scraper.scrape_all([e.address for e in endpoints])
         now = time.monotonic()
+        required = self.config.scrape.engine_metrics_required
         for endpoint, result in zip(endpoints, results, strict=True):
             if endpoint.id not in self.pool.endpoints:
                 continue  # removed while the scrape was in flight
-            if isinstance(result, ScrapeError):
+            if isinstance(result, ScrapeError) and (required or result.reason not in ANSWERED):
                 self.pool.record_failure(endpoint, str(result))
-            else:
-                self.pool.apply_metrics(endpoint, result, now)
+            else:  # without engine metrics (not required): alive, its load unknown
+                metrics = EngineMetrics() if isinstance(result, ScrapeError) else result
+                self.pool.apply_metrics(endpoint, metrics, now)
 
     async def _apply_speeds(self) -> None:
         assert self.engine_speeds is not None

@@ -6,6 +6,7 @@ plain values in seconds and never see the configuration's shape.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 from kvindex.base import PrefixIndex
@@ -15,6 +16,7 @@ from router.filters import SubsetHint
 from router.flow_control import FlowSettings
 from router.picker import Picker, PickerSettings
 from router.pool import Pool
+from router.rewrite import ModelRewrites
 from router.signals.perf import LearnSettings
 from router.signals.scaling import ScalingSettings
 from scorers.base import EngineModel, Objectives
@@ -27,6 +29,18 @@ from scorers.registry import load_term
 # rollouts, so their weights and connectors are proven before traffic.
 STATIC_CHECKS = ("ranks", "revision", "kv_capacity")
 KUBERNETES_CHECKS = ("ranks", "revision", "model", "kv_capacity", "canary", "canary_pair")
+# The conformance suite's backends are echo servers: no model list, no KV capacity, no completions.
+CONFORMANCE_CHECKS = ("ranks",)
+
+
+def model_rewrites_from(config: PoolConfig, seed: int | None = None) -> ModelRewrites:
+    return ModelRewrites(
+        [
+            (rule.name or rule.model, rule.model, [(t.model, t.weight) for t in rule.targets])
+            for rule in config.model_rewrites
+        ],
+        random.Random(seed),
+    )
 
 
 def gate_settings_from(config: PoolConfig) -> GateSettings:
@@ -34,6 +48,8 @@ def gate_settings_from(config: PoolConfig) -> GateSettings:
     checks = (
         gate.checks
         if gate.checks is not None
+        else CONFORMANCE_CHECKS
+        if config.extproc.conformance
         else (KUBERNETES_CHECKS if config.kubernetes is not None else STATIC_CHECKS)
     )
     return GateSettings(

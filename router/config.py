@@ -143,6 +143,12 @@ class ScrapeConfig(_Strict):
     timeout_ms: Positive = 1000.0
     stale_after_ms: Positive = 2500.0
     eject_after_failures: Annotated[int, Field(ge=1)] = 3
+    engine_metrics_required: bool = Field(
+        True,
+        description="false: an endpoint that answers /metrics without vLLM series (or with an HTTP "
+        "error) stays a candidate with unknown load; only one that cannot be reached is ejected "
+        "(non-vLLM backends, the conformance suite's echo servers)",
+    )
 
 
 class PreciseConfig(_Strict):
@@ -242,6 +248,14 @@ class ExtProcConfig(_Strict):
         1024, description="gRPC connections at most; the oldest one without a stream makes room"
     )
     idle_timeout_s: Positive = Field(300.0, description="a connection with no open call is closed after this")
+    conformance: bool = Field(
+        False,
+        description="Gateway API Inference Extension conformance hooks: honour the "
+        "test-epp-endpoint-selection header, echo the served endpoint in "
+        "x-conformance-test-served-endpoint; also defaults strict_model to false and the gate to "
+        "its ranks check (the suite's backends are echo servers). Never in production: a client "
+        "could steer routing",
+    )
 
 
 GateCheck = Literal["ranks", "revision", "model", "kv_capacity", "canary", "canary_pair", "kv_events"]
@@ -403,6 +417,19 @@ class MetricsConfig(_Strict):
     token: str | None = Field(None, description="bearer token /metrics requires (unset: open)")
 
 
+class RewriteTargetConfig(_Strict):
+    model: str = Field(min_length=1, max_length=256, description="the name the engines serve it under")
+    weight: Annotated[float, Field(gt=0)] = Field(1.0, description="relative share of the requests")
+
+
+class ModelRewriteConfig(_Strict):
+    """Requests for ``model`` go upstream as one of ``targets`` (weighted random per request)."""
+
+    name: str | None = Field(None, description="the rule's name in metrics; default: the model")
+    model: str = Field(min_length=1, description="the model name clients ask for")
+    targets: list[RewriteTargetConfig] = Field(min_length=1)
+
+
 class PoolConfig(_Strict):
     model: str = Field(min_length=1)
     strict_model: bool = Field(True, description="404 for any other model name")
@@ -430,6 +457,11 @@ class PoolConfig(_Strict):
     keda: KedaConfig = KedaConfig()
     signals: SignalsConfig = SignalsConfig()
     flow_control: FlowControlConfig = FlowControlConfig()
+    model_rewrites: list[ModelRewriteConfig] = Field(
+        default_factory=list,
+        description="rewrite a requested model name to weighted targets (model versions, LoRA "
+        "adapters); the x-gateway-model-name-rewrite header wins over these",
+    )
 
     @field_validator("weights")
     @classmethod
@@ -451,6 +483,32 @@ class PoolConfig(_Strict):
         """Every cost term and its weight: the built-ins (default 1), then any others configured."""
         merged = {**DEFAULT_WEIGHTS, **self.weights}
         return {name: w for name, w in merged.items() if name not in MODEL_WEIGHTS}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _conformance_defaults(cls, data: Any) -> Any:
+        # The conformance suite's backends are echo servers: asked for a model nobody serves, no
+        # engine metrics. Fields the operator wrote keep their values.
+        if not isinstance(data, dict):
+            return data
+        extproc = data.get("extproc")
+        conformance = extproc.get("conformance") if isinstance(extproc, dict) else None
+        if conformance is not True and not (isinstance(extproc, ExtProcConfig) and extproc.conformance):
+            return data
+        data = {"strict_model": False, **data}
+        scrape = data.get("scrape", {})
+        if isinstance(scrape, dict):
+            data["scrape"] = {"engine_metrics_required": False, **scrape}
+        return data
+
+    @model_validator(mode="after")
+    def _unique_rewrites(self) -> PoolConfig:
+        seen: set[str] = set()
+        for i, rule in enumerate(self.model_rewrites):
+            if rule.model in seen:
+                raise ValueError(f"model_rewrites.{i}: a second rule for model {rule.model!r}")
+            seen.add(rule.model)
+        return self
 
     @model_validator(mode="after")
     def _unique_endpoints(self) -> PoolConfig:

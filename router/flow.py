@@ -26,6 +26,7 @@ from router.pool import Endpoint
 from router.rejections import Answer, Rejection, answer
 from router.request import headers_only_request, parse_request
 from router.response import ResponseMeter, Usage, usage_of
+from router.rewrite import ModelRewrites
 from router.signals.calibration import evicted_blocks
 from router.signals.engines import EngineSpeeds
 from router.signals.scaling import PoolSignals
@@ -66,9 +67,11 @@ class RequestFlow:
         signals: PoolSignals | None = None,
         control: FlowControl | None = None,
         speeds: EngineSpeeds | None = None,
+        rewrites: ModelRewrites | None = None,
     ) -> None:
         """``signals``: where arrivals and observed latencies go (demand, the performance model);
-        ``control``: flow control, which holds requests while the pool is saturated."""
+        ``control``: flow control, which holds requests while the pool is saturated;
+        ``rewrites``: model-name rewrites (the gateway's rewrite header works without rules)."""
         self.picker = picker
         self.metrics = metrics
         self.limits = limits
@@ -77,6 +80,7 @@ class RequestFlow:
         self.signals = signals
         self.control = control
         self.speeds = speeds
+        self.rewrites = rewrites if rewrites is not None else ModelRewrites([])
 
     @property
     def prepares(self) -> bool:
@@ -149,7 +153,9 @@ class Flight:
 
     def parse(self, raw: bytes, subset: frozenset[str] | None = None) -> RouteRequest:
         """The body and headers as a ``RouteRequest``; raises a ``Rejection``."""
-        request = self.request = parse_request(raw, self.flow.limits, self.headers)
+        request = self.request = parse_request(raw, self.flow.limits, self.headers, self.flow.rewrites)
+        if request.requested_model is not None:
+            self.flow.metrics.rewritten(request.rewrite_rule, request.requested_model, request.model)
         request.subset = subset
         signals = self.flow.signals
         if signals is not None:  # calibrated by what engines reported for earlier prompts
@@ -179,7 +185,11 @@ class Flight:
         if self.flow.signals is not None:
             self.flow.signals.demand.arrived(self.decision.breakdown["uncached_tokens"], request.max_tokens)
         self.series = metrics.per_request.bind(
-            request.model, self.fairness_id(), request.priority, request.stream
+            request.requested_model or request.model,
+            self.fairness_id(),
+            request.priority,
+            request.stream,
+            target_model=request.model,
         )
         for running in self.series.running:
             running.inc()
@@ -335,8 +345,11 @@ class Flight:
         series = self.series
         if series is None:  # rejected before a pick: counted, never running
             request = self.request
-            model, priority = ("unknown", 0) if request is None else (request.model, request.priority)
-            series = per_request.bind(model, self.fairness_id(), priority, False)
+            if request is None:
+                series = per_request.bind("unknown", self.fairness_id(), 0, False)
+            else:
+                asked = request.requested_model or request.model
+                series = per_request.bind(asked, self.fairness_id(), request.priority, False, request.model)
         else:
             for running in series.running:
                 running.dec()

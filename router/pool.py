@@ -103,6 +103,7 @@ class Pool:
         self.endpoints: dict[str, Endpoint] = {}
         self.by_slot: list[Endpoint | None] = []
         self.slot_by_address: dict[str, int] = {}
+        self.slots_by_host: dict[str, set[int]] = {}  # an IP -> its endpoints (one per port)
         self.generation: list[int] = []  # per slot, bumped when its endpoint leaves
         self.links: dict[str, int] = {}
         self.outstanding = 0
@@ -148,6 +149,7 @@ class Pool:
         self.endpoints[endpoint.id] = endpoint
         self.by_slot[slot] = endpoint
         self.slot_by_address[endpoint.address] = slot
+        self.slots_by_host.setdefault(_host(endpoint.address), set()).add(slot)
         self.in_use[slot] = True
         self.admitted[slot] = admitted
         self.can_prefill[slot] = endpoint.can_prefill
@@ -162,6 +164,11 @@ class Pool:
         self.by_slot[slot] = None
         if self.slot_by_address.get(endpoint.address) == slot:
             del self.slot_by_address[endpoint.address]
+        on_host = self.slots_by_host.get(host := _host(endpoint.address))
+        if on_host is not None:
+            on_host.discard(slot)
+            if not on_host:
+                del self.slots_by_host[host]
         for feature in FEATURES:
             getattr(self, feature.name)[slot] = feature.empty
         self._free_slots.append(slot)
@@ -176,8 +183,15 @@ class Pool:
         return np.flatnonzero(ok)
 
     def slots_of(self, addresses: frozenset[str]) -> np.ndarray:
-        """Slots of the endpoints at these ``ip:port`` addresses (unknown addresses are skipped)."""
-        found = [slot for address in addresses if (slot := self.slot_by_address.get(address)) is not None]
+        """Slots of the endpoints at these addresses: an ``ip:port`` is that endpoint, a bare IP
+        every port of that host (a data-parallel pod); unknown addresses are skipped."""
+        found: set[int] = set()
+        for address in addresses:
+            slot = self.slot_by_address.get(address)
+            if slot is not None:
+                found.add(slot)
+            else:
+                found.update(self.slots_by_host.get(address.strip("[]"), ()))
         return np.array(sorted(found), dtype=np.int64)
 
     def candidates(self, slots: np.ndarray) -> Candidates:
@@ -247,6 +261,11 @@ class Pool:
                 reason,
             )
             self.ejected[endpoint.slot] = True
+
+
+def _host(address: str) -> str:
+    """The IP of an ``ip:port`` (``[v6]:port``) address."""
+    return address.rpartition(":")[0].strip("[]")
 
 
 def _or_nan(value: float | None) -> float:

@@ -16,6 +16,7 @@ import orjson
 
 from kvindex.hashing import estimate_tokens, text_block_keys
 from router.rejections import BadRequest, BodyTooLarge, UnknownModel
+from router.rewrite import ModelRewrites
 from router.types import RequestLimits, RouteRequest
 
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -138,9 +139,11 @@ def parse_request(
     raw: bytes,
     limits: RequestLimits,
     headers: Mapping[str, str] | None = None,
+    rewrites: ModelRewrites | None = None,
 ) -> RouteRequest:
     """Validate and digest one completions/chat body (with its request headers, lower-case keys
-    or case-insensitive). Raises a ``Rejection`` subclass."""
+    or case-insensitive). ``rewrites``: model-name rewrites, applied to ``body`` (what goes
+    upstream) before the served-model check. Raises a ``Rejection`` subclass."""
     headers = headers or {}
     if len(raw) > limits.max_body_bytes:
         raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
@@ -148,10 +151,19 @@ def parse_request(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("missing required field 'model'")
-    if limits.served_model is not None and model != limits.served_model:
-        raise UnknownModel(
-            f"model {_shown(model)} is not served here; this pool serves {limits.served_model!r}"
-        )
+    requested, rule = None, ""
+    if rewrites is not None:
+        try:
+            rewrite = rewrites.choose(model, headers)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        if rewrite is not None:
+            requested, model, rule = model, rewrite.target, rewrite.rule
+            body["model"] = model
+    served = limits.served_model
+    if served is not None and model != served and (rewrites is None or model not in rewrites.targets):
+        asked = f"model {_shown(model)}" + (f" (rewritten from {_shown(requested)})" if requested else "")
+        raise UnknownModel(f"{asked} is not served here; this pool serves {served!r}")
     text = prompt_text(body)
     prompt_tokens = estimate_tokens(text, limits.chars_per_token)
     if prompt_tokens > limits.max_prompt_tokens:
@@ -170,6 +182,8 @@ def parse_request(
         stream=stream,
         priority=priority_of(headers),
         prompt=text,
+        requested_model=requested,
+        rewrite_rule=rule,
     )
 
 

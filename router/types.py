@@ -31,6 +31,9 @@ class RouteRequest:
     # Prompt tokens one approximate (character) block stands for, once calibrated; 0: the
     # configured block size (``router/signals/calibration.py``).
     block_tokens: float = 0.0
+    # The model the client asked for, when a rewrite changed ``model`` (and the body's "model").
+    requested_model: str | None = None
+    rewrite_rule: str = ""  # the rule (or "header") that rewrote it
 
 
 @dataclass(frozen=True, slots=True)

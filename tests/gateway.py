@@ -1,12 +1,78 @@
-"""Test-only Envoy config tweaks; the launcher itself is ``loadtests.servers.envoy``."""
+"""A real Envoy in front of the picker for tests, and test-only config tweaks; the launcher
+itself is ``loadtests.servers.envoy``."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
-from loadtests.servers.envoy import free_port, render, run_envoy
+from helpers import router_for
 
-__all__ = ["example_config", "free_port", "render", "run_envoy", "with_subset_header"]
+from loadtests.servers.envoy import free_port, render, run_envoy, with_cleartext_to_picker
+from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+
+__all__ = [
+    "SINGLE",
+    "Gateway",
+    "envoy_with_picker",
+    "example_config",
+    "free_port",
+    "gateway",
+    "render",
+    "run_envoy",
+    "with_subset_header",
+]
+
+SINGLE = [EngineSpec(f"e{i}", "prefill-decode", time=TimeModel(speed=20.0)) for i in range(3)]
+
+
+@dataclasses.dataclass
+class Gateway:
+    cluster: SimCluster
+    app: Any
+    url: str
+
+    def served_by(self) -> dict[str, int]:
+        return {name: len(engine.requests_seen) for name, engine in self.cluster.engines.items()}
+
+
+@contextlib.asynccontextmanager
+async def envoy_with_picker(
+    tmp_path: Path,
+    endpoints: list[dict[str, Any]],
+    mode: str = "full-duplex",
+    *,
+    subset_header: bool = False,
+    tls: bool = True,
+    extproc: dict[str, Any] | None = None,
+    **sections: Any,
+) -> AsyncIterator[tuple[Any, str]]:
+    """The picker on ``endpoints`` behind an example Envoy config (TLS to the picker unless
+    ``tls`` is false): yields (app, Envoy's URL). Fails open to the first endpoint."""
+    listener = {"enabled": True, "port": 0, "health_port": 0, "tls": {"enabled": tls}, **(extproc or {})}
+    data = {"endpoints": endpoints, "proxy": {"enabled": False}, "extproc": listener, **sections}
+    async with router_for(data) as (app, _):
+        config, listen, admin = example_config(mode, app.extproc_port, endpoints[0]["address"])
+        if subset_header:
+            config = with_subset_header(config)
+        if not tls:
+            config = with_cleartext_to_picker(config)
+        async with run_envoy(config, tmp_path, admin):
+            yield app, f"http://127.0.0.1:{listen}"
+
+
+@contextlib.asynccontextmanager
+async def gateway(
+    tmp_path: Path, mode: str = "full-duplex", specs: list[EngineSpec] = SINGLE, **options: Any
+) -> AsyncIterator[Gateway]:
+    """Simulated engines behind the picker behind Envoy (``options``: ``envoy_with_picker``'s)."""
+    async with SimCluster(specs) as cluster:
+        endpoints = [{"address": cluster.address(s.name), "role": s.role, "name": s.name} for s in specs]
+        async with envoy_with_picker(tmp_path, endpoints, mode, **options) as (app, url):
+            yield Gateway(cluster, app, url)
 
 
 def example_config(

@@ -21,7 +21,9 @@ ALLOWED: dict[str, set[str]] = {
     "router.rejections": set(),
     "router.features": set(),
     "router.config": {"router.types", "scorers"},
-    "router.request": {"router.types", "router.rejections", "kvindex"},
+    "router.config_reference": {"router.config"},  # renders docs/configuration.md from the config
+    "router.request": {"router.types", "router.rejections", "router.rewrite", "kvindex"},
+    "router.rewrite": set(),
     "router.response": set(),
     "router.flow_control": {"router.rejections", "router.types"},
     "router.pool": {"router.features", "router.types", "router.config", "scorers"},
@@ -54,6 +56,7 @@ ALLOWED: dict[str, set[str]] = {
         "router.rejections",
         "router.request",
         "router.response",
+        "router.rewrite",
         "router.signals",
         "router.types",
     },

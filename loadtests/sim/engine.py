@@ -109,6 +109,7 @@ class EngineSpec:
     link: str = "default"
     port: int = 0
     model: str = "sim-model"
+    lora_adapters: tuple[str, ...] = ()  # served too, as vLLM's --lora-modules names
     block_tokens: int = 16
     num_gpu_blocks: int = 2048
     chars_per_token: float = 4.0
@@ -605,20 +606,20 @@ class SimEngine:
         return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
-        body = {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.spec.model,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "vllm",
-                    "root": self.spec.model,
-                    "parent": None,
-                    "max_model_len": self.spec.num_gpu_blocks * self.spec.block_tokens,
-                }
-            ],
+        spec = self.spec
+        created = int(time.time())
+        base = {
+            "id": spec.model,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": spec.model,
+            "parent": None,
+            "max_model_len": spec.num_gpu_blocks * spec.block_tokens,
         }
+        # vLLM lists a LoRA adapter with its base model as the parent.
+        adapters = [{**base, "id": name, "root": name, "parent": spec.model} for name in spec.lora_adapters]
+        body = {"object": "list", "data": [base, *adapters]}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
@@ -647,7 +648,7 @@ class SimEngine:
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object")
         model = body.get("model", self.spec.model)
-        if model != self.spec.model:
+        if model != self.spec.model and model not in self.spec.lora_adapters:
             return _error(404, f"The model `{model}` does not exist.")
         try:
             parsed = self._parse(body, chat)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -55,6 +56,11 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 LB_NAMESPACE = "envoy.lb"
 MAX_CHUNK = 62_000  # per streamed_response message (the reference EPP's limit)
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+# The Gateway API Inference Extension conformance suite (extproc.conformance): its test header
+# names the endpoints a request may go to, and it expects the served one back in a response header.
+CONFORMANCE_SELECTION = "test-epp-endpoint-selection"
+SERVED_ECHO = "x-conformance-test-served-endpoint"
+ECHO_SET_HEADER = "x-echo-set-header"
 
 _Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
@@ -66,6 +72,7 @@ _HEADER_ROUTED_MODES = (_Mode.NONE, _Mode.STREAMED)
 @dataclass(frozen=True, slots=True)
 class ExtProcSettings:
     response_processing: bool
+    conformance: bool = False  # the Inference Extension conformance suite's hooks (test-only)
     # Without response processing the stream closes once routed; the reservation then lapses
     # after the predicted duration of the request (capped), since no end-of-response will come.
     max_unobserved_s: float = 600.0
@@ -161,6 +168,9 @@ class ExtProcStream:
             self.subset = _subset_hint(message.metadata_context)
         except BadRequest as rejection:
             return self.reject(rejection)
+        if self.settings.conformance and (steer := headers.get(CONFORMANCE_SELECTION)) is not None:
+            # ip or ip:port tokens; those outside this pool are skipped, none inside: 503.
+            self.subset = frozenset(token.strip() for token in steer.split(",") if token.strip())
         if message.request_headers.end_of_stream:
             self.flight.headers_only(self.subset)
             return self._route()
@@ -215,7 +225,16 @@ class ExtProcStream:
             decision = self.flight.pick()
         except Rejection as rejection:
             return self.reject(rejection)
-        common = pb.CommonResponse(header_mutation=_routing_mutation(decision), clear_route_cache=True)
+        request = self.flight.request
+        body = bytes(self.body)
+        if request.requested_model is not None:  # a model rewrite: the body that goes upstream changed
+            body = orjson.dumps(request.body)
+        mutation = _routing_mutation(
+            decision,
+            content_length=len(body) if request.requested_model is not None else None,
+            conformance=self.settings.conformance,
+        )
+        common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         metadata = _destination_metadata(decision)
         if not self.body_done:  # a request without a body: route on its headers
             out = [
@@ -224,6 +243,8 @@ class ExtProcStream:
                 )
             ]
         elif self.mode in _WHOLE_BODY_MODES:
+            if request.requested_model is not None:
+                common.body_mutation.body = body
             out = [
                 pb.ProcessingResponse(
                     request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
@@ -237,7 +258,7 @@ class ExtProcStream:
                     request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
                 )
             ]
-            out.extend(_streamed_body(bytes(self.body), end_of_stream=not self.trailers))
+            out.extend(_streamed_body(body, end_of_stream=not self.trailers))
             if self.trailers:
                 out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
         self.body = bytearray()
@@ -276,6 +297,13 @@ class ExtProcStream:
         self.engine_response = decision is not None and served in (None, decision.decode.address)
         if self.flight is not None:
             self.flight.responded(status, gateway_reply=decision is not None and not self.engine_response)
+        if self.settings.conformance and decision is not None:
+            echo = pb.HeaderMutation(set_headers=[_header(SERVED_ECHO, served or decision.decode.address)])
+            return [
+                pb.ProcessingResponse(
+                    response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=echo))
+                )
+            ]
         return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
 
     def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -444,12 +472,20 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
-def _routing_mutation(decision: RouteDecision) -> pb.HeaderMutation:
+def _routing_mutation(
+    decision: RouteDecision, *, content_length: int | None = None, conformance: bool = False
+) -> pb.HeaderMutation:
+    """The routing headers, the rest of ours removed; ``content_length`` when we changed the body."""
     routing = {DESTINATION: decision.decode.address}
     if decision.prefill is not None:
         routing[PREFILLER] = decision.prefill.address
+    extra = {}
+    if content_length is not None:
+        extra["content-length"] = str(content_length)
+    if conformance:  # the suite's echo servers copy this header into their answer
+        extra[ECHO_SET_HEADER] = f"{SERVED_ECHO}:{decision.decode.address}"
     return pb.HeaderMutation(
-        set_headers=[_header(k, v) for k, v in routing.items()],
+        set_headers=[_header(k, v) for k, v in (routing | extra).items()],
         remove_headers=[name for name in ROUTER_HEADERS if name not in routing],
     )
 
@@ -518,7 +554,9 @@ class ExtProcListener:
         self.flow = flow
         self.config = config
         self.health = health
-        self.settings = ExtProcSettings(response_processing=config.response_processing)
+        self.settings = ExtProcSettings(
+            response_processing=config.response_processing, conformance=config.conformance
+        )
         self.port: int | None = None
         self.health_port: int | None = None
         self._servers: list[tuple[H2GrpcServer, float | None]] = []

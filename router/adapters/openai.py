@@ -107,7 +107,8 @@ class Proxy:
         if kv_params is not None:
             data = decode_body(body, kv_params)
         else:
-            data = await request.read() if body is route.body else orjson.dumps(body)
+            unchanged = body is route.body and route.requested_model is None  # not re-encoded: as sent
+            data = await request.read() if unchanged else orjson.dumps(body)
         last_error: UpstreamError | None = None
         for endpoint in [decision.decode, *decision.decode_fallbacks]:
             if endpoint is not decision.decode:

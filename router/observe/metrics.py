@@ -65,6 +65,16 @@ class RouterMetrics:
             "Requests whose every prefill leg failed and that were decoded with local prefill.",
             registry=r,
         )
+        # Model-name rewrites under both reference names: a dashboard of either keeps working.
+        self.rewrites = tuple(
+            Counter(
+                f"{prefix}_model_rewrite_decisions",
+                "Requests whose model name was rewritten, by rule (or 'header'), asked and target name.",
+                ["model_rewrite_name", "model_name", "target_model"],
+                registry=r,
+            )
+            for prefix in ("llm_d_epp", "inference_extension")
+        )
         r.register(_PoolCollector(pool, pool_name))
         self.per_request = RequestMetrics(r)
         # Label children bound once per value: ``labels()`` costs a lock and a tuple per call.
@@ -74,6 +84,11 @@ class RouterMetrics:
     def observe_pick(self, decision: RouteDecision, seconds: float) -> None:
         self.pick_duration.observe(seconds)
         _child(self._decision_children, self.decisions, decision.kind).inc()
+
+    def rewritten(self, rule: str, requested: str, target: str) -> None:
+        labels = self.per_request.model_labels(rule, requested, target)
+        for counter in self.rewrites:
+            counter.labels(*labels).inc()
 
     def observe_request(self, outcome: str, seconds: float) -> None:
         _child(self._request_children, self.requests, outcome).inc()
@@ -94,7 +109,7 @@ MAX_PRIORITY_LABELS = 16
 class _RequestChildren:
     """Every request series of one label set, bound once."""
 
-    labels: tuple[str, str, str]  # (model, fairness id, priority), capped
+    labels: tuple[str, str, str, str]  # (model, target model, fairness id, priority), capped
     total: tuple[Any, ...]
     duration: tuple[Any, ...]
     running: tuple[Any, ...]
@@ -219,35 +234,42 @@ class RequestMetrics:
                 ),
             )
         self._tokens = tokens
-        self._children: dict[tuple[str, str, str, bool], _RequestChildren] = {}
+        self._children: dict[tuple[str, str, str, str, bool], _RequestChildren] = {}
         self._models: set[str] = set()
         self._fairness: set[str] = set()
         self._priorities: set[str] = set()
 
-    def bind(self, model: str, fairness_id: str, priority: int, streaming: bool) -> _RequestChildren:
-        """The series of one request's label set (bound once per distinct set)."""
-        model = _capped(model, self._models, MAX_MODEL_LABELS)
+    def model_labels(self, *names: str) -> tuple[str, ...]:
+        """Model (and rule) names as label values: capped, past the cap "other"."""
+        return tuple(_capped(name, self._models, MAX_MODEL_LABELS) for name in names)
+
+    def bind(
+        self, model: str, fairness_id: str, priority: int, streaming: bool, target_model: str | None = None
+    ) -> _RequestChildren:
+        """The series of one request's label set (bound once per distinct set). ``model`` is the
+        name the client asked for, ``target_model`` the one it was served under (a rewrite)."""
+        model, target = self.model_labels(model, target_model or model)
         fairness_id = _capped(fairness_id, self._fairness, MAX_MODEL_LABELS)
         # Clients choose the priority header's integer: a few values, then "other".
         rank = _capped(str(priority), self._priorities, MAX_PRIORITY_LABELS)
-        key = (model, fairness_id, rank, streaming)
+        key = (model, target, fairness_id, rank, streaming)
         children = self._children.get(key)
         if children is None:
-            llm_d = (model, model, fairness_id, rank)
-            gie = (model, model, rank)
+            llm_d = (model, target, fairness_id, rank)
+            gie = (model, target, rank)
             children = self._children[key] = _RequestChildren(
-                labels=(model, fairness_id, rank),
+                labels=(model, target, fairness_id, rank),
                 total=(self._total[0].labels(*llm_d), self._total[1].labels(*gie)),
-                duration=(self._duration[0].labels(*llm_d), self._duration[1].labels(model, model)),
+                duration=(self._duration[0].labels(*llm_d), self._duration[1].labels(model, target)),
                 running=(self._running[0].labels(*llm_d), self._running[1].labels(model)),
                 ttft=(
                     self._ttft[0].labels(*llm_d, str(streaming).lower()),
-                    self._ttft[1].labels(model, model),
+                    self._ttft[1].labels(model, target),
                 ),
-                tpot=(self._tpot[0].labels(*llm_d), self._tpot[1].labels(model, model)),
-                ntpot=(self._ntpot[0].labels(*llm_d), self._ntpot[1].labels(model, model)),
+                tpot=(self._tpot[0].labels(*llm_d), self._tpot[1].labels(model, target)),
+                ntpot=(self._ntpot[0].labels(*llm_d), self._ntpot[1].labels(model, target)),
                 **{
-                    name: (pair[0].labels(*llm_d), pair[1].labels(model, model))
+                    name: (pair[0].labels(*llm_d), pair[1].labels(model, target))
                     for name, pair in self._tokens.items()
                 },
                 errors={},
@@ -258,10 +280,10 @@ class RequestMetrics:
         """One failed request of ``children``'s label set; ``code`` is a bounded outcome name."""
         pair = children.errors.get(code)
         if pair is None:
-            model, fairness_id, rank = children.labels
+            model, target, fairness_id, rank = children.labels
             pair = children.errors[code] = (
-                self._errors[0].labels(model, model, fairness_id, rank, code),
-                self._errors[1].labels(model, model, code),
+                self._errors[0].labels(model, target, fairness_id, rank, code),
+                self._errors[1].labels(model, target, code),
             )
         for child in pair:
             child.inc()
@@ -325,10 +347,14 @@ class FlowMetrics:
 
     def _labels(self, waiter: Any) -> list[str]:
         request = waiter.flight.request
-        model, fairness_id, rank = self.per_request.bind(
-            request.model, waiter.tenant, request.priority, request.stream
+        model, target, fairness_id, rank = self.per_request.bind(
+            request.requested_model or request.model,
+            waiter.tenant,
+            request.priority,
+            request.stream,
+            target_model=request.model,
         ).labels
-        return [fairness_id, rank, self.pool_name, model, model]
+        return [fairness_id, rank, self.pool_name, model, target]
 
     def queued(self, waiter: Any, delta: int) -> None:
         labels = self._labels(waiter)

@@ -168,6 +168,10 @@ class ScrapeReason(StrEnum):
     PARSE_ERROR = "parse error"
 
 
+# Failures where the endpoint did answer over HTTP, only without usable engine metrics.
+ANSWERED = frozenset({ScrapeReason.HTTP_STATUS, ScrapeReason.TOO_LARGE, ScrapeReason.PARSE_ERROR})
+
+
 class ScrapeError(Exception):
     """A failed scrape of ``address``; ``reason`` says which kind, ``detail`` the specifics."""
 

@@ -5,57 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from gateway import example_config, run_envoy, with_subset_header
+from gateway import SINGLE, example_config, gateway, run_envoy
 from helpers import eventually, router_for
 
-from loadtests.servers.envoy import with_cleartext_to_picker
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 
 FAST = TimeModel(speed=20.0)
-SINGLE = [EngineSpec(f"e{i}", "prefill-decode", time=FAST) for i in range(3)]
 MODES = ["full-duplex", "buffered"]
-
-
-@dataclasses.dataclass
-class Gateway:
-    cluster: SimCluster
-    app: Any
-    url: str
-
-    def served_by(self) -> dict[str, int]:
-        return {name: len(engine.requests_seen) for name, engine in self.cluster.engines.items()}
-
-
-@contextlib.asynccontextmanager
-async def gateway(
-    tmp_path: Path,
-    mode: str = "full-duplex",
-    specs: list[EngineSpec] = SINGLE,
-    subset_header: bool = False,
-    tls: bool = True,
-    **sections: Any,
-) -> AsyncIterator[Gateway]:
-    async with SimCluster(specs) as cluster:
-        endpoints = [{"address": cluster.address(s.name), "role": s.role, "name": s.name} for s in specs]
-        extproc = {"enabled": True, "port": 0, "health_port": 0, "tls": {"enabled": tls}}
-        data = {"endpoints": endpoints, "proxy": {"enabled": False}, "extproc": extproc, **sections}
-        async with router_for(data) as (app, _):
-            config, listen, admin = example_config(mode, app.extproc_port, cluster.address(specs[0].name))
-            if subset_header:
-                config = with_subset_header(config)
-            if not tls:
-                config = with_cleartext_to_picker(config)
-            async with run_envoy(config, tmp_path, admin):
-                yield Gateway(cluster, app, f"http://127.0.0.1:{listen}")
 
 
 def completion(prompt: str = "hello world " * 50, **extra: Any) -> dict[str, Any]:

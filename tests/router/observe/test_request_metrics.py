@@ -85,7 +85,7 @@ def test_label_values_are_capped() -> None:
     assert metrics.bind("m3", "f3", 3, False) is metrics.bind("m3", "f3", 3, False)  # bound once
     # Clients choose the priority: past the cap a new one is "other", errors included.
     flood = metrics.bind("m1", "f1", 10_000, False)
-    assert flood.labels == ("m1", "f1", "other")
+    assert flood.labels == ("m1", "m1", "f1", "other")
     metrics.error(flood, "no_capacity")
     labels = {"model_name": "m1", "target_model_name": "m1", "fairness_id": "f1", "priority": "other"}
     assert (
