@@ -226,7 +226,9 @@ class App:
         # The listeners, each draining its own requests when the stack unwinds.
         if cfg.proxy.enabled:
             self.proxy = await stack.enter_async_context(
-                ProxyListener(self.flow, session, cfg.proxy, lambda: self.ready)
+                ProxyListener(
+                    self.flow, session, cfg.proxy, lambda: self.ready, metrics_token=cfg.metrics.token
+                )
             )
         if cfg.extproc.enabled:
             self.extproc = await stack.enter_async_context(

@@ -88,6 +88,12 @@ def _parser() -> argparse.ArgumentParser:
     sidecar.add_argument("--request-timeout-s", type=float, default=600.0)
     sidecar.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     sidecar.add_argument("--drain-timeout-s", type=float, default=5.0)
+    sidecar.add_argument(
+        "--tls", action="store_true", help="serve HTTPS (self-signed unless --tls-cert/--tls-key)"
+    )
+    sidecar.add_argument("--tls-cert", metavar="PEM", help="certificate file (reloaded when it changes)")
+    sidecar.add_argument("--tls-key", metavar="PEM", help="its private key file")
+    sidecar.add_argument("--tls-min-version", choices=["1.2", "1.3"], default="1.2")
     for entry in entry_points(group="pd_router.commands"):
         entry.load()(sub)
     return parser
@@ -188,7 +194,9 @@ async def serve(config: PoolConfig, args: argparse.Namespace | None = None) -> i
     discovery = None
     if config.kubernetes is None and args is not None:  # the file's endpoints, re-read on change
         discovery = StaticDiscovery(config.endpoints, path=args.config, overrides=config_overrides(args))
-    return await until_signal(App(config, discovery=discovery))
+    # The drop-in pool series are labelled with the InferencePool's name, as the reference pickers do.
+    pool_name = (config.kubernetes.pool_name if config.kubernetes else None) or "pd-router"
+    return await until_signal(App(config, discovery=discovery, pool_name=pool_name))
 
 
 def _run_sidecar(args: argparse.Namespace) -> int:
@@ -204,6 +212,10 @@ def _run_sidecar(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_s,
             max_body_bytes=args.max_body_bytes,
             drain_timeout_s=args.drain_timeout_s,
+            tls=args.tls,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_min_version=args.tls_min_version,
         )
     except ValueError as exc:
         print(f"pd-router sidecar: {exc}", file=sys.stderr)

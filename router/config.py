@@ -192,17 +192,20 @@ class IndexConfig(_Strict):
     )
 
 
-class ProxyConfig(_Strict):
-    enabled: bool = True
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, lt=65536)] = 8000
-    connect_timeout_s: Positive = 2.0
-    request_timeout_s: Positive = 600.0
-    drain_timeout_s: NonNegative = 30.0
-    debug_headers: bool = Field(False, description="add x-pd-router-decode/-prefill/-reason to responses")
+class _TlsFiles(_Strict):
+    cert_file: str | None = Field(None, description="PEM certificate; unset: a self-signed one is generated")
+    key_file: str | None = Field(None, description="PEM private key of cert_file")
+    min_version: Literal["1.2", "1.3"] = Field("1.2", description="the oldest TLS version accepted")
+    reload_interval_s: Positive = Field(5.0, description="how often changed certificate files are reloaded")
+
+    @model_validator(mode="after")
+    def _pair(self) -> _TlsFiles:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (neither: self-signed)")
+        return self
 
 
-class TlsConfig(_Strict):
+class TlsConfig(_TlsFiles):
     """TLS on the ext_proc port (ALPN h2), on by default with a self-signed certificate as the
     reference picker does. The gRPC health port stays cleartext: kubelet's gRPC probes do not speak
     TLS."""
@@ -213,16 +216,23 @@ class TlsConfig(_Strict):
         description="also serve h2c clients on the same port (told apart by their first byte); "
         "false refuses them",
     )
-    cert_file: str | None = Field(None, description="PEM certificate; unset: a self-signed one is generated")
-    key_file: str | None = None
-    min_version: Literal["1.2", "1.3"] = "1.2"
-    reload_interval_s: Positive = Field(5.0, description="how often changed certificate files are reloaded")
 
-    @model_validator(mode="after")
-    def _pair(self) -> TlsConfig:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("cert_file and key_file go together (neither: self-signed)")
-        return self
+
+class HttpTlsConfig(_TlsFiles):
+    """HTTPS on the proxy's port (ALPN http/1.1), when asked for."""
+
+    enabled: bool = Field(False, description="serve HTTPS instead of HTTP")
+
+
+class ProxyConfig(_Strict):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=0, lt=65536)] = 8000
+    connect_timeout_s: Positive = 2.0
+    request_timeout_s: Positive = 600.0
+    drain_timeout_s: NonNegative = 30.0
+    debug_headers: bool = Field(False, description="add x-pd-router-decode/-prefill/-reason to responses")
+    tls: HttpTlsConfig = HttpTlsConfig()
 
 
 class ExtProcConfig(_Strict):

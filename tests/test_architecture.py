@@ -75,7 +75,7 @@ ALLOWED: dict[str, set[str]] = {
         "router.request",
         "router.types",
     },
-    "router.sidecar": {"router.http", "router.rejections", "router.request"},
+    "router.sidecar": {"router.http", "router.rejections", "router.request", "router.transport"},
     "router.signals": {"router.pool", "router.types", "router.features", "scorers"},
     "router.control": {
         "kvindex",

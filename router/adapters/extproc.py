@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -593,9 +592,7 @@ class ExtProcListener:
                 tls = self.tls = ServerTls.load(
                     cfg.tls.cert_file,
                     cfg.tls.key_file,
-                    minimum_version=ssl.TLSVersion.TLSv1_3
-                    if cfg.tls.min_version == "1.3"
-                    else ssl.TLSVersion.TLSv1_2,
+                    minimum_version=cfg.tls.min_version,
                     reload_interval_s=cfg.tls.reload_interval_s,
                 )
                 await tls.__aenter__()

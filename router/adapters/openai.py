@@ -23,9 +23,10 @@ from router.flow import CLIENT_GONE, Flight, RequestFlow
 from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
-from router.http.server import http_runner
+from router.http.server import bearer_ok, http_runner
 from router.rejections import Rejection, UpstreamFailed
 from router.request import COMPLETION_PATHS
+from router.transport.tls import ServerTls, https
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,13 @@ class Proxy:
         ready: Callable[[], bool],
         *,
         debug_headers: bool = False,
+        metrics_token: str | None = None,
     ) -> None:
         self.flow = flow
         self.exchange = exchange
         self.ready = ready
         self.debug_headers = debug_headers
+        self.metrics_token = metrics_token
         self.max_body_bytes = flow.limits.max_body_bytes
 
     def app(self) -> web.Application:
@@ -72,7 +75,9 @@ class Proxy:
             return web.Response(text="ok")
         return web.Response(status=503, text="no admitted endpoint with fresh metrics")
 
-    async def prometheus(self, _: web.Request) -> web.Response:
+    async def prometheus(self, request: web.Request) -> web.Response:
+        if not bearer_ok(request, self.metrics_token):  # the same guard as the metrics listener's
+            return web.Response(status=401, text="metrics: missing or wrong bearer token")
         body, content_type = self.flow.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -178,11 +183,17 @@ class ProxyListener:
         session: aiohttp.ClientSession,
         config: ProxyConfig,
         ready: Callable[[], bool],
+        *,
+        metrics_token: str | None = None,
     ) -> None:
+        """``metrics_token``: the bearer token the proxy's own ``/metrics`` requires (``metrics.token``)."""
         exchange = TwoLegExchange(session, config.connect_timeout_s, config.request_timeout_s)
-        self.proxy = Proxy(flow, exchange, ready, debug_headers=config.debug_headers)
+        self.proxy = Proxy(
+            flow, exchange, ready, debug_headers=config.debug_headers, metrics_token=metrics_token
+        )
         self.config = config
         self.port: int | None = None
+        self.tls: ServerTls | None = None
         self._runner: web.AppRunner | None = None
 
     async def __aenter__(self) -> ProxyListener:
@@ -192,13 +203,18 @@ class ProxyListener:
         await runner.setup()
         self._runner = runner
         try:
-            await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()
+            context = None
+            if cfg.tls.enabled:
+                self.tls = await https(cfg.tls.cert_file, cfg.tls.key_file, cfg.tls.min_version)
+                context = self.tls.context
+            await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=context).start()
         except BaseException:
-            await runner.cleanup()
+            await self.__aexit__()
             raise
         self.port = runner.addresses[0][1]
         log.info(
-            "proxy listening on http://%s:%s (%d endpoints)",
+            "proxy listening on %s://%s:%s (%d endpoints)",
+            "https" if context is not None else "http",
             cfg.host,
             self.port,
             len(self.proxy.flow.picker.pool.endpoints),
@@ -208,3 +224,7 @@ class ProxyListener:
     async def __aexit__(self, *_: object) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+            self._runner = None
+        if self.tls is not None:
+            await self.tls.__aexit__()
+            self.tls = None

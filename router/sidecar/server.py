@@ -29,6 +29,7 @@ from router.http.session import upstream_session
 from router.rejections import PrefillForbidden, Rejection, UpstreamFailed, answer
 from router.request import COMPLETION_PATHS, client_json
 from router.sidecar.allow import PrefillAllowList, first_prefiller, format_host_port, parse_host_port
+from router.transport.tls import https
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,15 @@ class SidecarServer:
         request_timeout_s: float = 600.0,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        tls: bool = False,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        tls_min_version: str = "1.2",
     ) -> None:
+        """``tls``: serve HTTPS, from ``tls_cert``/``tls_key`` (reloaded when they change) or a
+        self-signed pair without them."""
+        if tls and (tls_cert is None) != (tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together (neither: self-signed)")
         # Validated here, so a bad --allow fails before anything listens.
         self.allow = PrefillAllowList(allow)
         self.decode_address = decode_address
@@ -192,6 +201,7 @@ class SidecarServer:
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
         self.drain_timeout_s = drain_timeout_s
+        self.tls_files = (tls_cert, tls_key, tls_min_version) if tls else None
         self._stack = AsyncExitStack()
 
     async def __aenter__(self) -> SidecarServer:
@@ -211,11 +221,17 @@ class SidecarServer:
         runner = http_runner(sidecar.app(), drain_timeout_s=self.drain_timeout_s, cancel_on_disconnect=True)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)  # runs before the session closes: streams drain first
-        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        context = None
+        if self.tls_files is not None:
+            tls = await https(*self.tls_files)
+            stack.push_async_callback(tls.__aexit__)
+            context = tls.context
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True, ssl_context=context)
         await site.start()
         self.port = runner.addresses[0][1]
         log.info(
-            "sidecar listening on http://%s:%s in front of decode engine %s",
+            "sidecar listening on %s://%s:%s in front of decode engine %s",
+            "https" if context is not None else "http",
             self.host,
             self.port,
             self.decode_address,

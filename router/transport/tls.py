@@ -1,4 +1,5 @@
-"""TLS for the gRPC listeners: a server context (ALPN ``h2``) from PEM files, reloaded when they change.
+"""TLS for the listeners: a server context (ALPN ``h2`` for gRPC, ``http/1.1`` for the proxy and the
+sidecar) from PEM files, reloaded when they change.
 
 ``ServerTls.load(cert_file, key_file)`` builds the context ``H2GrpcServer.start(..., ssl=...)``
 takes; without files it generates a self-signed certificate and key first (``self_signed``: a
@@ -29,6 +30,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 ALPN = ["h2"]
+HTTP1_ALPN = ["http/1.1"]
+VERSIONS = {"1.2": ssl.TLSVersion.TLSv1_2, "1.3": ssl.TLSVersion.TLSv1_3}  # the config's names
 # RFC 9113 9.2.2: HTTP/2 over TLS 1.2 needs an ephemeral key exchange and an AEAD cipher.
 _TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
 SELF_SIGNED_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -39,14 +42,15 @@ def server_context(
     key_file: str | os.PathLike[str],
     *,
     minimum_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2,
+    alpn: list[str] = ALPN,
 ) -> ssl.SSLContext:
-    """A server context for HTTP/2: the certificate chain and key, ALPN ``h2``, TLS ≥ ``minimum_version``."""
+    """A server context: the certificate chain and key, ``alpn`` offered, TLS ≥ ``minimum_version``."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = minimum_version
     context.set_ciphers(_TLS12_CIPHERS)  # TLS 1.3's suites are all AEAD and not set here
     # RFC 9113 9.2.1: no TLS compression, no renegotiation.
     context.options |= ssl.OP_NO_COMPRESSION | ssl.OP_NO_RENEGOTIATION
-    context.set_alpn_protocols(ALPN)
+    context.set_alpn_protocols(alpn)
     context.load_cert_chain(cert_file, key_file)
     return context
 
@@ -115,17 +119,19 @@ class ServerTls:
         *,
         minimum_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2,
         reload_interval_s: float = 5.0,
+        alpn: list[str] = ALPN,
         owned_directory: Path | None = None,
     ) -> None:
         self.cert_file = Path(cert_file)
         self.key_file = Path(key_file)
         self.minimum_version = minimum_version
         self.reload_interval_s = reload_interval_s
+        self.alpn = alpn
         self._owned = owned_directory  # a generated pair's directory, removed on close
         self._staging = Path(tempfile.mkdtemp(prefix="pd-router-tls-"))  # mode 0700
         self._signature = self._stat()
         self._rejected: _Signature | None = None
-        self.context = server_context(*self._stage(), minimum_version=minimum_version)
+        self.context = server_context(*self._stage(), minimum_version=minimum_version, alpn=alpn)
         self._watcher: asyncio.Task[None] | None = None
 
     @classmethod
@@ -134,25 +140,24 @@ class ServerTls:
         cert_file: str | os.PathLike[str] | None = None,
         key_file: str | os.PathLike[str] | None = None,
         *,
-        minimum_version: ssl.TLSVersion = ssl.TLSVersion.TLSv1_2,
+        minimum_version: ssl.TLSVersion | str = ssl.TLSVersion.TLSv1_2,
         reload_interval_s: float = 5.0,
+        alpn: list[str] = ALPN,
         self_signed_hosts: tuple[str, ...] = SELF_SIGNED_HOSTS,
     ) -> ServerTls:
-        """From the files, or from a self-signed pair generated now when neither is given."""
+        """From the files, or from a self-signed pair generated now when neither is given.
+        ``minimum_version`` may be the config's name for it ("1.2", "1.3")."""
         if (cert_file is None) != (key_file is None):
             raise ValueError("TLS needs both a certificate file and a key file, or neither (self-signed)")
+        if isinstance(minimum_version, str):
+            minimum_version = VERSIONS[minimum_version]
+        options = {"minimum_version": minimum_version, "reload_interval_s": reload_interval_s, "alpn": alpn}
         if cert_file is None or key_file is None:
             directory = Path(tempfile.mkdtemp(prefix="pd-router-self-signed-"))
             cert_file, key_file = self_signed(directory, self_signed_hosts)
             log.info("TLS: no certificate configured; serving a self-signed one for %s", self_signed_hosts)
-            return cls(
-                cert_file,
-                key_file,
-                minimum_version=minimum_version,
-                reload_interval_s=reload_interval_s,
-                owned_directory=directory,
-            )
-        return cls(cert_file, key_file, minimum_version=minimum_version, reload_interval_s=reload_interval_s)
+            return cls(cert_file, key_file, owned_directory=directory, **options)  # type: ignore[arg-type]
+        return cls(cert_file, key_file, **options)  # type: ignore[arg-type]
 
     def _stat(self) -> _Signature:
         """What changes when a file is replaced or rewritten: inode, size, mtime (ns)."""
@@ -179,7 +184,8 @@ class ServerTls:
             return False
         try:
             cert, key = self._stage()
-            server_context(cert, key, minimum_version=self.minimum_version)  # scratch: a bad pair raises
+            # On a scratch context first: a bad pair raises there.
+            server_context(cert, key, minimum_version=self.minimum_version, alpn=self.alpn)
             self.context.load_cert_chain(cert, key)  # the very bytes just checked
         except (OSError, ssl.SSLError) as exc:
             log.warning(
@@ -217,3 +223,18 @@ class ServerTls:
         shutil.rmtree(self._staging, ignore_errors=True)
         if self._owned is not None:
             shutil.rmtree(self._owned, ignore_errors=True)
+
+
+async def https(
+    cert_file: str | None, key_file: str | None, minimum_version: str = "1.2", reload_interval_s: float = 5.0
+) -> ServerTls:
+    """A started ``ServerTls`` for an HTTP/1.1 listener (the proxy, the sidecar): from the files,
+    or self-signed without them; the caller leaves it (``__aexit__``) when the listener stops."""
+    tls = ServerTls.load(
+        cert_file,
+        key_file,
+        minimum_version=minimum_version,
+        reload_interval_s=reload_interval_s,
+        alpn=HTTP1_ALPN,
+    )
+    return await tls.__aenter__()
