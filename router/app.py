@@ -87,7 +87,11 @@ class App:
         self.config = config
         # Empty until discovery publishes: endpoints join unadmitted, and only a group epoch that
         # passed the ready gate is ever a candidate.
-        self.pool = Pool(config.scrape.stale_after_ms / 1000.0, config.scrape.eject_after_failures)
+        self.pool = Pool(
+            config.scrape.stale_after_ms / 1000.0,
+            config.scrape.eject_after_failures,
+            typical_prompt_tokens=config.engine.typical_prompt_tokens,
+        )
         if discovery is None and config.kubernetes is None:
             discovery = StaticDiscovery(config.endpoints)
         self.discovery: DiscoverySource | None = discovery  # Kubernetes: built at start (needs I/O)

@@ -38,8 +38,14 @@ class KVEventsConfig(_Strict):
 
 
 class EndpointConfig(_Strict):
+    """One engine (one rank) of the static pool."""
+
     address: str = Field(description="ip:port of the engine's OpenAI server")
-    role: Role = "prefill-decode"
+    role: Role = Field(
+        "prefill-decode",
+        description="prefill: the prompt leg of a P/D pair; decode: the answer (and a local prefill); "
+        "prefill-decode: either, or both in one",
+    )
     group: str | None = Field(None, description="TP/PP/LWS group; default: the endpoint is its own group")
     link: str = Field("default", description="topology label used by the link-cost scorer")
     name: str | None = Field(None, description="endpoint id; default: the address")
@@ -72,27 +78,48 @@ class EndpointConfig(_Strict):
 
 
 class SLOConfig(_Strict):
-    ttft_ms: Positive = 2000.0
-    tpot_ms: Positive = 100.0
+    """The latency objectives: costs are seconds of TTFT measured against them, and the replica
+    recommendation sizes each role to meet them."""
+
+    ttft_ms: Positive = Field(
+        2000.0, description="time to first token target (ms); the cost model is normalised against it"
+    )
+    tpot_ms: Positive = Field(
+        100.0, description="time per output token target (ms); weighs decode load against TTFT"
+    )
 
 
 class EngineModelConfig(_Strict):
     """How fast an engine is, for predicting seconds; match your hardware (or the simulator)."""
 
-    prefill_tokens_per_s: Positive = 20000.0
-    decode_step_base_ms: NonNegative = 4.0
+    prefill_tokens_per_s: Positive = Field(
+        20000.0, description="prompt tokens one engine prefills per second"
+    )
+    decode_step_base_ms: NonNegative = Field(
+        4.0, description="fixed time of one engine step (ms), whatever the batch"
+    )
     pd_leg_overhead_ms: NonNegative = Field(
         3.0, description="fixed cost of a P/D pair's extra prefill leg (HTTP exchange, second tokenisation)"
     )
-    decode_ms_per_seq: NonNegative = 0.2
-    decode_ms_per_1k_kv_tokens: NonNegative = 0.2
-    kv_bytes_per_token: Annotated[int, Field(gt=0)] = 131072
-    typical_prompt_tokens: Positive = 512.0
+    decode_ms_per_seq: NonNegative = Field(0.2, description="step time added per running sequence (ms)")
+    decode_ms_per_1k_kv_tokens: NonNegative = Field(
+        0.2, description="step time added per 1000 tokens of KV in use (ms)"
+    )
+    kv_bytes_per_token: Annotated[int, Field(gt=0)] = Field(
+        131072, description="KV cache bytes per token (all layers): what a P/D transfer moves"
+    )
+    typical_prompt_tokens: Positive = Field(
+        512.0,
+        description="the prompt size assumed for queued requests the router did not route, at start; "
+        "then a running mean of the prompts it sees",
+    )
 
 
 class LinkCostConfig(_Strict):
-    latency_ms: NonNegative
-    bandwidth_gbytes_per_s: Positive
+    """One link class: a KV transfer takes latency + bytes / bandwidth."""
+
+    latency_ms: NonNegative = Field(description="fixed latency of one KV transfer (ms)")
+    bandwidth_gbytes_per_s: Positive = Field(description="transfer bandwidth in GB/s (10^9 bytes per second)")
 
     def cost(self) -> tuple[float, float]:
         """(latency in seconds, bandwidth in bytes/s): the units the link scorer works in."""
@@ -100,22 +127,40 @@ class LinkCostConfig(_Strict):
 
 
 class LinkPairConfig(LinkCostConfig):
-    between: tuple[str, str]
+    between: tuple[str, str] = Field(description="two link labels, in either order")
 
 
 class LinksConfig(_Strict):
-    same: LinkCostConfig = LinkCostConfig(latency_ms=0.05, bandwidth_gbytes_per_s=50.0)
-    default: LinkCostConfig = LinkCostConfig(latency_ms=0.5, bandwidth_gbytes_per_s=12.5)
-    pairs: list[LinkPairConfig] = []
+    """KV-transfer cost from a prefill pod to a decode pod, by their endpoints' ``link`` labels."""
+
+    same: LinkCostConfig = Field(
+        LinkCostConfig(latency_ms=0.05, bandwidth_gbytes_per_s=50.0),
+        description="between endpoints with the same link label",
+    )
+    default: LinkCostConfig = Field(
+        LinkCostConfig(latency_ms=0.5, bandwidth_gbytes_per_s=12.5),
+        description="between different labels that no pair names",
+    )
+    pairs: list[LinkPairConfig] = Field([], description="the cost between two particular labels")
 
 
 class PickerConfig(_Strict):
+    """How each request's (prefill, decode) pair is chosen."""
+
     max_wait_skew_ms: NonNegative = Field(
         1000.0,
         description="locality credit only on pods whose predicted queue wait is within this of the least",
     )
-    kv_soft_threshold: Annotated[float, Field(gt=0, lt=1)] = 0.85
-    allow_local_prefill: bool = True
+    kv_soft_threshold: Annotated[float, Field(gt=0, lt=1)] = Field(
+        0.85,
+        description="KV use (with the request) above this share of a decode pod's capacity starts to "
+        "cost, one TTFT SLO at full",
+    )
+    allow_local_prefill: bool = Field(
+        True,
+        description="a decode pod may compute the prompt itself when that is cheaper; false: always a "
+        "P/D pair while a prefill pod is a candidate",
+    )
     prefill_may_decode: bool = Field(
         False,
         description="prefill pods may serve whole requests when that is cheaper (role-flexible P/D; "
@@ -124,25 +169,47 @@ class PickerConfig(_Strict):
     policy: Literal["joint", "round-robin", "least-loaded", "independent"] = Field(
         "joint", description="how the pair is chosen; the others are baselines, for comparison"
     )
-    fallbacks: Annotated[int, Field(ge=0, le=16)] = 2
+    fallbacks: Annotated[int, Field(ge=0, le=16)] = Field(
+        2, description="other pods per leg the proxy tries, in cost order, when an engine fails"
+    )
     shed_ttft_factor: Positive = Field(
         2.0, description="shed sheddable requests when the best predicted TTFT exceeds this × SLO"
     )
 
 
 class LimitsConfig(_Strict):
-    max_body_bytes: Annotated[int, Field(gt=0)] = 4 * 1024 * 1024
-    max_prompt_tokens: Annotated[int, Field(gt=0)] = 131072
-    default_max_tokens: Annotated[int, Field(gt=0)] = 256
-    block_tokens: Annotated[int, Field(gt=0)] = 16
-    chars_per_token: Positive = 4.0
+    """What a request may be, and how its size is estimated without a tokenizer."""
+
+    max_body_bytes: Annotated[int, Field(gt=0)] = Field(
+        4 * 1024 * 1024, description="a larger request body is refused (413)"
+    )
+    max_prompt_tokens: Annotated[int, Field(gt=0)] = Field(
+        131072, description="a prompt estimated longer is refused (413)"
+    )
+    default_max_tokens: Annotated[int, Field(gt=0)] = Field(
+        256,
+        description="the answer length assumed for a request without max_tokens (KV need, signals); "
+        "not sent upstream",
+    )
+    block_tokens: Annotated[int, Field(gt=0)] = Field(
+        16, description="prompt tokens per prefix-index block; the engines' --block-size in precise mode"
+    )
+    chars_per_token: Positive = Field(
+        4.0, description="prompt characters per token, to estimate tokens (signals.learn corrects it)"
+    )
 
 
 class ScrapeConfig(_Strict):
-    interval_ms: Positive = 500.0
-    timeout_ms: Positive = 1000.0
-    stale_after_ms: Positive = 2500.0
-    eject_after_failures: Annotated[int, Field(ge=1)] = 3
+    """Polling every endpoint's ``/metrics`` for its load and KV use."""
+
+    interval_ms: Positive = Field(500.0, description="time between scrape rounds (±10% jitter)")
+    timeout_ms: Positive = Field(1000.0, description="a scrape without an answer within this fails")
+    stale_after_ms: Positive = Field(
+        2500.0, description="an endpoint whose last good scrape is older is not a candidate"
+    )
+    eject_after_failures: Annotated[int, Field(ge=1)] = Field(
+        3, description="failed scrapes or requests in a row that eject an endpoint until a good scrape"
+    )
     engine_metrics_required: bool = Field(
         True,
         description="false: an endpoint that answers /metrics without vLLM series (or with an HTTP "
@@ -172,20 +239,28 @@ class PreciseConfig(_Strict):
     rebuild_after_s: Positive = Field(
         30.0, description="after a purge, how long events must flow before an engine counts as known again"
     )
-    replay_timeout_s: Positive = 2.0
+    replay_timeout_s: Positive = Field(
+        2.0, description="a KV-event replay not done within this purges the engine's entries"
+    )
 
 
 class RedisConfig(_Strict):
     """Share the prefix index between router replicas through Redis (a local mirror serves pick())."""
 
     url: str = Field("redis://127.0.0.1:6379/0", description="redis:// URL")
-    namespace: str = "pdr"
+    namespace: str = Field(
+        "pdr", description="key prefix (index and shared gate results); one per pool sharing a Redis"
+    )
     ttl_s: Positive = Field(600.0, description="entries expire this long after their last write")
     lookup_timeout_ms: Positive = Field(50.0, description="past this, a request routes on the local view")
 
 
 class IndexConfig(_Strict):
-    capacity_blocks_per_endpoint: Annotated[int, Field(gt=0)] = 65536
+    """Prefix locality: which endpoint holds which prompt blocks."""
+
+    capacity_blocks_per_endpoint: Annotated[int, Field(gt=0)] = Field(
+        65536, description="blocks remembered per endpoint (LRU); at least its KV cache in blocks"
+    )
     redis: RedisConfig | None = Field(None, description="share the approximate index through Redis")
     precise: PreciseConfig | None = Field(
         None, description="enable precise mode (needs kv_events per endpoint)"
@@ -225,23 +300,32 @@ class HttpTlsConfig(_TlsFiles):
 
 
 class ProxyConfig(_Strict):
-    enabled: bool = True
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, lt=65536)] = 8000
-    connect_timeout_s: Positive = 2.0
-    request_timeout_s: Positive = 600.0
-    drain_timeout_s: NonNegative = 30.0
+    """The OpenAI-compatible HTTP proxy: completions and chat, ``/v1/models``, ``/health`` and
+    ``/metrics``."""
+
+    enabled: bool = Field(True, description="serve the proxy")
+    host: str = Field("127.0.0.1", description="listen address (0.0.0.0 in a pod)")
+    port: Annotated[int, Field(ge=0, lt=65536)] = Field(8000, description="listen port (0: any free one)")
+    connect_timeout_s: Positive = Field(2.0, description="connecting to an engine fails after this")
+    request_timeout_s: Positive = Field(
+        600.0, description="one engine leg, the whole streamed answer included, fails after this"
+    )
+    drain_timeout_s: NonNegative = Field(30.0, description="on shutdown, how long open requests may finish")
     debug_headers: bool = Field(False, description="add x-pd-router-decode/-prefill/-reason to responses")
-    tls: HttpTlsConfig = HttpTlsConfig()
+    tls: HttpTlsConfig = Field(HttpTlsConfig(), description="HTTPS on the proxy's port")
 
 
 class ExtProcConfig(_Strict):
     """The Envoy ext_proc endpoint picker (Gateway API InferencePool protocol) and its gRPC health."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, lt=65536)] = 9002
-    health_port: Annotated[int, Field(ge=0, lt=65536)] = 9003
+    enabled: bool = Field(False, description="serve the ext_proc picker (--grpc-port turns it on)")
+    host: str = Field("127.0.0.1", description="listen address of both ports (0.0.0.0 in a pod)")
+    port: Annotated[int, Field(ge=0, lt=65536)] = Field(
+        9002, description="ext_proc gRPC port Envoy connects to (gRPC health too; 0: any free one)"
+    )
+    health_port: Annotated[int, Field(ge=0, lt=65536)] = Field(
+        9003, description="gRPC health port for kubelet's probes, always cleartext (0: any free one)"
+    )
     response_processing: bool = Field(
         True,
         description="follow the response (status, usage); false: close the stream once routed, which "
@@ -253,7 +337,7 @@ class ExtProcConfig(_Strict):
         "connection per worker thread, and a stream over the cap is refused (REFUSED_STREAM)",
     )
     grace_s: NonNegative = Field(10.0, description="on shutdown, how long open streams may finish")
-    tls: TlsConfig = TlsConfig()
+    tls: TlsConfig = Field(TlsConfig(), description="TLS on the ext_proc port")
     max_connections: Annotated[int, Field(gt=0)] = Field(
         1024, description="gRPC connections at most; the oldest one without a stream makes room"
     )
@@ -279,11 +363,13 @@ class GateConfig(_Strict):
         description="run in this order; default: ranks, revision, kv_capacity for a static file, and "
         "ranks, revision, model, kv_capacity, canary, canary_pair on Kubernetes (kv_events: precise mode)",
     )
-    check_timeout_s: Positive = 10.0
-    canary_max_tokens: Annotated[int, Field(ge=1, le=2)] = 1
+    check_timeout_s: Positive = Field(10.0, description="a check that takes longer fails the gate")
+    canary_max_tokens: Annotated[int, Field(ge=1, le=2)] = Field(
+        1, description="max_tokens of the canary completions"
+    )
     canary_min_interval_s: NonNegative = Field(30.0, description="at most one canary per group this often")
     retry_base_s: Positive = Field(1.0, description="a failed gate is retried after this, doubling")
-    retry_max_s: Positive = 60.0
+    retry_max_s: Positive = Field(60.0, description="the doubling retry delay stops growing here")
     drain_timeout_s: NonNegative = Field(
         600.0, description="a draining group leaves at the latest after this"
     )
@@ -334,8 +420,13 @@ class KubernetesConfig(_Strict):
 class AdminConfig(_Strict):
     """Drain, undrain and re-gate groups over HTTP on the metrics listener; off by default."""
 
-    enabled: bool = False
-    token: str | None = Field(None, description="bearer token every admin request must carry")
+    enabled: bool = Field(
+        False,
+        description="serve POST /admin/groups/<group>/<drain|undrain|regate> (needs metrics.enabled)",
+    )
+    token: str | None = Field(
+        None, description="bearer token every admin request must carry; when set, /debug/pool too"
+    )
 
     @model_validator(mode="after")
     def _token_when_on(self) -> AdminConfig:
@@ -348,39 +439,54 @@ class KedaConfig(_Strict):
     """KEDA's external scaler (gRPC ``externalscaler.ExternalScaler``): scale prefill and decode
     workloads on pd-router's per-role signals without a Prometheus in between."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, lt=65536)] = 9004
+    enabled: bool = Field(False, description="serve the external scaler")
+    host: str = Field("127.0.0.1", description="listen address (0.0.0.0 in a pod)")
+    port: Annotated[int, Field(ge=0, lt=65536)] = Field(
+        9004, description="gRPC port KEDA's ScaledObject points at (0: any free one)"
+    )
 
 
 class FlowControlConfig(_Strict):
     """Hold requests in the router while every eligible pod is saturated, and bind each to the pod
     that is best when one has room (``router/flow_control.py``)."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="hold requests instead of queueing them on saturated pods")
     max_wait_ms: NonNegative = Field(
         500.0, description="a route whose predicted queue wait is over this counts as saturated"
     )
-    max_queue: Annotated[int, Field(ge=1)] = 1024
-    queue_timeout_ms: Positive = Field(30000.0, description="then 503 queue_timeout (429 if sheddable)")
-    poll_ms: Annotated[float, Field(ge=5)] = 50.0
+    max_queue: Annotated[int, Field(ge=1)] = Field(
+        1024, description="requests held at most; then 503 queue_full (429 if sheddable)"
+    )
+    queue_timeout_ms: Positive = Field(
+        30000.0, description="a request held longer gets 503 queue_timeout (429 if sheddable)"
+    )
+    poll_ms: Annotated[float, Field(ge=5)] = Field(
+        50.0, description="held requests are tried again at least this often, and when capacity frees"
+    )
 
 
 class RoleCounts(_Strict):
-    prefill: Annotated[int, Field(ge=0)]
-    decode: Annotated[int, Field(ge=0)]
+    """Replicas per role (a prefill-decode pod counts in both)."""
+
+    prefill: Annotated[int, Field(ge=0)] = Field(description="replicas that prefill")
+    decode: Annotated[int, Field(ge=0)] = Field(description="replicas that decode")
 
 
 class SignalsConfig(_Strict):
     """The online performance model and the replica recommendation per role (``router/signals``)."""
 
-    tick_ms: Annotated[float, Field(ge=50)] = 1000.0
+    tick_ms: Annotated[float, Field(ge=50)] = Field(
+        1000.0,
+        description="how often the model is refitted, replicas recommended and engine speeds applied",
+    )
     learn: bool = Field(
         True,
         description="route with what answers teach: engine speeds fitted from observed TTFT/TPOT, "
         "tokens per character, engines' cached-token reports (off: observed and exported only)",
     )
-    min_samples: Annotated[int, Field(ge=2)] = 16
+    min_samples: Annotated[int, Field(ge=2)] = Field(
+        16, description="observed answers per role before a fit replaces the configured engine model"
+    )
     prior_samples: NonNegative = Field(
         0.1,
         description="how many samples the configured engine model counts as once min_samples exist "
@@ -406,9 +512,18 @@ class SignalsConfig(_Strict):
     max_utilization: Annotated[float, Field(gt=0, le=1)] = Field(
         0.85, description="a prefill replica's utilisation at most, whatever the SLO allows"
     )
-    kv_target: Annotated[float, Field(gt=0, le=1)] = 0.8
-    min_replicas: RoleCounts = RoleCounts(prefill=1, decode=1)
-    max_replicas: RoleCounts = RoleCounts(prefill=64, decode=64)
+    kv_target: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.8,
+        description="share of a decode replica's KV to plan for: caps its batch, and a scale-down "
+        "that would exceed it is refused",
+    )
+    min_replicas: RoleCounts = Field(
+        RoleCounts(prefill=1, decode=1),
+        description="the recommendation's floor per role (0: may scale to zero)",
+    )
+    max_replicas: RoleCounts = Field(
+        RoleCounts(prefill=64, decode=64), description="the recommendation's ceiling per role"
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> SignalsConfig:
@@ -421,13 +536,17 @@ class SignalsConfig(_Strict):
 class MetricsConfig(_Strict):
     """A separate Prometheus listener (the proxy also serves /metrics on its own port)."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: Annotated[int, Field(ge=0, lt=65536)] = 9090
+    enabled: bool = Field(
+        False, description="serve /metrics, /debug/pool and the admin API (--metrics-port turns it on)"
+    )
+    host: str = Field("127.0.0.1", description="listen address (0.0.0.0 in a pod)")
+    port: Annotated[int, Field(ge=0, lt=65536)] = Field(9090, description="listen port (0: any free one)")
     token: str | None = Field(None, description="bearer token /metrics requires (unset: open)")
 
 
 class RewriteTargetConfig(_Strict):
+    """One name a rewritten request may go upstream as."""
+
     model: str = Field(min_length=1, max_length=256, description="the name the engines serve it under")
     weight: Annotated[float, Field(gt=0)] = Field(1.0, description="relative share of the requests")
 
@@ -437,36 +556,46 @@ class ModelRewriteConfig(_Strict):
 
     name: str | None = Field(None, description="the rule's name in metrics; default: the model")
     model: str = Field(min_length=1, description="the model name clients ask for")
-    targets: list[RewriteTargetConfig] = Field(min_length=1)
+    targets: list[RewriteTargetConfig] = Field(
+        min_length=1, description="where the requests go, one chosen per request by weight"
+    )
 
 
 class PoolConfig(_Strict):
-    model: str = Field(min_length=1)
+    """One pool of engines serving one model."""
+
+    model: str = Field(
+        min_length=1, description="the model name the engines serve: what clients ask for and the gate checks"
+    )
     strict_model: bool = Field(True, description="404 for any other model name")
     endpoints: list[EndpointConfig] = Field(
         default_factory=list, description="the static pool; with kubernetes, may be empty"
     )
-    slo: SLOConfig = SLOConfig()
-    engine: EngineModelConfig = EngineModelConfig()
-    links: LinksConfig = LinksConfig()
+    slo: SLOConfig = Field(SLOConfig(), description="the latency objectives")
+    engine: EngineModelConfig = Field(EngineModelConfig(), description="engine speed, to predict seconds")
+    links: LinksConfig = Field(LinksConfig(), description="KV-transfer cost between link labels")
     weights: dict[str, NonNegative] = Field(
         default_factory=dict,
         description="multiplier per cost term (scorers/<name>.py; 0 turns one off), plus prefix "
         "(locality trust, 0..1) and link; unset ones are 1",
     )
-    picker: PickerConfig = PickerConfig()
-    limits: LimitsConfig = LimitsConfig()
-    scrape: ScrapeConfig = ScrapeConfig()
-    index: IndexConfig = IndexConfig()
-    proxy: ProxyConfig = ProxyConfig()
-    extproc: ExtProcConfig = ExtProcConfig()
-    metrics: MetricsConfig = MetricsConfig()
-    gate: GateConfig = GateConfig()
+    picker: PickerConfig = Field(PickerConfig(), description="how a pair is chosen")
+    limits: LimitsConfig = Field(LimitsConfig(), description="request limits and size estimates")
+    scrape: ScrapeConfig = Field(ScrapeConfig(), description="polling the engines' /metrics")
+    index: IndexConfig = Field(IndexConfig(), description="the prefix index")
+    proxy: ProxyConfig = Field(ProxyConfig(), description="the OpenAI-compatible HTTP proxy")
+    extproc: ExtProcConfig = Field(ExtProcConfig(), description="the Envoy ext_proc endpoint picker")
+    metrics: MetricsConfig = Field(MetricsConfig(), description="a separate Prometheus listener")
+    gate: GateConfig = Field(GateConfig(), description="the ready gate before an endpoint gets traffic")
     kubernetes: KubernetesConfig | None = Field(None, description="discover the pool from Kubernetes")
-    admin: AdminConfig = AdminConfig()
-    keda: KedaConfig = KedaConfig()
-    signals: SignalsConfig = SignalsConfig()
-    flow_control: FlowControlConfig = FlowControlConfig()
+    admin: AdminConfig = Field(AdminConfig(), description="drain, undrain and re-gate groups over HTTP")
+    keda: KedaConfig = Field(KedaConfig(), description="KEDA's external scaler")
+    signals: SignalsConfig = Field(
+        SignalsConfig(), description="the online performance model and replica recommendations"
+    )
+    flow_control: FlowControlConfig = Field(
+        FlowControlConfig(), description="hold requests while the pool is saturated"
+    )
     model_rewrites: list[ModelRewriteConfig] = Field(
         default_factory=list,
         description="rewrite a requested model name to weighted targets (model versions, LoRA "

@@ -97,7 +97,13 @@ class Reservation:
 class Pool:
     """All endpoints of one InferencePool, their groups and feature arrays."""
 
-    def __init__(self, stale_after_s: float = 2.5, eject_after_failures: int = 3, capacity: int = 64) -> None:
+    def __init__(
+        self,
+        stale_after_s: float = 2.5,
+        eject_after_failures: int = 3,
+        capacity: int = 64,
+        typical_prompt_tokens: float = 512.0,
+    ) -> None:
         self.stale_after_s = stale_after_s
         self.eject_after_failures = eject_after_failures
         self.endpoints: dict[str, Endpoint] = {}
@@ -107,7 +113,7 @@ class Pool:
         self.generation: list[int] = []  # per slot, bumped when its endpoint leaves
         self.links: dict[str, int] = {}
         self.outstanding = 0
-        self.typical_prompt_tokens = 512.0
+        self.typical_prompt_tokens = typical_prompt_tokens  # the start; moves towards what arrives
         # Called whenever a reservation gives something back (flow control binds held requests).
         self.on_free: Callable[[], None] = _nothing
         self._free_slots: list[int] = []

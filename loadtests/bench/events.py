@@ -248,7 +248,7 @@ def make_pool(engines: int) -> tuple[Pool, int]:
             "endpoints": [{"address": f"127.0.0.1:{9000 + i}", "name": f"e{i}"} for i in range(engines)],
         }
     )
-    pool = Pool(config.scrape)
+    pool = Pool()
     for endpoint in config.endpoints:
         pool.add(endpoint)
     return pool, config.index.capacity_blocks_per_endpoint

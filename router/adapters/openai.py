@@ -205,7 +205,9 @@ class ProxyListener:
         try:
             context = None
             if cfg.tls.enabled:
-                self.tls = await https(cfg.tls.cert_file, cfg.tls.key_file, cfg.tls.min_version)
+                self.tls = await https(
+                    cfg.tls.cert_file, cfg.tls.key_file, cfg.tls.min_version, cfg.tls.reload_interval_s
+                )
                 context = self.tls.context
             await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=context).start()
         except BaseException:
