@@ -333,9 +333,13 @@ async def measure(
     )
 
 
-async def bench(args: argparse.Namespace, engines: list[int], routers: dict[str, Child]) -> list[str]:
+# (body mode, Envoy concurrency, path, load) -> one Sample per repeat.
+Results = dict[tuple[str, int, str, tuple[int, float]], list[Sample]]
+
+
+async def collect(args: argparse.Namespace, engines: list[int], routers: dict[str, Child]) -> Results:
     envoy_cpus = None if args.envoy_cpu is None else {args.envoy_cpu}
-    results: dict[tuple[str, int, str, tuple[int, float]], list[Sample]] = {}
+    results: Results = {}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-envoy-") as tmp:
         workdir = Path(tmp)
@@ -368,12 +372,14 @@ async def bench(args: argparse.Namespace, engines: list[int], routers: dict[str,
                             f"  done {mode} envoy-concurrency={ec} c={_label(load)} "
                             f"({time.monotonic() - started:.0f} s)\n"
                         )
-    return report(args, results)
+    return results
 
 
-def report(
-    args: argparse.Namespace, results: dict[tuple[str, int, str, tuple[int, float]], list[Sample]]
-) -> list[str]:
+async def bench(args: argparse.Namespace, engines: list[int], routers: dict[str, Child]) -> list[str]:
+    return report(args, await collect(args, engines, routers))
+
+
+def report(args: argparse.Namespace, results: Results) -> list[str]:
     header = (
         f"  {'mode':<11} {'envoy':>5} {'path':<8} {'conc':>9} {'req/s':>6} {'p50 ms':>7} {'p99 ms':>7} "
         f"{'+p50 ms':>7} {'+p99 ms':>7} {'router CPU ms/req':>17} {'router CPU%':>11} "
@@ -469,7 +475,7 @@ def children(
             child.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtests.bench.envoy",
         description="pd-router as Envoy's ext_proc endpoint picker vs Envoy routing straight to the engine.",
@@ -489,11 +495,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="cProfile both pd-routers; print their top N"
     )
-    args = parser.parse_args(argv)
-    profile = {p: f"/tmp/pd-router-extproc-{p}-{os.getpid()}.prof" for p in PATHS[1:]} if args.profile else {}
-    with children(args, profile) as (engines, routers):
+    return parser
+
+
+def run(args: argparse.Namespace, profile: dict[str, str] | None = None) -> Results:
+    """Start the null engines and both pd-routers, measure every cell, stop them. Pins this process
+    to ``--client-cpu`` (a caller that goes on afterwards restores its own affinity)."""
+    with children(args, profile or {}) as (engines, routers):
         _pin(args.client_cpu)
-        lines = _client_run(bench(args, engines, routers))
+        return _client_run(collect(args, engines, routers))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    profile = {p: f"/tmp/pd-router-extproc-{p}-{os.getpid()}.prof" for p in PATHS[1:]} if args.profile else {}
+    lines = report(args, run(args, profile))
     sys.stdout.write("\n".join(lines) + "\n")
     for path, prof in profile.items():
         if os.path.exists(prof):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -95,27 +96,39 @@ def time_picks(
     return {name: tuple(np.median(np.array(v), axis=0)) for name, v in stats.items()}  # type: ignore[misc]
 
 
+POOL_SIZES = (8, 64, 512)
+KINDS = ("shared", "novel")
+
+
+def measure(
+    picks: int, rounds: int, sizes: Sequence[int] = POOL_SIZES, seed: int = 0
+) -> Iterator[tuple[int, str, dict[str, tuple[float, float]]]]:
+    """``(endpoints, prompt kind, time_picks' stats)`` per cell, yielded as each is measured (the
+    CLI prints a row at a time; ``loadtests.bench.report`` keeps them)."""
+    rng = np.random.default_rng(seed)
+    for n in sizes:
+        picker, systems, deferred = build(n, rng)
+        for kind in KINDS:
+            prompts = []
+            for i in range(picks):
+                fresh = rng.integers(0, 2**63, size=PROMPT_BLOCKS, dtype=np.uint64)
+                if kind == "shared":
+                    fresh[:SHARED_BLOCKS] = systems[i % 8]
+                prompts.append(fresh)
+            yield n, kind, time_picks(picker, prompts, deferred, rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--picks", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
     print(f"pick() latency, 4k-token prompts, index warm with {INDEX_BLOCKS:,} blocks")
     header = "".join(f"  {name + ' p50':>10}  {name + ' p99':>10}" for name in ("pick", "record", "total"))
     print(f"{'endpoints':>9}  {'prompt':>6}{header}")
-    for n in (8, 64, 512):
-        picker, systems, deferred = build(n, rng)
-        for kind in ("shared", "novel"):
-            prompts = []
-            for i in range(args.picks):
-                fresh = rng.integers(0, 2**63, size=PROMPT_BLOCKS, dtype=np.uint64)
-                if kind == "shared":
-                    fresh[:SHARED_BLOCKS] = systems[i % 8]
-                prompts.append(fresh)
-            stats = time_picks(picker, prompts, deferred, args.rounds)
-            cells = "".join(f"  {p50:>10.1f}  {p99:>10.1f}" for p50, p99 in stats.values())
-            print(f"{n:>9}  {kind:>6}{cells}")
+    for n, kind, stats in measure(args.picks, args.rounds):
+        cells = "".join(f"  {p50:>10.1f}  {p99:>10.1f}" for p50, p99 in stats.values())
+        print(f"{n:>9}  {kind:>6}{cells}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -54,6 +54,7 @@ SSE_CHUNKS = 8
 GAP_HEADER = "x-null-gap-ms"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MS = 1000.0
+T = TypeVar("T")
 
 
 # -- null engine (child process) -------------------------------------------------------------------
@@ -367,19 +368,44 @@ def _f(value: float, digits: int = 3) -> str:
     return "-" if value != value else f"{value:.{digits}f}"
 
 
-async def bench(args: argparse.Namespace, engine: Child, proxy: Child) -> list[str]:
+@dataclass
+class ProxyCell:
+    """One (mode, concurrency) cell: the same requests straight to the engine, then through the proxy."""
+
+    mode: str  # "json" or "stream"
+    concurrency: int
+    requests: int
+    direct: Cell
+    proxied: Cell
+    proxy_cpu_s: float  # the proxy process's user + system CPU seconds during the proxied run
+
+    @property
+    def cpu_ms(self) -> float:
+        """Proxy CPU milliseconds per proxied request."""
+        ok = len(self.proxied.latencies)
+        return self.proxy_cpu_s * MS / ok if ok else float("nan")
+
+    @property
+    def proxy_rps(self) -> float:
+        return len(self.proxied.latencies) / self.proxied.wall_s if self.proxied.wall_s else float("nan")
+
+    @property
+    def direct_rps(self) -> float:
+        return len(self.direct.latencies) / self.direct.wall_s if self.direct.wall_s else float("nan")
+
+
+@dataclass
+class ProxyResults:
+    cells: list[ProxyCell]
+    gap_ms: float  # the engine's chunk gap in the stall test
+    gap_requests: int
+    gap_direct: Cell
+    gap_proxied: Cell
+
+
+async def measure(args: argparse.Namespace, engine: Child, proxy: Child) -> ProxyResults:
     counts = {1: 500, 16: 1500, 64: 2000}
-    lines = [
-        "",
-        "proxy overhead — null engine (zero delay), 1 prefill-decode endpoint; "
-        f"proxy pinned to CPU {args.proxy_cpu}, engine + client on CPU {args.client_cpu}",
-        "",
-        f"  {'mode':<10} {'conc':>4} {'reqs':>5} {'direct p50':>10} {'direct p99':>10} "
-        f"{'proxy p50':>9} {'proxy p99':>9} {'added p50':>9} {'added p99':>9} {'proxy rps':>9} "
-        f"{'direct rps':>10} {'CPU ms/req':>10} {'proxy CPU%':>10}",
-    ]
-    lines.append("  " + "-" * (len(lines[-1]) - 2))
-    worst: dict[str, float] = {"added_p50_c1": 0.0, "cpu_ms": 0.0, "rps": float("inf")}
+    cells: list[ProxyCell] = []
     for stream in (False, True):
         for conc in (1, 16, 64):
             n = int(counts[conc] * args.scale)
@@ -393,46 +419,64 @@ async def bench(args: argparse.Namespace, engine: Child, proxy: Child) -> list[s
             proxied = await closed_loop(
                 proxy.port, stream=stream, concurrency=conc, requests=n, timeout_s=args.cell_timeout
             )
-            cpu_s = proxy.cpu_s() - cpu0
-            ok = len(proxied.latencies)
-            cpu_ms = cpu_s * MS / ok if ok else float("nan")
-            added50 = (proxied.pct(0.5) - direct.pct(0.5)) * MS
-            added99 = (proxied.pct(0.99) - direct.pct(0.99)) * MS
-            rps = ok / proxied.wall_s
             mode = "stream" if stream else "json"
-            d50, d99 = direct.pct(0.5) * MS, direct.pct(0.99) * MS
-            lines.append(
-                f"  {mode:<10} {conc:>4} {n:>5} {_f(d50):>10} {_f(d99):>10} "
-                f"{_f(proxied.pct(0.5) * MS):>9} {_f(proxied.pct(0.99) * MS):>9} {_f(added50):>9} "
-                f"{_f(added99):>9} {rps:>9.0f} {len(direct.latencies) / direct.wall_s:>10.0f} "
-                f"{_f(cpu_ms):>10} {100.0 * cpu_s / proxied.wall_s:>9.0f}%"
-                + (f"  ({proxied.errors + direct.errors} errors)" if proxied.errors + direct.errors else "")
-            )
-            if conc == 1:
-                worst["added_p50_c1"] = max(worst["added_p50_c1"], added50)
-            worst["cpu_ms"] = max(worst["cpu_ms"], cpu_ms)
-            if conc == 64:
-                worst["rps"] = min(worst["rps"], rps)
+            cells.append(ProxyCell(mode, conc, n, direct, proxied, proxy.cpu_s() - cpu0))
             sys.stderr.write(f"  done {mode} c={conc}\n")
 
     # Streaming chunk delivery: chunks 5 ms apart must come out 5 ms apart (no Nagle/delayed-ACK).
     gap_n = int(50 * args.scale)
-    direct = await closed_loop(
+    gap_direct = await closed_loop(
         engine.port, stream=True, concurrency=1, requests=gap_n, timeout_s=60, gap_ms=args.gap_ms
     )
-    proxied = await closed_loop(
+    gap_proxied = await closed_loop(
         proxy.port, stream=True, concurrency=1, requests=gap_n, timeout_s=60, gap_ms=args.gap_ms
     )
+    return ProxyResults(cells, args.gap_ms, gap_n, gap_direct, gap_proxied)
+
+
+def render(args: argparse.Namespace, results: ProxyResults) -> list[str]:
+    lines = [
+        "",
+        "proxy overhead — null engine (zero delay), 1 prefill-decode endpoint; "
+        f"proxy pinned to CPU {args.proxy_cpu}, engine + client on CPU {args.client_cpu}",
+        "",
+        f"  {'mode':<10} {'conc':>4} {'reqs':>5} {'direct p50':>10} {'direct p99':>10} "
+        f"{'proxy p50':>9} {'proxy p99':>9} {'added p50':>9} {'added p99':>9} {'proxy rps':>9} "
+        f"{'direct rps':>10} {'CPU ms/req':>10} {'proxy CPU%':>10}",
+    ]
+    lines.append("  " + "-" * (len(lines[-1]) - 2))
+    worst: dict[str, float] = {"added_p50_c1": 0.0, "cpu_ms": 0.0, "rps": float("inf")}
+    for cell in results.cells:
+        direct, proxied, conc = cell.direct, cell.proxied, cell.concurrency
+        cpu_ms = cell.cpu_ms
+        added50 = (proxied.pct(0.5) - direct.pct(0.5)) * MS
+        added99 = (proxied.pct(0.99) - direct.pct(0.99)) * MS
+        rps = cell.proxy_rps
+        d50, d99 = direct.pct(0.5) * MS, direct.pct(0.99) * MS
+        lines.append(
+            f"  {cell.mode:<10} {conc:>4} {cell.requests:>5} {_f(d50):>10} {_f(d99):>10} "
+            f"{_f(proxied.pct(0.5) * MS):>9} {_f(proxied.pct(0.99) * MS):>9} {_f(added50):>9} "
+            f"{_f(added99):>9} {rps:>9.0f} {cell.direct_rps:>10.0f} "
+            f"{_f(cpu_ms):>10} {100.0 * cell.proxy_cpu_s / proxied.wall_s:>9.0f}%"
+            + (f"  ({proxied.errors + direct.errors} errors)" if proxied.errors + direct.errors else "")
+        )
+        if conc == 1:
+            worst["added_p50_c1"] = max(worst["added_p50_c1"], added50)
+        worst["cpu_ms"] = max(worst["cpu_ms"], cpu_ms)
+        if conc == 64:
+            worst["rps"] = min(worst["rps"], rps)
+
+    gap_n = results.gap_requests
     lines += [
         "",
-        f"  streaming inter-chunk gaps, engine emits a chunk every {args.gap_ms:g} ms "
+        f"  streaming inter-chunk gaps, engine emits a chunk every {results.gap_ms:g} ms "
         f"({gap_n} streams × {SSE_CHUNKS - 1} gaps, c=1):",
         f"  {'path':<8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'gaps > 20 ms':>12}",
     ]
-    for name, cell in (("direct", direct), ("proxied", proxied)):
-        g = cell.gaps
+    for name, cell_ in (("direct", results.gap_direct), ("proxied", results.gap_proxied)):
+        g = cell_.gaps
         lines.append(
-            f"  {name:<8} {_f(cell.pct(0.5, g) * MS, 2):>7} {_f(cell.pct(0.99, g) * MS, 2):>7} "
+            f"  {name:<8} {_f(cell_.pct(0.5, g) * MS, 2):>7} {_f(cell_.pct(0.99, g) * MS, 2):>7} "
             f"{_f(max(g) * MS if g else float('nan'), 2):>7} {sum(x > 0.020 for x in g):>12}"
         )
     lines += [
@@ -446,6 +490,10 @@ async def bench(args: argparse.Namespace, engine: Child, proxy: Child) -> list[s
     return lines
 
 
+async def bench(args: argparse.Namespace, engine: Child, proxy: Child) -> list[str]:
+    return render(args, await measure(args, engine, proxy))
+
+
 def _top(profile_path: str, n: int) -> str:
     out = io.StringIO()
     stats = pstats.Stats(profile_path, stream=out)
@@ -455,7 +503,7 @@ def _top(profile_path: str, n: int) -> str:
     return out.getvalue()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m loadtests.bench.proxy",
         description="Proxy overhead vs direct on a zero-delay null engine (separate processes).",
@@ -468,18 +516,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="cProfile the proxy and print its top N functions"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(args: argparse.Namespace, profile_path: str = "") -> ProxyResults:
+    """Start the null engine and the proxy, measure, stop them. Pins this process to
+    ``--client-cpu`` (a caller that goes on afterwards restores its own affinity)."""
     proxy_cpu = None if args.proxy_cpu < 0 else args.proxy_cpu
     client_cpu = None if args.client_cpu < 0 else args.client_cpu
-    profile_path = f"/tmp/pd-router-proxy-{os.getpid()}.prof" if args.profile else ""
     engine = start_child(null_engine_main, client_cpu)
-    proxy = start_child(proxy_main, f"127.0.0.1:{engine.port}", proxy_cpu, profile_path)
-    _pin(client_cpu)
     try:
-        lines = _client_run(bench(args, engine, proxy))
+        proxy = start_child(proxy_main, f"127.0.0.1:{engine.port}", proxy_cpu, profile_path)
+        try:
+            _pin(client_cpu)
+            return _client_run(measure(args, engine, proxy))
+        finally:
+            proxy.stop()
     finally:
-        proxy.stop()
         engine.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    profile_path = f"/tmp/pd-router-proxy-{os.getpid()}.prof" if args.profile else ""
+    lines = render(args, run(args, profile_path))
     sys.stdout.write("\n".join(lines) + "\n")
     if profile_path and os.path.exists(profile_path):
         sys.stdout.write(f"\ncProfile of the proxy process (top {args.profile}):\n")
@@ -488,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _client_run(coro: Awaitable[list[str]]) -> list[str]:
+def _client_run(coro: Awaitable[T]) -> T:
     try:
         import uvloop  # optional: the cheaper the client, the cleaner the number
     except ImportError:

@@ -726,6 +726,9 @@ class Run:
     ratios: dict[str, np.ndarray] = field(default_factory=dict)
     ratio_bounds: tuple[float, ...] = ()
     reference: ReferencePicker | None = None
+    # Prompt tokens the engines computed, all pods: a P/D pair's decode leg reports the KV it was
+    # sent as cached, so only this says how much of the prompts the prefix caches really spared.
+    prefill_tokens_computed: int = 0
 
     @property
     def name(self) -> str:
@@ -764,8 +767,9 @@ async def run_policy(
         for engine in cluster.engines.values():
             share = engine.stats.busy_s / summary.wall_s if summary.wall_s else 0.0
             busy.setdefault(engine.spec.role, []).append(share)
+        computed = sum(engine.stats.prefill_tokens_computed for engine in cluster.engines.values())
     busy_share = {role: statistics.mean(v) for role, v in busy.items()}
-    return Run(summary, busy_share, ratios, bounds, reference)
+    return Run(summary, busy_share, ratios, bounds, reference, prefill_tokens_computed=computed)
 
 
 def _sample(scn: Scenario, k: int, seed: int) -> list[WorkItem]:
