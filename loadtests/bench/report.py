@@ -901,7 +901,8 @@ def _overhead_section(report: Report) -> list[str]:
             "`loadtests.bench.envoy`: a real Envoy (the example configs in `examples/envoy/`) in "
             f"front of {a.endpoints} null-engine endpoints; `direct` is the same config without the "
             "ext_proc filter (a static round-robin cluster); `extproc` is pd-router picking every "
-            "request and following its response; `ep-norsp` the same with "
+            "request and following its response, Envoy reaching it over TLS (the default); `ep-h2c` "
+            "the same in cleartext (`extproc` ÷ `ep-h2c` is the cost of TLS); `ep-norsp` TLS with "
             "`extproc.response_processing: false`. Medians of "
             f"{a.repeats} interleaved repeats per cell; loads are closed loops at 1/16/64 "
             "connections and 16 connections paced at 1,500 req/s.",
