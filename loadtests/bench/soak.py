@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import logging
 import math
@@ -349,12 +348,10 @@ async def run_soak(
     specs = [EngineSpec(f"pod-{i}", "prefill-decode", num_gpu_blocks=2048, time=tm) for i in range(ENGINES)]
     soak = Soak(list(paths), grace_s)
     counter = [0]
-    async with SimCluster(specs) as cluster, App(_config(cluster, tm, "envoy" in paths), seed=seed) as app:
-        for engine in cluster.engines.values():
-            # The engines' logs of requests seen (for tests: the last 1,000 bodies each, ~30 MB
-            # here) would fill during the run and pass for the router's growth in the RSS.
-            engine.requests_seen = collections.deque(maxlen=8)
-            engine.arrivals = collections.deque(maxlen=8)
+    # The engines' logs of requests seen (for tests: the last 1,000 bodies each, ~30 MB here, and
+    # anew after each restart) would fill during the run and pass for the router's growth.
+    cluster = SimCluster(specs, seen_limit=8)
+    async with cluster, App(_config(cluster, tm, "envoy" in paths), seed=seed) as app:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         soak.rss_start_mb = rss_mb()

@@ -230,9 +230,10 @@ class SimEngine:
         self.spec = spec
         self.port = spec.port
         self.stats = EngineStats()
-        self.requests_seen: deque[tuple[str, dict[str, str], Any]] = deque(maxlen=SEEN_LIMIT)
+        seen = SEEN_LIMIT if cluster is None else cluster.seen_limit
+        self.requests_seen: deque[tuple[str, dict[str, str], Any]] = deque(maxlen=seen)
         # (time.monotonic(), headers) of each completion request, in arrival order
-        self.arrivals: deque[tuple[float, dict[str, str]]] = deque(maxlen=SEEN_LIMIT)
+        self.arrivals: deque[tuple[float, dict[str, str]]] = deque(maxlen=seen)
         self.alive = False
         self._cluster = cluster
         self._stall = 0.0
@@ -1273,9 +1274,16 @@ class SimCluster:
     """A set of simulated engines served from this event loop, with crash and restart controls."""
 
     def __init__(
-        self, specs: Sequence[EngineSpec], link_cost: LinkCost | None = None, host: str = "127.0.0.1"
+        self,
+        specs: Sequence[EngineSpec],
+        link_cost: LinkCost | None = None,
+        host: str = "127.0.0.1",
+        seen_limit: int = SEEN_LIMIT,
     ) -> None:
+        """``seen_limit``: requests each engine keeps in ``requests_seen``/``arrivals`` (for tests;
+        a long run keeps few, or they fill memory)."""
         names = [spec.name for spec in specs]
+        self.seen_limit = seen_limit
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
         self._specs = list(specs)

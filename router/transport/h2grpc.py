@@ -1236,6 +1236,9 @@ class H2GrpcServer:
             task = loop.create_task(self._open(sock, ssl, cleartext))
             self._opening.add(task)
             task.add_done_callback(self._opening.discard)
+            # sock_accept returns at once while the backlog holds connections: without a turn
+            # given back here, a burst of thousands would be taken in one long loop turn.
+            await asyncio.sleep(0)
 
     async def _open(self, sock: socket.socket, ssl: SSLContext | None, cleartext: bool) -> None:
         """Wait for the connection's first byte, then serve it over TLS or cleartext."""
