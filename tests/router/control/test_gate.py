@@ -185,6 +185,12 @@ async def test_a_draining_group_finishes_its_stream_and_gets_nothing_new() -> No
     async with SimCluster(specs) as cluster:
         eps = endpoints(cluster, {"name": "e0"}, {"name": "e1"})
         async with router_for({"endpoints": eps, **SECTIONS}) as (app, base), aiohttp.ClientSession() as http:
+            # Both admitted first (a first gate round that timed out on a busy machine retries in 1 s).
+            def admitted() -> bool:
+                states = [g.state.value for g in app.control.groups.values()]
+                return states == ["admitted"] * 2
+
+            await eventually(admitted, 10.0, "both groups admitted")
             body = {"model": "sim-model", "prompt": "a long answer " * 20, "max_tokens": 150, "stream": True}
             async with http.post(f"{base}/v1/completions", json=body) as stream:
                 assert stream.status == 200
