@@ -85,6 +85,7 @@ class App:
     ) -> None:
         """``discovery``: where groups come from; the configured ``endpoints`` by default."""
         self.config = config
+        self.secrets = config.read_secrets()  # tokens and passwords from their files, once
         # Empty until discovery publishes: endpoints join unadmitted, and only a group epoch that
         # passed the ready gate is ever a candidate.
         self.pool = Pool(
@@ -202,7 +203,7 @@ class App:
         return None if self.metrics_listener is None else self.metrics_listener.port
 
     async def start(self) -> None:
-        cfg = self.config
+        cfg, secrets = self.config, self.secrets
         stack = self._stack
         session = await stack.enter_async_context(upstream_session())
         self._scraper = Scraper(session, cfg.scrape.timeout_ms / 1000.0)
@@ -231,7 +232,7 @@ class App:
         if cfg.proxy.enabled:
             self.proxy = await stack.enter_async_context(
                 ProxyListener(
-                    self.flow, session, cfg.proxy, lambda: self.ready, metrics_token=cfg.metrics.token
+                    self.flow, session, cfg.proxy, lambda: self.ready, metrics_token=secrets.metrics_token
                 )
             )
         if cfg.extproc.enabled:
@@ -245,11 +246,11 @@ class App:
                 []
                 if self.control is None
                 else control_routes(
-                    self.control, cfg.admin.token if cfg.admin.enabled else None, cfg.admin.token
+                    self.control, secrets.admin_token if cfg.admin.enabled else None, secrets.admin_token
                 )
             )
             self.metrics_listener = await stack.enter_async_context(
-                MetricsListener(self.metrics, cfg.metrics, routes)
+                MetricsListener(self.metrics, cfg.metrics, routes, token=secrets.metrics_token)
             )
         if self.discovery.synced:
             self._set_ready()
@@ -306,7 +307,8 @@ class App:
         gate = Gate(gate_settings_from(cfg), self.pool, session, self._scraper, exchange)
         shared = None
         if cfg.index.redis is not None and cfg.gate.share_results:
-            shared = SharedGateResults(_redis_client(cfg.index.redis.url), cfg.index.redis.namespace)
+            client = _redis_client(cfg.index.redis.url, self.secrets.redis_password)
+            shared = SharedGateResults(client, cfg.index.redis.namespace)
             self._stack.push_async_callback(shared.client.aclose)
         control = self.control = GroupController(
             self.pool,
@@ -334,7 +336,7 @@ class App:
         self._stack.push_async_callback(stop_task, control_loop)
 
     def _shared_index(self, cfg: RedisConfig, local: MemoryPrefixIndex) -> SharedPrefixIndex:
-        client = _redis_client(cfg.url)
+        client = _redis_client(cfg.url, self.secrets.redis_password)
         pool = self.pool
 
         def slot_of(name: str) -> int | None:
@@ -418,10 +420,11 @@ class App:
                 log.exception("scrape round failed")
 
 
-def _redis_client(url: str) -> Any:
+def _redis_client(url: str, password: str | None) -> Any:
     from redis.asyncio import Redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     # No client retries: every call has its own timeout, and each user has its own fallback.
-    return Redis.from_url(url, decode_responses=False, retry=Retry(NoBackoff(), 0))
+    options: dict[str, Any] = {} if password is None else {"password": password}
+    return Redis.from_url(url, decode_responses=False, retry=Retry(NoBackoff(), 0), **options)

@@ -128,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_sidecar(args)
     try:
         config = config_from(args)
+        if args.command == "serve":
+            config.read_secrets()  # an unreadable secret file is a configuration error, before start
     except ConfigError as exc:
         print(f"pd-router: invalid configuration: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ keys are errors and every error names the field and the bad value, e.g.
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -20,6 +21,37 @@ from scorers.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
 Role = Literal["prefill", "decode", "prefill-decode"]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+def _one_of(value: str | None, file: str | None, name: str) -> None:
+    if value is not None and file is not None:
+        raise ValueError(f"{name} and {name}_file: set one, not both")
+
+
+def read_secret(path: str | None, field: str) -> str | None:
+    """The secret in ``path`` (a mounted Secret: one value, a trailing newline dropped); None
+    without a path. Raises ``ConfigError`` naming ``field`` when the file cannot be used."""
+    if path is None:
+        return None
+    try:
+        value = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{field}: cannot read {path}: {exc}") from None
+    if not value:
+        raise ConfigError(f"{field}: {path} is empty")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Secrets:
+    """The secrets the configuration names, inline or read from their files."""
+
+    metrics_token: str | None
+    admin_token: str | None
+    redis_password: str | None
+
+    def __repr__(self) -> str:  # never in a log line or a traceback
+        return "Secrets(<hidden>)"
 
 
 class ConfigError(ValueError):
@@ -248,6 +280,11 @@ class RedisConfig(_Strict):
     """Share the prefix index between router replicas through Redis (a local mirror serves pick())."""
 
     url: str = Field("redis://127.0.0.1:6379/0", description="redis:// URL")
+    password_file: str | None = Field(
+        None,
+        description="a file holding the Redis password (a mounted Secret), read at start; the URL "
+        "then carries none",
+    )
     namespace: str = Field(
         "pdr", description="key prefix (index and shared gate results); one per pool sharing a Redis"
     )
@@ -427,11 +464,15 @@ class AdminConfig(_Strict):
     token: str | None = Field(
         None, description="bearer token every admin request must carry; when set, /debug/pool too"
     )
+    token_file: str | None = Field(
+        None, description="a file holding that token (a mounted Secret), read at start; instead of token"
+    )
 
     @model_validator(mode="after")
     def _token_when_on(self) -> AdminConfig:
-        if self.enabled and not self.token:
-            raise ValueError("admin.enabled needs admin.token")
+        _one_of(self.token, self.token_file, "admin.token")
+        if self.enabled and not (self.token or self.token_file):
+            raise ValueError("admin.enabled needs admin.token or admin.token_file")
         return self
 
 
@@ -542,6 +583,14 @@ class MetricsConfig(_Strict):
     host: str = Field("127.0.0.1", description="listen address (0.0.0.0 in a pod)")
     port: Annotated[int, Field(ge=0, lt=65536)] = Field(9090, description="listen port (0: any free one)")
     token: str | None = Field(None, description="bearer token /metrics requires (unset: open)")
+    token_file: str | None = Field(
+        None, description="a file holding that token (a mounted Secret), read at start; instead of token"
+    )
+
+    @model_validator(mode="after")
+    def _one_token(self) -> MetricsConfig:
+        _one_of(self.token, self.token_file, "metrics.token")
+        return self
 
 
 class RewriteTargetConfig(_Strict):
@@ -666,6 +715,16 @@ class PoolConfig(_Strict):
             ):
                 raise ValueError(f"endpoints.{i}: group {group!r} has two group_size values")
         return self
+
+    def read_secrets(self) -> Secrets:
+        """The tokens and the Redis password, read from their files where files are named;
+        raises ``ConfigError`` naming the field."""
+        redis = self.index.redis
+        return Secrets(
+            self.metrics.token or read_secret(self.metrics.token_file, "metrics.token_file"),
+            self.admin.token or read_secret(self.admin.token_file, "admin.token_file"),
+            None if redis is None else read_secret(redis.password_file, "index.redis.password_file"),
+        )
 
     def request_limits(self) -> RequestLimits:
         return RequestLimits(

@@ -24,9 +24,11 @@ def available() -> bool:
 class RedisServer:
     """One throwaway, non-persistent redis-server process bound to 127.0.0.1."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, password: str | None = None) -> None:
+        """``password``: the server requires it (``requirepass``)."""
         self.host = "127.0.0.1"
         self.port = port if port is not None else free_port()
+        self.password = password
         self._workdir = workdir
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -42,6 +44,7 @@ class RedisServer:
                 "--appendonly", "no",
                 "--dir", str(self._workdir),
                 "--logfile", str(log_path),
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -59,6 +62,10 @@ class RedisServer:
     def ping(self) -> bool:
         try:
             with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
+                if self.password:
+                    sock.sendall(f"AUTH {self.password}\r\n".encode())
+                    if not sock.recv(16).startswith(b"+OK"):
+                        return False
                 sock.sendall(b"PING\r\n")
                 return sock.recv(16).startswith(b"+PONG")
         except OSError:

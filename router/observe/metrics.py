@@ -571,16 +571,23 @@ class MetricsListener:
     any other operator routes given (the control plane's debug view and admin verbs)."""
 
     def __init__(
-        self, metrics: RouterMetrics, config: MetricsConfig, routes: Sequence[web.RouteDef] = ()
+        self,
+        metrics: RouterMetrics,
+        config: MetricsConfig,
+        routes: Sequence[web.RouteDef] = (),
+        *,
+        token: str | None = None,
     ) -> None:
+        """``token``: the bearer token ``/metrics`` requires (``metrics.token`` or its file's)."""
         self.metrics = metrics
         self.config = config
+        self.token = token
         self.routes = list(routes)
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
 
     async def _exposition(self, request: web.Request) -> web.Response:
-        if not bearer_ok(request, self.config.token):
+        if not bearer_ok(request, self.token):
             return web.Response(status=401, text="metrics: missing or wrong bearer token")
         body, content_type = self.metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
