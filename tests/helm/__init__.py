@@ -219,35 +219,73 @@ def validate(obj: dict[str, Any]) -> None:
 
 # -- what the picker makes of it --------------------------------------------------------------
 
-# Stand-ins for the Secret-backed env vars the kubelet expands in the picker's arguments.
-SECRET_ENV = {"PD_ROUTER_REDIS_PASSWORD": "s3cr%40t%2Fpw", "PD_ROUTER_METRICS_TOKEN": "tok-123.abc_XYZ"}
+# Stand-ins for the Secrets the chart mounts as files, by (Secret name, key); a mounted Secret's
+# value often ends in a newline (kubectl create secret --from-file), which the picker drops.
+SECRET_FILES = {
+    ("pd-router-redis", "password"): "s3cr@t/pw:%2F\n",
+    ("pd-router-metrics-token", "token"): "tok-123.abc_XYZ",
+}
 
 
-def kubelet_expand(arg: str, env: dict[str, str]) -> str:
-    """``$(NAME)`` as the kubelet expands it in a container's args (unknown names stay as they are)."""
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+def pod_volumes(docs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    deployment = one(docs, "Deployment", f"{RELEASE}-epp")
+    return {v["name"]: v for v in deployment["spec"]["template"]["spec"].get("volumes", [])}
+
+
+def secret_files(volume: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """The files a secret or projected volume holds: relative path -> (Secret name, key)."""
+    if "secret" in volume:
+        secret = volume["secret"]
+        sources = [{"secret": {"name": secret["secretName"], "items": secret.get("items", [])}}]
+    else:
+        sources = volume.get("projected", {}).get("sources", [])
+    files = {}
+    for source in sources:
+        if "secret" in source:
+            secret = source["secret"]
+            for item in secret.get("items", []):
+                files[item["path"]] = (secret["name"], item["key"])
+    return files
+
+
+def _materialize_secret_mounts(docs: Sequence[dict[str, Any]], tmp_path: Path, text: str) -> str:
+    """Writes the stand-in of every file a Secret-backed mount of the picker holds under
+    ``tmp_path`` and points the pool config's paths there, as the kubelet would mount them."""
+    volumes = pod_volumes(docs)
+    for mount in picker_container(docs).get("volumeMounts", []):
+        files = secret_files(volumes[mount["name"]])
+        if not files:
+            continue
+        local = tmp_path / "mounts" / mount["name"]
+        for relative, ref in files.items():
+            target = local / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(SECRET_FILES[ref], encoding="utf-8")
+        text = text.replace(mount["mountPath"].rstrip("/") + "/", f"{local}/")
+    return text
 
 
 def picker_command(docs: Sequence[dict[str, Any]], tmp_path: Path) -> list[str]:
-    """The picker container's arguments as the process gets them, the ConfigMap's pool.yaml
-    written where ``--config`` names it (moved into ``tmp_path``)."""
+    """The picker container's arguments, the ConfigMap's pool.yaml written where ``--config``
+    names it and the Secret-backed files where it names them (both moved into ``tmp_path``)."""
     container = picker_container(docs)
     (config_arg,) = [a for a in container["args"] if a.startswith("--config=")]
     mounted = Path(config_arg.removeprefix("--config="))
     (mount,) = [m for m in container["volumeMounts"] if m["name"] == "config"]
     assert mounted.parent == Path(mount["mountPath"]) and mounted.name == "pool.yaml", config_arg
     local = tmp_path / "pool.yaml"
-    local.write_text(pool_config_text(docs), encoding="utf-8")
-    return [
-        f"--config={local}" if a == config_arg else kubelet_expand(a, SECRET_ENV) for a in container["args"]
-    ]
+    local.write_text(_materialize_secret_mounts(docs, tmp_path, pool_config_text(docs)), encoding="utf-8")
+    return [f"--config={local}" if a == config_arg else a for a in container["args"]]
 
 
 def picker_config(docs: Sequence[dict[str, Any]], tmp_path: Path) -> Any:
     """The PoolConfig the picker starts with: its own command-line parser and configuration loader
-    on the rendered arguments and ConfigMap (raises ConfigError as the picker would exit on)."""
+    on the rendered arguments and ConfigMap, and its secret files read as ``serve`` reads them
+    (raises ConfigError as the picker would exit on)."""
     from router.cli import _parser, config_from
 
     args = _parser().parse_args(picker_command(docs, tmp_path))
     assert args.command == "serve"
-    return config_from(args)
+    config = config_from(args)
+    config.read_secrets()
+    return config

@@ -13,13 +13,14 @@ from helm import (
     CHART,
     NAMESPACE,
     RELEASE,
-    SECRET_ENV,
+    SECRET_FILES,
     VALUE_SETS,
     of_kind,
     one,
     picker_command,
     picker_config,
     picker_container,
+    pod_volumes,
     pool_config_text,
     render,
     render_error,
@@ -307,27 +308,73 @@ def test_no_redis_by_default(tmp_path: Path) -> None:
     assert not [d for d in docs if "redis" in d["metadata"]["name"]]
 
 
-def test_external_redis_password_comes_from_the_secret(tmp_path: Path) -> None:
+def secrets_mount(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The picker's mount of the Secret-backed files, and its volume."""
+    (mount,) = [m for m in picker_container(docs)["volumeMounts"] if m["name"] == "secrets"]
+    return mount, pod_volumes(docs)["secrets"]
+
+
+def assert_no_secret_in_args_or_env(docs: list[dict[str, Any]]) -> None:
+    """Nothing the kubelet would expand into the process arguments or environment."""
+    container = picker_container(docs)
+    for arg in container["args"]:
+        assert "$(" not in arg and "token" not in arg and "password" not in arg, arg
+    for env in container["env"]:
+        assert "$(" not in str(env.get("value", "")), env
+        assert "secretKeyRef" not in env.get("valueFrom", {}), env
+    assert "envFrom" not in container
+
+
+def test_external_redis_password_is_a_mounted_file(tmp_path: Path) -> None:
     docs = render(value_set("redis-external"))
     assert len(of_kind(docs, "Deployment")) == 1  # no in-chart Redis
-    env = {e["name"]: e for e in picker_container(docs)["env"]}
-    assert env["PD_ROUTER_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
-        "name": "pd-router-redis",
-        "key": "password",
+    assert_no_secret_in_args_or_env(docs)
+    mount, volume = secrets_mount(docs)
+    assert mount == {"name": "secrets", "mountPath": "/var/run/secrets/pd-router", "readOnly": True}
+    assert volume["projected"] == {
+        "defaultMode": 0o440,
+        "sources": [
+            {"secret": {"name": "pd-router-redis", "items": [{"key": "password", "path": "redis/password"}]}}
+        ],
     }
-    text = pool_config_text(docs)
-    assert "PD_ROUTER_REDIS_PASSWORD" not in text
-    file_config = yaml.safe_load(text)
+    assert pod_spec(docs)["securityContext"]["fsGroup"] == 65532  # the group that may read it
+    file_config = yaml.safe_load(pool_config_text(docs))
     server = "redis.cache.svc.cluster.local:6380/2?ssl_cert_reqs=required"
-    assert file_config["index"]["redis"]["url"] == f"rediss://pd-router@{server}"
+    assert file_config["index"]["redis"] == {
+        "url": f"rediss://pd-router@{server}",  # no password in the ConfigMap
+        "password_file": "/var/run/secrets/pd-router/redis/password",
+        "namespace": "qwen3",
+        "lookup_timeout_ms": 20,
+    }
     config = picker_config(docs, tmp_path)
-    password = SECRET_ENV["PD_ROUTER_REDIS_PASSWORD"]
-    assert config.index.redis.url == f"rediss://pd-router:{password}@{server}"
+    assert config.index.redis.url == f"rediss://pd-router@{server}"
     assert config.index.redis.namespace == "qwen3"
+    # As is, not URL-encoded; the trailing newline dropped.
+    password = SECRET_FILES[("pd-router-redis", "password")]
+    assert config.read_secrets().redis_password == password.rstrip("\n") == "s3cr@t/pw:%2F"
     from redis.connection import parse_url
 
     parsed = parse_url(config.index.redis.url)
-    assert (parsed["username"], parsed["password"], parsed["db"]) == ("pd-router", "s3cr@t/pw", 2)
+    assert (parsed["username"], parsed["db"]) == ("pd-router", 2) and "password" not in parsed
+
+
+def test_the_secret_files_follow_the_secrets_key() -> None:
+    docs = render(value_set("redis-external"), "redis.external.passwordSecret.key=redis-password")
+    (source,) = secrets_mount(docs)[1]["projected"]["sources"]
+    assert source["secret"]["items"] == [{"key": "redis-password", "path": "redis/password"}]
+
+
+@pytest.mark.parametrize("values", VALUE_SETS, ids=set_id)
+def test_no_secret_mount_without_a_secret(values: Path) -> None:
+    docs = render(
+        values,
+        "redis.external.passwordSecret.name=",
+        "inferenceExtension.monitoring.prometheus.auth.enabled=false",
+    )
+    assert "secrets" not in pod_volumes(docs)
+    assert "secrets" not in {m["name"] for m in picker_container(docs)["volumeMounts"]}
+    text = pool_config_text(docs)
+    assert "password_file" not in text and "token_file" not in text
 
 
 # -- KEDA and monitoring ----------------------------------------------------------------------------
@@ -412,13 +459,35 @@ def test_service_monitor_scrapes_the_metrics_port_with_the_token(tmp_path: Path)
     assert endpoint["port"] == "http-metrics" and service_port(docs, "http-metrics")["port"] == 9090
     assert endpoint["interval"] == "15s"
     assert endpoint["authorization"]["credentials"] == {"name": "pd-router-metrics-token", "key": "token"}
-    env = {e["name"]: e for e in picker_container(docs)["env"]}
-    assert env["PD_ROUTER_METRICS_TOKEN"]["valueFrom"]["secretKeyRef"] == {
-        "name": "pd-router-metrics-token",
-        "key": "token",
-    }
-    assert picker_config(docs, tmp_path).metrics.token == SECRET_ENV["PD_ROUTER_METRICS_TOKEN"]
+    # The picker reads the same Secret's token from a mounted file, not from its arguments.
+    assert_no_secret_in_args_or_env(docs)
+    mount, volume = secrets_mount(docs)
+    assert mount["mountPath"] == "/var/run/secrets/pd-router" and mount["readOnly"] is True
+    assert volume["projected"]["defaultMode"] == 0o440
+    assert volume["projected"]["sources"] == [
+        {"secret": {"name": "pd-router-metrics-token", "items": [{"key": "token", "path": "metrics/token"}]}}
+    ]
+    assert yaml.safe_load(pool_config_text(docs))["metrics"]["token_file"] == (
+        "/var/run/secrets/pd-router/metrics/token"
+    )
+    config = picker_config(docs, tmp_path)
+    assert config.metrics.token is None
+    assert config.read_secrets().metrics_token == SECRET_FILES[("pd-router-metrics-token", "token")]
     assert not of_kind(render(DEFAULT), "ServiceMonitor")
+
+
+def test_both_secrets_share_one_mount(tmp_path: Path) -> None:
+    docs = render([value_set("redis-external"), value_set("keda-prometheus")])
+    assert_no_secret_in_args_or_env(docs)
+    mount, volume = secrets_mount(docs)
+    assert mount["readOnly"] is True
+    paths = {item["path"] for source in volume["projected"]["sources"] for item in source["secret"]["items"]}
+    assert paths == {"redis/password", "metrics/token"}
+    config = picker_config(docs, tmp_path)
+    assert config.metrics.token_file.endswith("/metrics/token")
+    assert config.index.redis.password_file.endswith("/redis/password")
+    secrets = config.read_secrets()
+    assert secrets.metrics_token == "tok-123.abc_XYZ" and secrets.redis_password == "s3cr@t/pw:%2F"
 
 
 # -- the decode sidecar -------------------------------------------------------------------------------

@@ -77,6 +77,14 @@ def test_required_values_are_named(sets: tuple[str, ...], named: str) -> None:
         (("inferencePool.targetPorts[0].number=8000", "inferencePool.targetPorts[1].number=8000"), "unique"),
         (("inferenceExtension.metricsPort=9002",), "must differ"),
         (("inferenceExtension.monitoring.prometheus.auth.enabled=true",), "auth.secretName"),
+        (
+            (
+                "inferenceExtension.monitoring.prometheus.auth.enabled=true",
+                "inferenceExtension.monitoring.prometheus.auth.secretName=t",
+                "inferenceExtension.poolConfig.metrics.token=inline",
+            ),
+            "unset poolConfig.metrics.token",
+        ),
         (("redis.enabled=true", "redis.external.passwordSecret.name=s"), "redis.external.url is empty"),
     ],
 )

@@ -80,10 +80,28 @@ app.kubernetes.io/component: redis
 {{- end -}}
 {{- end -}}
 
-{{/* The same URL with the kubelet's $(PD_ROUTER_REDIS_PASSWORD) expansion in the userinfo. */}}
-{{- define "pd-router.redisURLWithPassword" -}}
-{{- $user := .Values.redis.external.username | default "" -}}
-{{- regexReplaceAll "^(rediss?://)" .Values.redis.external.url (printf "${1}%s:$(PD_ROUTER_REDIS_PASSWORD)@" $user) -}}
+{{- define "pd-router.metricsTokenFromSecret" -}}
+{{- if .Values.inferenceExtension.monitoring.prometheus.auth.enabled }}true{{ end -}}
+{{- end -}}
+
+{{/*
+Secrets reach the picker as files it reads at start (pool config *_file fields), never as env
+vars or arguments: one projected volume, mounted read-only at secretsDir, with a file per secret.
+*/}}
+{{- define "pd-router.secretsDir" -}}
+/var/run/secrets/pd-router
+{{- end -}}
+
+{{- define "pd-router.redisPasswordFile" -}}
+{{- printf "%s/redis/password" (include "pd-router.secretsDir" .) -}}
+{{- end -}}
+
+{{- define "pd-router.metricsTokenFile" -}}
+{{- printf "%s/metrics/token" (include "pd-router.secretsDir" .) -}}
+{{- end -}}
+
+{{- define "pd-router.secretFiles" -}}
+{{- if or (include "pd-router.redisPasswordFromSecret" .) (include "pd-router.metricsTokenFromSecret" .) }}true{{ end -}}
 {{- end -}}
 
 {{/* metricType of a KEDA trigger: given, or AverageValue for recommendedReplicas, else Value. */}}
@@ -133,6 +151,9 @@ metrics:
   enabled: true
   host: 0.0.0.0
   port: {{ $ie.metricsPort }}
+  {{- if include "pd-router.metricsTokenFromSecret" . }}
+  token_file: {{ include "pd-router.metricsTokenFile" . }}
+  {{- end }}
 kubernetes:
   namespace: {{ .Release.Namespace }}
   pool_name: {{ include "pd-router.poolName" . }}
@@ -146,6 +167,9 @@ keda:
 index:
   redis:
     url: {{ include "pd-router.redisURL" . | quote }}
+    {{- if include "pd-router.redisPasswordFromSecret" . }}
+    password_file: {{ include "pd-router.redisPasswordFile" . }}
+    {{- end }}
 {{- end }}
 {{- end -}}
 
@@ -225,6 +249,9 @@ The decode-side P/D sidecar container (`pd-router sidecar`), for the decode work
 {{- end -}}
 {{- if and $ie.monitoring.prometheus.auth.enabled (not $ie.monitoring.prometheus.auth.secretName) -}}
 {{- fail "inferenceExtension.monitoring.prometheus.auth.enabled needs auth.secretName (a Secret with the key token)" -}}
+{{- end -}}
+{{- if and $ie.monitoring.prometheus.auth.enabled (dig "metrics" "token" "" ($ie.poolConfig | default dict)) -}}
+{{- fail "inferenceExtension.monitoring.prometheus.auth.enabled and inferenceExtension.poolConfig.metrics.token are both set: the picker takes one token for /metrics (auth's Secret, as metrics.token_file); unset poolConfig.metrics.token" -}}
 {{- end -}}
 {{- if .Values.decodeSidecar.enabled -}}
 {{- if not .Values.decodeSidecar.allow -}}
