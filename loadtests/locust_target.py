@@ -114,18 +114,9 @@ async def serve_target(
                 endpoint["address"] = f"127.0.0.1:{sidecar.port}"
         app = await stack.enter_async_context(App(_config(endpoints, time, 0, True), seed=0))
         assert app.extproc_port is not None
-        listen, admin = port or envoy.free_port(), envoy.free_port()
-        config = envoy.render(
-            "full-duplex",
-            LISTEN_PORT=listen,
-            ADMIN_PORT=admin,
-            EPP_HOST="127.0.0.1",
-            EPP_PORT=app.extproc_port,
-            # Fail-open goes to a port nobody listens on: a picker failure shows as failed
-            # requests in locust instead of passing for routing.
-            FALLBACK_HOST="127.0.0.1",
-            FALLBACK_PORT=envoy.free_port(),
-        )
+        # Fail-open goes to a port nobody listens on: a picker failure shows as failed requests
+        # in locust instead of passing for routing.
+        config, listen, admin = envoy.in_front_of_picker("full-duplex", app.extproc_port, listen=port)
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="locust-envoy-")))
         await stack.enter_async_context(envoy.run_envoy(config, workdir, admin))

@@ -11,7 +11,7 @@ from typing import Any
 
 from helpers import router_for
 
-from loadtests.servers.envoy import free_port, render, run_envoy, with_cleartext_to_picker
+from loadtests.servers.envoy import free_port, in_front_of_picker, render, run_envoy, with_cleartext_to_picker
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 
 __all__ = [
@@ -79,20 +79,8 @@ def example_config(
     mode: str, extproc_port: int, fallback: str | None = None
 ) -> tuple[dict[str, Any], int, int]:
     """An example config on fresh loopback ports in front of a picker on ``extproc_port``: (config,
-    listen port, admin port). ``fallback`` (``ip:port``) is where Envoy sends requests when the
-    picker fails open; by default a port nobody listens on, so failing open never passes for routing."""
-    listen, admin = free_port(), free_port()
-    host, _, port = (fallback or f"127.0.0.1:{free_port()}").rpartition(":")
-    config = render(
-        mode,
-        LISTEN_PORT=listen,
-        ADMIN_PORT=admin,
-        EPP_HOST="127.0.0.1",
-        EPP_PORT=extproc_port,
-        FALLBACK_HOST=host,
-        FALLBACK_PORT=port,
-    )
-    return config, listen, admin
+    listen port, admin port); see ``in_front_of_picker``."""
+    return in_front_of_picker(mode, extproc_port, fallback=fallback)
 
 
 def with_subset_header(config: dict[str, Any]) -> dict[str, Any]:

@@ -307,16 +307,7 @@ async def _envoy_in_front(app: App) -> AsyncIterator[str]:
 
     The fail-open fallback is a port nobody listens on, so failing open never passes for routing."""
     assert app.extproc_port is not None
-    listen, admin = envoy.free_port(), envoy.free_port()
-    config = envoy.render(
-        "full-duplex",
-        LISTEN_PORT=listen,
-        ADMIN_PORT=admin,
-        EPP_HOST="127.0.0.1",
-        EPP_PORT=app.extproc_port,
-        FALLBACK_HOST="127.0.0.1",
-        FALLBACK_PORT=envoy.free_port(),
-    )
+    config, listen, admin = envoy.in_front_of_picker("full-duplex", app.extproc_port)
     with tempfile.TemporaryDirectory(prefix="soak-envoy-") as tmp:
         async with envoy.run_envoy(config, Path(tmp), admin):
             yield f"http://127.0.0.1:{listen}"

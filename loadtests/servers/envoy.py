@@ -39,6 +39,26 @@ def render(mode: str, **values: Any) -> dict[str, Any]:
     return yaml.safe_load(text)
 
 
+def in_front_of_picker(
+    mode: str, extproc_port: int, *, fallback: str | None = None, listen: int = 0
+) -> tuple[dict[str, Any], int, int]:
+    """An example config on loopback in front of a picker on ``extproc_port``: (config, listen
+    port, admin port). ``fallback`` (``ip:port``) is where Envoy sends requests when the picker
+    fails open; by default a port nobody listens on, so failing open never passes for routing."""
+    listen, admin = listen or free_port(), free_port()
+    host, _, port = (fallback or f"127.0.0.1:{free_port()}").rpartition(":")
+    config = render(
+        mode,
+        LISTEN_PORT=listen,
+        ADMIN_PORT=admin,
+        EPP_HOST="127.0.0.1",
+        EPP_PORT=extproc_port,
+        FALLBACK_HOST=host,
+        FALLBACK_PORT=port,
+    )
+    return config, listen, admin
+
+
 def with_cleartext_to_picker(config: dict[str, Any]) -> dict[str, Any]:
     """The example config connecting to the picker in cleartext (h2c), for a picker with TLS off
     (the examples speak TLS to it, as gateways in front of the reference picker do)."""
