@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from ssl import SSLContext
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 from urllib.parse import quote
 
 import hpack
@@ -1171,8 +1171,8 @@ class H2GrpcServer:
         self.preamble = preamble  # what every connection sends first
         self.connections: dict[Connection, None] = {}  # serving, oldest first
         self.closing: dict[Connection, asyncio.BaseTransport] = {}  # GOAWAY sent, socket lingering
-        self._listener: socket.socket | None = None
-        self._accepter: asyncio.Task[None] | None = None
+        self._listeners: list[socket.socket] = []
+        self._accepters: list[asyncio.Task[None]] = []
         self._opening: set[asyncio.Task[None]] = set()  # accepted, first byte (or handshake) awaited
         self._sweeper: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
@@ -1201,23 +1201,44 @@ class H2GrpcServer:
         if ssl is None and not cleartext:
             raise ValueError("a listener needs TLS, cleartext or both")
         loop = asyncio.get_running_loop()
-        limits = self.limits
-        family, kind, proto, _, address = (
-            await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        )[0]
+        # "" (as asyncio reads it): every interface, IPv4 and IPv6.
+        infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # Every address the host names ("localhost": ::1 and 127.0.0.1), as asyncio's servers do;
+        # with port 0, the others take the port the first one got.
+        try:
+            addresses = list(dict.fromkeys(infos))
+            for family, kind, proto, _, address in addresses:
+                if self._listeners:
+                    address = (address[0], self._listeners[0].getsockname()[1], *address[2:])
+                self._listeners.append(self._listen(family, kind, proto, address, len(addresses) > 1))
+        except BaseException:
+            for listener in self._listeners:
+                listener.close()
+            self._listeners.clear()
+            raise
+        self._accepters = [
+            loop.create_task(self._accept(listener, ssl, cleartext)) for listener in self._listeners
+        ]
+        self._sweeper = loop.create_task(self._sweep())
+        return self._listeners[0].getsockname()[1]
+
+    def _listen(
+        self, family: int, kind: int, proto: int, address: tuple[Any, ...], v6_only: bool
+    ) -> socket.socket:
+        """A listening socket; ``v6_only`` when an IPv4 socket takes the same port beside it (a
+        lone "::" stays dual-stack, so IPv4 peers reach it too)."""
         listener = socket.socket(family, kind, proto)
         try:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6_only))
             listener.bind(address)
-            listener.listen(limits.listen_backlog)
+            listener.listen(self.limits.listen_backlog)
             listener.setblocking(False)
         except BaseException:
             listener.close()
             raise
-        self._listener = listener
-        self._accepter = loop.create_task(self._accept(listener, ssl, cleartext))
-        self._sweeper = loop.create_task(self._sweep())
-        return listener.getsockname()[1]
+        return listener
 
     async def _accept(self, listener: socket.socket, ssl: SSLContext | None, cleartext: bool) -> None:
         loop = asyncio.get_running_loop()
@@ -1348,14 +1369,14 @@ class H2GrpcServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop listening, let open calls finish for ``grace_s`` seconds, then cancel the rest."""
-        if self._listener is None:
+        if not self._listeners:
             return
-        if self._accepter is not None:
-            self._accepter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accepter
-            self._accepter = None
-        self._listener.close()
+        for accepter in self._accepters:
+            accepter.cancel()
+        await asyncio.gather(*self._accepters, return_exceptions=True)
+        self._accepters.clear()
+        for listener in self._listeners:
+            listener.close()
         opening = list(self._opening)
         for task in opening:
             task.cancel()
@@ -1375,7 +1396,7 @@ class H2GrpcServer:
         await asyncio.sleep(0)  # the last frames reach the kernel before the sockets go
         for transport in list(self.closing.values()):
             transport.abort()
-        self._listener = None
+        self._listeners.clear()
 
 
 async def _peek(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
