@@ -184,13 +184,7 @@ class Flight:
         metrics.observe_pick(self.decision, self.picked_at - self.started)
         if self.flow.signals is not None:
             self.flow.signals.demand.arrived(self.decision.breakdown["uncached_tokens"], request.max_tokens)
-        self.series = metrics.per_request.bind(
-            request.requested_model or request.model,
-            self.fairness_id(),
-            request.priority,
-            request.stream,
-            target_model=request.model,
-        )
+        self.series = metrics.per_request.bind_request(request, self.fairness_id(), request.stream)
         for running in self.series.running:
             running.inc()
         return self.decision
@@ -348,8 +342,7 @@ class Flight:
             if request is None:
                 series = per_request.bind("unknown", self.fairness_id(), 0, False)
             else:
-                asked = request.requested_model or request.model
-                series = per_request.bind(asked, self.fairness_id(), request.priority, False, request.model)
+                series = per_request.bind_request(request, self.fairness_id(), False)
         else:
             for running in series.running:
                 running.dec()

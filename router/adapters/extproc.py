@@ -47,7 +47,7 @@ from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUB
 from router.picker import RouteDecision
 from router.rejections import BadRequest, BodyTooLarge, Rejection
 from router.transport.h2grpc import INTERNAL, INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer, H2Limits
-from router.transport.tls import ServerTls
+from router.transport.tls import ServerTls, started
 
 log = logging.getLogger(__name__)
 
@@ -224,13 +224,11 @@ class ExtProcStream:
             decision = self.flight.pick()
         except Rejection as rejection:
             return self.reject(rejection)
-        request = self.flight.request
-        body = bytes(self.body)
-        if request.requested_model is not None:  # a model rewrite: the body that goes upstream changed
-            body = orjson.dumps(request.body)
+        # A model rewrite changed the body that goes upstream (and so its length).
+        rewritten = orjson.dumps(self.flight.request.body) if self.flight.request.requested_model else None
         mutation = _routing_mutation(
             decision,
-            content_length=len(body) if request.requested_model is not None else None,
+            content_length=None if rewritten is None else len(rewritten),
             conformance=self.settings.conformance,
         )
         common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
@@ -242,8 +240,8 @@ class ExtProcStream:
                 )
             ]
         elif self.mode in _WHOLE_BODY_MODES:
-            if request.requested_model is not None:
-                common.body_mutation.body = body
+            if rewritten is not None:
+                common.body_mutation.body = rewritten
             out = [
                 pb.ProcessingResponse(
                     request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata
@@ -257,6 +255,7 @@ class ExtProcStream:
                     request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata
                 )
             ]
+            body = bytes(self.body) if rewritten is None else rewritten
             out.extend(_streamed_body(body, end_of_stream=not self.trailers))
             if self.trailers:
                 out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
@@ -589,14 +588,9 @@ class ExtProcListener:
         try:
             context = None
             if cfg.tls.enabled:
-                tls = self.tls = ServerTls.load(
-                    cfg.tls.cert_file,
-                    cfg.tls.key_file,
-                    minimum_version=cfg.tls.min_version,
-                    reload_interval_s=cfg.tls.reload_interval_s,
-                )
-                await tls.__aenter__()
-                context = tls.context
+                tls = cfg.tls
+                self.tls = await started(tls.cert_file, tls.key_file, tls.min_version, tls.reload_interval_s)
+                context = self.tls.context
             self.port = await server.start(
                 cfg.host, cfg.port, ssl=context, cleartext=context is None or cfg.tls.accept_cleartext
             )

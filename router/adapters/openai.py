@@ -26,7 +26,7 @@ from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwa
 from router.http.server import bearer_ok, http_runner
 from router.rejections import Rejection, UpstreamFailed
 from router.request import COMPLETION_PATHS
-from router.transport.tls import ServerTls, https
+from router.transport.tls import HTTP1_ALPN, ServerTls, started
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +205,9 @@ class ProxyListener:
         try:
             context = None
             if cfg.tls.enabled:
-                self.tls = await https(
-                    cfg.tls.cert_file, cfg.tls.key_file, cfg.tls.min_version, cfg.tls.reload_interval_s
+                tls = cfg.tls
+                self.tls = await started(
+                    tls.cert_file, tls.key_file, tls.min_version, tls.reload_interval_s, alpn=HTTP1_ALPN
                 )
                 context = self.tls.context
             await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=context).start()

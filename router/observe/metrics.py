@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from router.config import MetricsConfig
     from router.picker import Picker, RouteDecision
     from router.pool import Pool
+    from router.types import RouteRequest
 
 _GATE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
@@ -243,6 +244,12 @@ class RequestMetrics:
         """Model (and rule) names as label values: capped, past the cap "other"."""
         return tuple(_capped(name, self._models, MAX_MODEL_LABELS) for name in names)
 
+    def bind_request(self, request: RouteRequest, fairness_id: str, streaming: bool) -> _RequestChildren:
+        """The series of ``request``: the name it asked for as ``model_name``, the one it is served
+        under (a rewrite's target) as ``target_model_name``."""
+        asked = request.requested_model or request.model
+        return self.bind(asked, fairness_id, request.priority, streaming, target_model=request.model)
+
     def bind(
         self, model: str, fairness_id: str, priority: int, streaming: bool, target_model: str | None = None
     ) -> _RequestChildren:
@@ -347,12 +354,8 @@ class FlowMetrics:
 
     def _labels(self, waiter: Any) -> list[str]:
         request = waiter.flight.request
-        model, target, fairness_id, rank = self.per_request.bind(
-            request.requested_model or request.model,
-            waiter.tenant,
-            request.priority,
-            request.stream,
-            target_model=request.model,
+        model, target, fairness_id, rank = self.per_request.bind_request(
+            request, waiter.tenant, request.stream
         ).labels
         return [fairness_id, rank, self.pool_name, model, target]
 

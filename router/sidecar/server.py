@@ -29,7 +29,7 @@ from router.http.session import upstream_session
 from router.rejections import PrefillForbidden, Rejection, UpstreamFailed, answer
 from router.request import COMPLETION_PATHS, client_json
 from router.sidecar.allow import PrefillAllowList, first_prefiller, format_host_port, parse_host_port
-from router.transport.tls import https
+from router.transport.tls import HTTP1_ALPN, started
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ class SidecarServer:
         stack.push_async_callback(runner.cleanup)  # runs before the session closes: streams drain first
         context = None
         if self.tls_files is not None:
-            tls = await https(*self.tls_files)
+            tls = await started(*self.tls_files, alpn=HTTP1_ALPN)
             stack.push_async_callback(tls.__aexit__)
             context = tls.context
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True, ssl_context=context)

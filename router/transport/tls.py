@@ -225,16 +225,17 @@ class ServerTls:
             shutil.rmtree(self._owned, ignore_errors=True)
 
 
-async def https(
-    cert_file: str | None, key_file: str | None, minimum_version: str = "1.2", reload_interval_s: float = 5.0
+async def started(
+    cert_file: str | None,
+    key_file: str | None,
+    minimum_version: str = "1.2",
+    reload_interval_s: float = 5.0,
+    *,
+    alpn: list[str] = ALPN,
 ) -> ServerTls:
-    """A started ``ServerTls`` for an HTTP/1.1 listener (the proxy, the sidecar): from the files,
-    or self-signed without them; the caller leaves it (``__aexit__``) when the listener stops."""
+    """A ``ServerTls`` watching its files (from the files, or self-signed without them) for a
+    listener that offers ``alpn``; the caller leaves it (``__aexit__``) when the listener stops."""
     tls = ServerTls.load(
-        cert_file,
-        key_file,
-        minimum_version=minimum_version,
-        reload_interval_s=reload_interval_s,
-        alpn=HTTP1_ALPN,
+        cert_file, key_file, minimum_version=minimum_version, reload_interval_s=reload_interval_s, alpn=alpn
     )
     return await tls.__aenter__()
