@@ -29,8 +29,6 @@ from scorers.registry import load_term
 # rollouts, so their weights and connectors are proven before traffic.
 STATIC_CHECKS = ("ranks", "revision", "kv_capacity")
 KUBERNETES_CHECKS = ("ranks", "revision", "model", "kv_capacity", "canary", "canary_pair")
-# The conformance suite's backends are echo servers: no model list, no KV capacity, no completions.
-CONFORMANCE_CHECKS = ("ranks",)
 
 
 def model_rewrites_from(config: PoolConfig, seed: int | None = None) -> ModelRewrites:
@@ -48,8 +46,6 @@ def gate_settings_from(config: PoolConfig) -> GateSettings:
     checks = (
         gate.checks
         if gate.checks is not None
-        else CONFORMANCE_CHECKS
-        if config.extproc.conformance
         else (KUBERNETES_CHECKS if config.kubernetes is not None else STATIC_CHECKS)
     )
     return GateSettings(

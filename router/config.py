@@ -676,7 +676,8 @@ class PoolConfig(_Strict):
     @classmethod
     def _conformance_defaults(cls, data: Any) -> Any:
         # The conformance suite's backends are echo servers: asked for a model nobody serves, no
-        # engine metrics. Fields the operator wrote keep their values.
+        # engine metrics, no model list or completions for the gate. Every default the switch
+        # changes is here; fields the operator wrote keep their values.
         if not isinstance(data, dict):
             return data
         extproc = data.get("extproc")
@@ -684,9 +685,13 @@ class PoolConfig(_Strict):
         if conformance is not True and not (isinstance(extproc, ExtProcConfig) and extproc.conformance):
             return data
         data = {"strict_model": False, **data}
-        scrape = data.get("scrape", {})
-        if isinstance(scrape, dict):
-            data["scrape"] = {"engine_metrics_required": False, **scrape}
+        for block, defaults in (
+            ("scrape", {"engine_metrics_required": False}),
+            ("gate", {"checks": ["ranks"]}),
+        ):
+            given = data.get(block, {})
+            if isinstance(given, dict):
+                data[block] = {**defaults, **given}
         return data
 
     @model_validator(mode="after")

@@ -62,7 +62,10 @@ def test_config_rules_are_validated_and_conformance_relaxes_the_model_check() ->
     assert [(t.model, t.weight) for t in config.model_rewrites[0].targets] == [("a", 3.0), ("b", 1.0)]
     with pytest.raises(ValueError, match="a second rule for model 'm'"):
         parse_config({**base, "model_rewrites": [rule, rule]})
-    assert parse_config({**base, "extproc": {"conformance": True}}).strict_model is False
+    switched = parse_config({**base, "extproc": {"conformance": True}})
+    assert switched.strict_model is False and switched.scrape.engine_metrics_required is False
+    assert switched.gate.checks == ["ranks"]
+    assert parse_config(base).gate.checks is None  # without the switch: by discovery
     explicit = parse_config({**base, "strict_model": True, "extproc": {"conformance": True}})
     assert explicit.strict_model is True  # what the operator wrote wins over the switch's default
 
