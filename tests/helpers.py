@@ -85,6 +85,44 @@ class DictIndex:
         self.blocks.pop(slot, None)
 
 
+class RecordingSink:
+    """A KV-event sink (what ``KVEventConsumer`` and ``EngineStream`` drive): records every call
+    in order and keeps the resulting per-engine block sets and coverage."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.blocks: dict[str, set[int]] = {}
+        self.known: dict[str, bool] = {}
+
+    def stored(self, engine: str, block_hashes: list[int], parent: int | None) -> None:
+        self.calls.append(("stored", engine, list(block_hashes), parent))
+        self.blocks.setdefault(engine, set()).update(block_hashes)
+
+    def removed(self, engine: str, block_hashes: list[int]) -> None:
+        self.calls.append(("removed", engine, list(block_hashes)))
+        self.blocks.setdefault(engine, set()).difference_update(block_hashes)
+
+    def cleared(self, engine: str) -> None:
+        self.calls.append(("cleared", engine))
+        self.blocks[engine] = set()
+
+    def covered(self, engine: str, known: bool) -> None:
+        self.calls.append(("covered", engine, known))
+        self.known[engine] = known
+
+    def kinds(self) -> list[str]:
+        return [c[0] for c in self.calls]
+
+
+def kv_payload(*events: Any, ts: float = 1.0) -> bytes:
+    """A vLLM KV-event batch of ``events``, encoded as vLLM sends it."""
+    import msgspec
+
+    from kvindex.events import KVEventBatch
+
+    return msgspec.msgpack.encode(KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0))
+
+
 def make_config(endpoints: list[dict[str, Any]], **sections: Any) -> PoolConfig:
     return parse_config({"model": "m", "endpoints": endpoints, **sections})
 

@@ -20,8 +20,8 @@ FUZZ_EXAMPLES_ENV = "FUZZ_EXAMPLES"
 def fuzz_settings(examples: int, **overrides: object) -> settings:
     """``examples`` derandomized examples in CI; ``$FUZZ_EXAMPLES`` random ones in a long local run.
 
-    No deadline (a loaded CI machine is slow, and hangs are caught by explicit time bounds in the
-    tests that care); no example database, so CI never depends on what a previous run found.
+    No deadline (a loaded CI machine is slow; speed is for the benchmarks, not the tests); no
+    example database, so CI never depends on what a previous run found.
     """
     long_run = os.environ.get(FUZZ_EXAMPLES_ENV)
     common: dict[str, object] = {

@@ -3,7 +3,7 @@
 Mappings follow the schema's shape (every section and field name, plus unknown ones) with values
 of any type (huge numbers, NaN, infinities, wrong containers); YAML documents are such mappings
 dumped and then mutated. Property: a ``PoolConfig`` or a ``ConfigError`` whose message names a
-field (``section.field: ...``), never another exception, in bounded time.
+field (``section.field: ...``), never another exception.
 
 The bugs this found in ``router/config.py`` (``--set`` errors, YAML that is not UTF-8, nested too
 deeply or refused by PyYAML's constructors, non-finite numbers, huge inputs echoed in messages)
@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-import time
 import types
 import typing
 from pathlib import Path
@@ -34,7 +33,6 @@ from fuzz import fuzz_settings
 from router.config import ConfigError, PoolConfig, load_config, parse_config
 from router.request import parse_request
 
-PARSE_BOUND_S = 1.0
 VALID = {"model": "m", "endpoints": [{"address": "10.0.0.1:8000"}]}
 
 PLAUSIBLE = ["10.0.0.1:8000", "[::1]:8000", "pod-a:80", "10.0.0.1:99999", "10.0.0.1:\u00b2", "10.0.0.1:"]
@@ -147,14 +145,10 @@ def check_outcome(data: object, outcome: PoolConfig | ConfigError) -> None:
 
 
 def parse(data: object) -> PoolConfig | ConfigError:
-    start = time.perf_counter()
     try:
-        outcome: PoolConfig | ConfigError = parse_config(data)
+        return parse_config(data)
     except ConfigError as error:
-        outcome = error
-    elapsed = time.perf_counter() - start
-    assert elapsed < PARSE_BOUND_S, f"{elapsed:.2f}s"
-    return outcome
+        return error
 
 
 @fuzz_settings(250)
@@ -203,12 +197,10 @@ def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @given(yaml_texts())
 def test_any_yaml_file_is_a_config_or_a_config_error(config_path: Path, text: str) -> None:
     config_path.write_text(text, encoding="utf-8")
-    start = time.perf_counter()
     try:
         load_config(config_path)
     except ConfigError as error:
         assert str(error).startswith(f"{config_path}: "), str(error)[:300]
-    assert time.perf_counter() - start < PARSE_BOUND_S
 
 
 # -- bugs this found in router/config.py, one reproducer each ------------------------------------------
@@ -253,16 +245,15 @@ def test_a_yaml_value_error_is_a_config_error(tmp_path: Path, content: bytes) ->
     assert str(_config_error_or_raise(lambda: load_config(path))).startswith(str(path))
 
 
-def test_an_alias_bomb_gives_a_short_error_quickly() -> None:
+def test_an_alias_bomb_gives_a_short_error() -> None:
     text = "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
     for level in range(1, 6):  # 10**6 strings through aliases, in a few hundred bytes
         text += (
             f"l{level}: &l{level} [" + ", ".join([f"*{'a' if level == 1 else f'l{level - 1}'}"] * 10) + "]\n"
         )
     data = {**VALID, "model": yaml.safe_load(text)["l5"]}
-    start = time.perf_counter()
     error = _config_error_or_raise(lambda: parse_config(data))
-    assert len(str(error)) < 10_000 and time.perf_counter() - start < PARSE_BOUND_S
+    assert len(str(error)) < 10_000
 
 
 def test_a_non_finite_number_is_refused() -> None:

@@ -6,7 +6,7 @@ arrays and maps that claim 2**32 - 1 elements, deep nesting), or random; frames 
 part count, a seq of the wrong length, and sequence numbers that repeat, jump, go back or are near
 2**64. Properties: no exception; every bad frame or batch is counted in ``stats().malformed``;
 the sink holds exactly what the documented sequence rules say; a valid batch afterwards is
-applied; each decode takes bounded time.
+applied.
 
 Example counts: fixed and derandomized for CI; ``FUZZ_EXAMPLES=<n>`` runs ``n`` random examples
 per test (see ``tests/fuzz/__init__.py``).
@@ -15,10 +15,10 @@ per test (see ``tests/fuzz/__init__.py``).
 from __future__ import annotations
 
 import asyncio
-import time
-from typing import Any
 
 import msgspec
+from helpers import RecordingSink
+from helpers import kv_payload as encode
 from hypothesis import event as note_event
 from hypothesis import given
 from hypothesis import strategies as st
@@ -34,7 +34,6 @@ from kvindex.events import (
     Cleared,
     DecodedBatch,
     EngineStream,
-    KVEventBatch,
     KVEventConsumer,
     MalformedEvent,
     Removed,
@@ -45,30 +44,18 @@ from kvindex.events import (
     seq_bytes,
 )
 
-DECODE_BOUND_S = 2.0  # one payload of at most a few hundred KB, on a loaded 2-core machine
 
-
-class Sink:
-    """The index the consumer drives: per-engine block sets and coverage."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[str, set[int]] = {}
-        self.known: dict[str, bool] = {}
+class Sink(RecordingSink):
+    """The index the consumer drives; every hash it is handed must be a valid 64-bit one."""
 
     def stored(self, engine: str, block_hashes: list[int], parent: int | None) -> None:
         for block in [*block_hashes, parent]:
             assert block is None or (type(block) is int and 0 <= block <= HASH_MASK), block
-        self.blocks.setdefault(engine, set()).update(block_hashes)
+        super().stored(engine, block_hashes, parent)
 
     def removed(self, engine: str, block_hashes: list[int]) -> None:
         assert all(type(b) is int and 0 <= b <= HASH_MASK for b in block_hashes)
-        self.blocks.setdefault(engine, set()).difference_update(block_hashes)
-
-    def cleared(self, engine: str) -> None:
-        self.blocks[engine] = set()
-
-    def covered(self, engine: str, known: bool) -> None:
-        self.known[engine] = known
+        super().removed(engine, block_hashes)
 
 
 def stored(*hashes: int | bytes, parent: int | bytes | None = None, medium: str = "GPU") -> BlockStored:
@@ -83,10 +70,6 @@ def stored(*hashes: int | bytes, parent: int | bytes | None = None, medium: str 
         extra_keys=[None] * len(hashes),
         group_idx=0,
     )
-
-
-def encode(*events: Any, ts: float = 1.0) -> bytes:
-    return msgspec.msgpack.encode(KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0))
 
 
 # vLLM-shaped batches: the two golden ones and a few more of the shapes vLLM and bridges send.
@@ -160,13 +143,10 @@ def check_decoded(batch: DecodedBatch) -> None:
 
 def decoded_or_none(payload: bytes) -> DecodedBatch | None:
     """``decode_batch``'s result, None for a payload that is no batch; nothing else is allowed."""
-    start = time.perf_counter()
     try:
         batch: DecodedBatch | None = decode_batch(payload)
     except MalformedEvent:
         batch = None
-    elapsed = time.perf_counter() - start
-    assert elapsed < DECODE_BOUND_S, f"{elapsed:.2f}s for {len(payload)} bytes"
     if batch is not None:
         check_decoded(batch)
     return batch

@@ -11,7 +11,8 @@ from typing import Any
 import msgpack
 import msgspec
 import pytest
-from helpers import eventually
+from helpers import RecordingSink, eventually
+from helpers import kv_payload as payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,34 +41,6 @@ from loadtests.sim.kv_publisher import KVEventPublisher
 U64_MAX = (1 << 64) - 1
 
 
-class RecordingSink:
-    """Records every call in order and keeps the resulting per-engine block sets."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.blocks: dict[str, set[int]] = {}
-        self.known: dict[str, bool] = {}
-
-    def stored(self, engine: str, block_hashes: list[int], parent: int | None) -> None:
-        self.calls.append(("stored", engine, list(block_hashes), parent))
-        self.blocks.setdefault(engine, set()).update(block_hashes)
-
-    def removed(self, engine: str, block_hashes: list[int]) -> None:
-        self.calls.append(("removed", engine, list(block_hashes)))
-        self.blocks.setdefault(engine, set()).difference_update(block_hashes)
-
-    def cleared(self, engine: str) -> None:
-        self.calls.append(("cleared", engine))
-        self.blocks[engine] = set()
-
-    def covered(self, engine: str, known: bool) -> None:
-        self.calls.append(("covered", engine, known))
-        self.known[engine] = known
-
-    def kinds(self) -> list[str]:
-        return [c[0] for c in self.calls]
-
-
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0
@@ -86,10 +59,6 @@ def stored(*hashes: int, parent: int | None = None, medium: str | None = "GPU") 
         medium=medium,
         lora_name=None,
     )
-
-
-def payload(*events: Any, ts: float = 1.0) -> bytes:
-    return msgspec.msgpack.encode(KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0))
 
 
 # --- golden bytes (what vLLM 0.33 writes for these two batches) ---------------------------------

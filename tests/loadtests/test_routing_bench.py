@@ -12,6 +12,7 @@ import re
 
 import aiohttp
 import pytest
+from helpers import eventually
 
 from loadtests.bench import routing
 from loadtests.sim.engine import EngineSnapshot, EngineSpec, SimCluster, SimJob, TimeModel
@@ -51,8 +52,7 @@ async def _build(
         return []
     queued = [asyncio.create_task(send(session, warm, _item(p, 1))) for p in QUEUED]
     engine = cluster.engines["warm"]
-    while engine.num_running + engine.num_waiting < len(QUEUED):
-        await asyncio.sleep(0.001)
+    await eventually(lambda: engine.num_running + engine.num_waiting >= len(QUEUED), what="all queued")
     return queued
 
 

@@ -62,10 +62,9 @@ async def test_held_requests_bind_by_priority_then_round_robin_between_tenants()
         FakeFlight(room, "sheddable", priority=-1, tenant="c"),
     ]
     tasks = []
-    for flight in flights:
+    for held, flight in enumerate(flights, 1):  # held one by one: the queue sees their arrival order
         tasks.append(asyncio.create_task(admit(control, flight)))
-        await asyncio.sleep(0)  # arrival order
-    await eventually(lambda: control.size == 6, what="all held")
+        await eventually(lambda held=held: control.size == held, what=f"{flight.name} held")
     # A new request may not overtake those of its priority that wait, even with room.
     room.free = 6
     late = FakeFlight(room, "late", tenant="b")

@@ -230,6 +230,20 @@ def reason(goaway: Frame) -> str:
     return goaway.payload[8:].decode()
 
 
+class Slices:
+    """Counts the times ``conn`` cuts a read short and gives the loop to the others (``_defer``)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.count = 0
+        original = conn._defer
+
+        def counting() -> None:
+            self.count += 1
+            original()
+
+        conn._defer = counting  # type: ignore[method-assign]
+
+
 # -- rapid reset ------------------------------------------------------------------------------------
 async def test_rapid_reset_spends_the_reset_budget_then_goaway(serve: Serve) -> None:
     env = await serve()  # the default budget: 1000 resets, refilled at 100/s
@@ -586,22 +600,14 @@ async def test_a_large_read_is_processed_in_slices_while_others_are_served(serve
     async with Checker(env) as checker:
         client = await env.connect()
         attacker = env.attacker(checker.connections)
-        slices = 0
-        original = attacker._defer
-
-        def counting() -> None:
-            nonlocal slices
-            slices += 1
-            original()
-
-        attacker._defer = counting  # type: ignore[method-assign]
+        slices = Slices(attacker)
         cheap = frame(PRIORITY, 0, 1, struct.pack(">IB", 0, 15)) * 100_000  # 1.4 MB, ignored frames
         started = now()
         await flood(client, cheap)
         assert await client.barrier() == []  # every frame processed, the connection fine
         ended = now()
         # About one slice per max_frames_per_read frames (the budget is looked at every 32 frames).
-        assert slices >= 100_000 // env.server.limits.max_frames_per_read // 2
+        assert slices.count >= 100_000 // env.server.limits.max_frames_per_read // 2
         assert checker.answered_between(started, ended) >= 1
         await checker.still_served(started)
 
@@ -613,15 +619,7 @@ async def test_the_time_budget_cuts_a_read_after_a_heavy_frame(serve: Serve) -> 
     async with Checker(env) as checker:
         client = await env.connect()
         attacker = env.attacker(checker.connections)
-        slices = 0
-        original = attacker._defer
-
-        def counting() -> None:
-            nonlocal slices
-            slices += 1
-            original()
-
-        attacker._defer = counting  # type: ignore[method-assign]
+        slices = Slices(attacker)
         blocks = [
             client.request(2 * i + 1, ECHO, end_stream=True, **{"x-pad": f"{i:04d}" * 800}) for i in range(50)
         ]
@@ -630,7 +628,7 @@ async def test_the_time_budget_cuts_a_read_after_a_heavy_frame(serve: Serve) -> 
         await client.send(*blocks)
         frames = await client.barrier()
         assert len([f for f in frames if f.kind == HEADERS and f.flags & END_STREAM]) == 50  # all served
-        assert slices >= 45  # about one turn per block: the reads were cut after every heavy frame
+        assert slices.count >= 45  # about one turn per block: the reads were cut after every heavy frame
         await checker.still_served(started)
 
 

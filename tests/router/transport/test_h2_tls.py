@@ -11,6 +11,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -83,6 +84,21 @@ async def peer_certificate(port: int, trusted: Path | None) -> tuple[bytes, str 
         writer.close()
 
 
+@contextlib.asynccontextmanager
+async def tls_server(
+    directory: Path, servers: list[H2GrpcServer], *, cleartext: bool = True, **tls_options: Any
+) -> AsyncIterator[tuple[Path, H2GrpcServer, int]]:
+    """A server on a fresh self-signed pair in ``directory``: yields (its certificate, server, port)."""
+    cert, key = self_signed(directory)
+    tls = ServerTls(cert, key, **tls_options)
+    try:
+        server, port = await serve(tls, cleartext=cleartext)
+        servers.append(server)
+        yield cert, server, port
+    finally:
+        tls.close()
+
+
 async def health_check(port: int, trusted: Path) -> int:
     credentials = grpc.ssl_channel_credentials(root_certificates=trusted.read_bytes())
     async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
@@ -108,17 +124,13 @@ async def test_grpcio_health_check_over_tls_with_a_generated_certificate(servers
 async def test_alpn_is_h2_and_a_raw_http2_client_is_served_over_tls(
     tmp_path: Path, servers: list[H2GrpcServer]
 ) -> None:
-    cert, key = self_signed(tmp_path)
-    tls = ServerTls(cert, key)
-    server, port = await serve(tls)
-    servers.append(server)
-    client = await H2Client.connect(port, tls=client_context(cert))
-    try:
-        assert client.writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2"
-        assert await liveness(client) == SERVING
-    finally:
-        await client.close()
-        tls.close()
+    async with tls_server(tmp_path, servers) as (cert, _, port):
+        client = await H2Client.connect(port, tls=client_context(cert))
+        try:
+            assert client.writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2"
+            assert await liveness(client) == SERVING
+        finally:
+            await client.close()
 
 
 async def test_a_rotated_certificate_is_shown_to_new_connections(
@@ -171,11 +183,7 @@ async def test_a_half_written_rotation_keeps_the_current_certificate(
 async def test_a_tls12_client_is_refused_when_the_minimum_is_13(
     tmp_path: Path, servers: list[H2GrpcServer]
 ) -> None:
-    cert, key = self_signed(tmp_path)
-    tls = ServerTls(cert, key, minimum_version=ssl.TLSVersion.TLSv1_3)
-    try:
-        server, port = await serve(tls)
-        servers.append(server)
+    async with tls_server(tmp_path, servers, minimum_version=ssl.TLSVersion.TLSv1_3) as (cert, _, port):
         with pytest.raises((ssl.SSLError, ConnectionResetError)):  # an alert, or the reset after it
             await asyncio.open_connection(
                 "127.0.0.1",
@@ -186,8 +194,6 @@ async def test_a_tls12_client_is_refused_when_the_minimum_is_13(
         _, alpn = await peer_certificate(port, cert)  # a TLS 1.3 client is fine
         assert alpn == "h2"
         assert await health_check(port, cert) == SERVING
-    finally:
-        tls.close()
 
 
 def test_a_certificate_without_its_key_is_a_configuration_error(tmp_path: Path) -> None:
@@ -202,32 +208,24 @@ async def test_one_port_serves_tls_and_cleartext_clients_side_by_side(
     tmp_path: Path, servers: list[H2GrpcServer]
 ) -> None:
     """A gateway configured for TLS and one configured for h2c both reach a TLS-on picker."""
-    cert, key = self_signed(tmp_path)
-    tls = ServerTls(cert, key)
-    server, port = await serve(tls)
-    servers.append(server)
-    secure = await H2Client.connect(port, tls=client_context(cert))
-    clear = await H2Client.connect(port)
-    try:
-        assert secure.writer.get_extra_info("ssl_object") is not None
-        assert clear.writer.get_extra_info("ssl_object") is None
-        assert await liveness(secure) == SERVING
-        assert await liveness(clear) == SERVING
-        assert len(server.connections) == 2
-    finally:
-        await secure.close()
-        await clear.close()
-        tls.close()
+    async with tls_server(tmp_path, servers) as (cert, server, port):
+        secure = await H2Client.connect(port, tls=client_context(cert))
+        clear = await H2Client.connect(port)
+        try:
+            assert secure.writer.get_extra_info("ssl_object") is not None
+            assert clear.writer.get_extra_info("ssl_object") is None
+            assert await liveness(secure) == SERVING
+            assert await liveness(clear) == SERVING
+            assert len(server.connections) == 2
+        finally:
+            await secure.close()
+            await clear.close()
 
 
 async def test_a_tls_only_port_closes_a_cleartext_client(
     tmp_path: Path, servers: list[H2GrpcServer], caplog: pytest.LogCaptureFixture
 ) -> None:
-    cert, key = self_signed(tmp_path)
-    tls = ServerTls(cert, key)
-    server, port = await serve(tls, cleartext=False)
-    servers.append(server)
-    try:
+    async with tls_server(tmp_path, servers, cleartext=False) as (cert, _, port):
         clear = await H2Client.connect(port, handshake=False)
         await clear.send(PREFACE)
         with contextlib.suppress(ConnectionResetError):  # closed with our preface unread: a reset
@@ -236,8 +234,6 @@ async def test_a_tls_only_port_closes_a_cleartext_client(
         secure = await H2Client.connect(port, tls=client_context(cert))
         assert await liveness(secure) == SERVING  # TLS clients are served meanwhile
         await secure.close()
-    finally:
-        tls.close()
 
 
 async def test_a_cleartext_port_tells_a_tls_client_apart(
