@@ -27,8 +27,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from loadtests.demo import DEMO_LINKS, DEMO_TIME, KV_BYTES_PER_TOKEN, demo_specs
 from loadtests.servers import envoy
 from loadtests.sim.cluster import engine_model_for, link_cost_from
@@ -65,22 +63,6 @@ def _config(endpoints: list[dict[str, Any]], time: TimeModel, port: int, extproc
     )
 
 
-async def _wait_ok(url: str, deadline_s: float) -> None:
-    """Poll ``url`` until it answers 200: the pool has admitted engines with fresh metrics."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + deadline_s
-    timeout = aiohttp.ClientTimeout(total=2.0)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        while True:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with http.get(url) as resp:
-                    if resp.status == 200:
-                        return
-            if loop.time() > deadline:
-                raise TimeoutError(f"{url} did not answer 200 within {deadline_s}s")
-            await asyncio.sleep(0.05)
-
-
 @contextlib.asynccontextmanager
 async def serve_target(
     *, port: int = 0, use_envoy: bool = False, speed: float = 1.0, workdir: Path | None = None
@@ -101,7 +83,8 @@ async def serve_target(
         if not use_envoy:
             app = await stack.enter_async_context(App(_config(endpoints, time, port, False), seed=0))
             url = f"http://127.0.0.1:{app.proxy_port}"
-            await _wait_ok(f"{url}/health", READY_DEADLINE_S)
+            # 200 once the pool has admitted engines with fresh metrics.
+            await envoy.wait_ok(f"{url}/health", READY_DEADLINE_S)
             yield Target(url, app, cluster)
             return
         prefill = [e["address"] for e in endpoints if e["role"] == "prefill"]
@@ -122,7 +105,7 @@ async def serve_target(
         await stack.enter_async_context(envoy.run_envoy(config, workdir, admin))
         url = f"http://127.0.0.1:{listen}"
         # A GET through Envoy is routed to one admitted pod: 200 means the whole path works.
-        await _wait_ok(f"{url}/v1/models", READY_DEADLINE_S)
+        await envoy.wait_ok(f"{url}/v1/models", READY_DEADLINE_S)
         yield Target(url, app, cluster)
 
 

@@ -52,7 +52,6 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 import yaml
 from aiohttp import web
@@ -160,25 +159,19 @@ def _hcm(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def extproc_config(
-    mode: str, listen: int, admin: int, router_port: int, engines: list[int], *, tls: bool = True
+    mode: str, listen: int, router_port: int, engines: list[int], *, tls: bool = True
 ) -> dict[str, Any]:
     """The example config as is (fail-open fallback to the first engine port); ``tls`` false: its
     cleartext variant."""
-    config = envoy.render(
-        mode,
-        LISTEN_PORT=listen,
-        ADMIN_PORT=admin,
-        EPP_HOST="127.0.0.1",
-        EPP_PORT=router_port,
-        FALLBACK_HOST="127.0.0.1",
-        FALLBACK_PORT=engines[0],
+    config, _, _ = envoy.in_front_of_picker(
+        mode, router_port, fallback=f"127.0.0.1:{engines[0]}", listen=listen
     )
     return config if tls else envoy.with_cleartext_to_picker(config)
 
 
-def direct_config(mode: str, listen: int, admin: int, engines: list[int]) -> dict[str, Any]:
+def direct_config(mode: str, listen: int, engines: list[int]) -> dict[str, Any]:
     """The example config without the ext_proc filter, routing to a static cluster of the engines."""
-    config = extproc_config(mode, listen, admin, 1, engines)  # EPP port unused: its cluster goes
+    config = extproc_config(mode, listen, 1, engines)  # EPP port unused: its cluster goes
     hcm = _hcm(config)
     filters = hcm["http_filters"]
     hcm["http_filters"] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
@@ -220,20 +213,6 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-async def _live(admin: int, deadline_s: float) -> None:
-    """Envoy's admin says LIVE (the direct config has no ext_proc cluster to wait for)."""
-    deadline = time.monotonic() + deadline_s
-    async with aiohttp.ClientSession() as http:
-        while True:
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"http://127.0.0.1:{admin}/ready") as resp:
-                    if resp.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"Envoy not ready within {deadline_s}s")
-            await asyncio.sleep(0.05)
-
-
 @contextlib.asynccontextmanager
 async def run_envoy(
     config: dict[str, Any], workdir: Path, concurrency: int, cpus: set[int] | None, *, extproc: bool
@@ -257,7 +236,8 @@ async def run_envoy(
             if extproc:
                 await envoy.wait_ready(f"http://127.0.0.1:{admin}", 30.0)
             else:
-                await _live(admin, 30.0)
+                # LIVE is enough: the direct config has no ext_proc cluster to wait for.
+                await envoy.wait_ok(f"http://127.0.0.1:{admin}/ready", 30.0)
             yield Envoy(proc, listen)
         finally:
             proc.terminate()
@@ -362,13 +342,12 @@ async def collect(args: argparse.Namespace, engines: list[int], routers: dict[st
                 async with contextlib.AsyncExitStack() as stack:
                     envoys: dict[str, Envoy] = {}
                     for path in PATHS:
-                        free = envoy.free_port
-                        listen, admin = free(), free()
+                        listen = envoy.free_port()
                         if path == "direct":
-                            config = direct_config(mode, listen, admin, engines)
+                            config = direct_config(mode, listen, engines)
                         else:
                             tls = ROUTERS[path][1]
-                            config = extproc_config(mode, listen, admin, routers[path].port, engines, tls=tls)
+                            config = extproc_config(mode, listen, routers[path].port, engines, tls=tls)
                         envoys[path] = await stack.enter_async_context(
                             run_envoy(config, workdir, ec, envoy_cpus, extproc=path != "direct")
                         )

@@ -42,6 +42,9 @@ from typing import Any
 
 import hpack
 
+from loadtests.bench.proxy import _run
+from loadtests.workloads.client import percentile
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 3, 4, 6, 7, 8, 9
 END_STREAM = ACK = 0x1
@@ -119,17 +122,20 @@ class Raw:
         reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
         raw = cls(reader, writer)
         await raw.send(PREFACE + settings(client_settings))
-        while handshake:
+        if not handshake:
+            return raw
+        for _ in range(100):  # its SETTINGS come first or nearly: a handful of frames at most
             got = await raw.read_frame(5.0)
             if got is None:
                 raise ConnectionError("closed during the handshake")
             if got.kind == SETTINGS and not got.flags & ACK:
                 await raw.send(frame(SETTINGS, ACK, 0))
                 with contextlib.suppress(TimeoutError):  # the window update sent with them
-                    while await raw.read_frame(0.05) is not None:
-                        pass
-                handshake = False
-        return raw
+                    for _ in range(100):
+                        if await raw.read_frame(0.05) is None:
+                            break
+                return raw
+        raise ConnectionError("no SETTINGS in the server's first 100 frames")
 
     async def send(self, data: bytes) -> bool:
         """Write and drain; False once the server has closed on us."""
@@ -200,15 +206,15 @@ class Outcome:
         return f"{said}, {state}"
 
 
-async def outcome_of(raw: Raw, started: float, quiet_s: float = 1.0) -> Outcome:
-    """Read what the server sends until it closes, or until ``quiet_s`` passes with nothing."""
+async def outcome_of(raw: Raw, started: float, quiet_s: float = 1.0, limit_s: float = 60.0) -> Outcome:
+    """Read what the server sends until it closes, until ``quiet_s`` passes with nothing, or for at
+    most ``limit_s`` from ``started`` (a server that never stops sending: still open)."""
     result = Outcome()
-    while True:
+    while time.monotonic() - started < limit_s:
         try:
             got = await raw.read_frame(quiet_s)
         except TimeoutError:
-            result.after_s = time.monotonic() - started
-            return result
+            break
         if got is None:
             result.closed = True
             result.after_s = time.monotonic() - started
@@ -217,6 +223,8 @@ async def outcome_of(raw: Raw, started: float, quiet_s: float = 1.0) -> Outcome:
         if got.kind == GOAWAY:
             code = _U32.unpack_from(got.payload, 4)[0]
             result.goaway = (ERRORS.get(code, hex(code)), got.payload[8:].decode(errors="replace"))
+    result.after_s = time.monotonic() - started
+    return result
 
 
 def _kind_name(got: Frame) -> str:
@@ -308,15 +316,6 @@ def checker_main(conn: Connection, port: int, interval_s: float) -> None:
     _run(main())
 
 
-def _run(coro: Awaitable[None]) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)  # type: ignore[arg-type]
-        return
-    uvloop.run(coro)  # type: ignore[arg-type]
-
-
 class Child:
     def __init__(self, target: Callable[..., None], *args: Any) -> None:
         context = mp.get_context("spawn")  # a clean interpreter: no inherited loop or sockets
@@ -398,6 +397,16 @@ class RssWatch:
 AttackFn = Callable[[int, argparse.Namespace], Awaitable[tuple[str, str, float]]]
 
 
+async def flood(raw: Raw, wire: bytes) -> tuple[str, Outcome, float]:
+    """Send ``wire`` (as much as the server takes), read what it then does with the connection,
+    close it: (how much was written, the outcome, when the sending started)."""
+    started = time.monotonic()
+    written = await raw.flood(wire)
+    outcome = await outcome_of(raw, started)
+    raw.close()
+    return _share(written, len(wire)), outcome, started
+
+
 async def rapid_reset(port: int, args: argparse.Namespace) -> tuple[str, str, float]:
     """CVE-2023-44487: open a stream and reset it at once, 20,000 times, in one stream of bytes."""
     raw = await Raw.connect(port)
@@ -408,12 +417,8 @@ async def rapid_reset(port: int, args: argparse.Namespace) -> tuple[str, str, fl
         + frame(RST_STREAM, 0, sid, _U32.pack(CANCEL))
         for sid in range(1, 2 * count, 2)
     )
-    started = time.monotonic()
-    written = await raw.flood(wire)
-    outcome = await outcome_of(raw, started)
-    raw.close()
-    sent = f"{count:,} × (HEADERS + RST_STREAM), {_share(written, len(wire))}"
-    return sent, outcome.describe(), started
+    share, outcome, started = await flood(raw, wire)
+    return f"{count:,} × (HEADERS + RST_STREAM), {share}", outcome.describe(), started
 
 
 async def continuation_flood(port: int, args: argparse.Namespace) -> tuple[str, str, float]:
@@ -421,12 +426,9 @@ async def continuation_flood(port: int, args: argparse.Namespace) -> tuple[str, 
     raw = await Raw.connect(port)
     count = 200_000
     wire = frame(HEADERS, 0, 1, raw.encoder.encode(request_headers(ECHO))) + frame(CONTINUATION, 0, 1) * count
-    started = time.monotonic()
-    written = await raw.flood(wire)
-    outcome = await outcome_of(raw, started)
-    raw.close()
+    share, outcome, started = await flood(raw, wire)
     return (
-        f"HEADERS + {count:,} empty CONTINUATION, {_share(written, len(wire))}",
+        f"HEADERS + {count:,} empty CONTINUATION, {share}",
         outcome.describe(),
         started,
     )
@@ -437,12 +439,9 @@ async def huge_headers(port: int, args: argparse.Namespace) -> tuple[str, str, f
     raw = await Raw.connect(port)
     block = raw.encoder.encode(request_headers(ECHO, **{"x-big": "a" * 1_280_000}))  # ~800 KB Huffman-coded
     wire = frame(HEADERS, END_HEADERS, 1, block)
-    started = time.monotonic()
-    written = await raw.flood(wire)
-    outcome = await outcome_of(raw, started)
-    raw.close()
+    share, outcome, started = await flood(raw, wire)
     return (
-        f"one {len(block) / 1000:.0f} KB HEADERS frame, {_share(written, len(wire))}",
+        f"one {len(block) / 1000:.0f} KB HEADERS frame, {share}",
         outcome.describe(),
         started,
     )
@@ -453,13 +452,10 @@ async def settings_flood(port: int, args: argparse.Namespace) -> tuple[str, str,
     raw = await Raw.connect(port)
     count = 100_000
     wire = settings() * count
-    started = time.monotonic()
-    written = await raw.flood(wire)
-    outcome = await outcome_of(raw, started)
-    raw.close()
+    share, outcome, started = await flood(raw, wire)
     acks = outcome.frames["SETTINGS ACK"]
     return (
-        f"{count:,} SETTINGS, {_share(written, len(wire))}",
+        f"{count:,} SETTINGS, {share}",
         f"{outcome.describe()}; {acks:,} ACKs",
         started,
     )
@@ -470,12 +466,9 @@ async def ping_flood(port: int, args: argparse.Namespace) -> tuple[str, str, flo
     raw = await Raw.connect(port)
     count = 100_000
     wire = frame(PING, 0, 0, b"pingpong") * count
-    started = time.monotonic()
-    written = await raw.flood(wire)
-    outcome = await outcome_of(raw, started)
-    raw.close()
+    share, outcome, started = await flood(raw, wire)
     acks = outcome.frames["PING ACK"]
-    return f"{count:,} PINGs, {_share(written, len(wire))}", f"{outcome.describe()}; {acks:,} ACKs", started
+    return f"{count:,} PINGs, {share}", f"{outcome.describe()}; {acks:,} ACKs", started
 
 
 async def zero_window(port: int, args: argparse.Namespace) -> tuple[str, str, float]:
@@ -485,12 +478,13 @@ async def zero_window(port: int, args: argparse.Namespace) -> tuple[str, str, fl
     streams, size = 200, 200_000
     message = grpc_message(b"z" * (size - 5))
     started = time.monotonic()
+    deadline = started + 120.0  # a server that keeps sending frames but never grants a window
     accepted = 0
     for index in range(streams):
         stream_id = 2 * index + 1
         await raw.send(frame(HEADERS, END_HEADERS, stream_id, raw.encoder.encode(request_headers(ECHO))))
         position = 0
-        while position < len(message):
+        while position < len(message) and time.monotonic() < deadline:
             allowed = min(raw.conn_window, raw.window_of(stream_id), 16_384, len(message) - position)
             if allowed <= 0:
                 try:  # wait for the server to grant more
@@ -513,7 +507,7 @@ async def zero_window(port: int, args: argparse.Namespace) -> tuple[str, str, fl
     await raw.send(settings({SETTINGS_INITIAL_WINDOW_SIZE: MAX_WINDOW}))
     await raw.send(frame(WINDOW_UPDATE, 0, 0, _U32.pack(MAX_WINDOW - 65_535)))
     echoed, data = 0, 0
-    while echoed < accepted:
+    while echoed < accepted and time.monotonic() < deadline + 60.0:
         try:
             got = await raw.read_frame(5.0)
         except TimeoutError:
@@ -627,7 +621,7 @@ async def run_one(name: str, args: argparse.Namespace) -> tuple[Row, str]:
         during = [(lat, ok) for start, lat, ok in samples if start <= until and start + lat >= started]
         latencies = sorted(lat * 1000 for lat, _ in during)
         unanswered = sum(not ok for _, ok in during)
-        p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else float("nan")
+        p99 = percentile(latencies, 0.99)
         worst = latencies[-1] if latencies else float("nan")
         return Row(label, sent, outcome, len(latencies), p99, worst, unanswered, growth), source
     finally:

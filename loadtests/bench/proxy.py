@@ -49,6 +49,8 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
+from loadtests.workloads.client import percentile
+
 MODEL = "sim-model"
 SSE_CHUNKS = 8
 GAP_HEADER = "x-null-gap-ms"
@@ -292,8 +294,7 @@ class Cell:
     errors: int = 0
 
     def pct(self, q: float, values: list[float] | None = None) -> float:
-        data = sorted(self.latencies if values is None else values)
-        return data[min(len(data) - 1, int(q * len(data)))] if data else float("nan")
+        return percentile(self.latencies if values is None else values, q)
 
 
 async def drive(

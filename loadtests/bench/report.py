@@ -26,8 +26,8 @@ Every benchmark is bounded by its own request counts and timeouts; this adds non
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import math
@@ -35,15 +35,14 @@ import os
 import platform
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from loadtests.bench import envoy as envoy_bench
 from loadtests.bench import pick as pick_bench
@@ -54,7 +53,6 @@ from loadtests.workloads.client import Result, Summary
 
 REPO = Path(__file__).resolve().parents[2]
 MS = 1000.0
-T = TypeVar("T")
 OVERHEADS = ("pick", "proxy", "envoy")
 
 
@@ -237,14 +235,6 @@ def kept_affinity() -> Iterator[None]:
         if cpus is not None:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, cpus)
-
-
-def _loop_run(coro: Awaitable[T]) -> T:
-    try:
-        import uvloop  # optional, as in the router CLI and the routing bench
-    except ImportError:
-        return asyncio.run(coro)  # type: ignore[arg-type]
-    return uvloop.run(coro)  # type: ignore[arg-type]
 
 
 def _section(report: Report, name: str, fn: Callable[[], None]) -> None:
@@ -527,12 +517,6 @@ def headline(report: Report) -> list[str]:
     return table(headers, rows, [False, True, False, True, True, True, True, True])
 
 
-def _envoy_median(samples: list[envoy_bench.Sample], attr: str) -> float:
-    values = [getattr(s, attr) for s in samples]
-    values = [v for v in values if v == v]
-    return statistics.median(values) if values else float("nan")
-
-
 def proxy_table(results: proxy_bench.ProxyResults) -> list[str]:
     rows = []
     for cell in results.cells:
@@ -582,10 +566,10 @@ def envoy_table(results: envoy_bench.Results) -> list[str]:
     )
     for mode, ec, load in cells:
         base = results[(mode, ec, "direct", load)]
-        b50, b99, brps = (_envoy_median(base, a) for a in ("p50", "p99", "rps"))
+        b50, b99, brps = (envoy_bench._median(base, a) for a in ("p50", "p99", "rps"))
         for path in envoy_bench.PATHS[1:]:
             samples = results[(mode, ec, path, load)]
-            p50, p99, rps = (_envoy_median(samples, a) for a in ("p50", "p99", "rps"))
+            p50, p99, rps = (envoy_bench._median(samples, a) for a in ("p50", "p99", "rps"))
             errors = sum(s.errors for s in samples) + sum(s.errors for s in base)
             rows.append(
                 [
@@ -602,7 +586,7 @@ def envoy_table(results: envoy_bench.Results) -> list[str]:
                     _f(brps, 0),
                     _f(rps, 0),
                     _x(_ratio(rps, brps)),
-                    _f(_envoy_median(samples, "router_ms"), 3),
+                    _f(envoy_bench._median(samples, "router_ms"), 3),
                 ]
             )
     headers = [
@@ -933,7 +917,7 @@ def _overhead_section(report: Report) -> list[str]:
 def build(args: argparse.Namespace, argv: list[str]) -> Report:
     sizes = QUICK if args.quick else FULL
     if args.requests:
-        sizes = Sizes(**{**sizes.__dict__, "requests": args.requests})
+        sizes = dataclasses.replace(sizes, requests=args.requests)
     tm = TimeModel(speed=1.0)
     contention = Contention()
     report = Report(dt.datetime.now(dt.UTC), argv, args.quick, sizes, tm)
@@ -941,7 +925,7 @@ def build(args: argparse.Namespace, argv: list[str]) -> Report:
     overheads = [o for o in args.overhead.split(",") if o]
 
     def do_routing() -> None:
-        report.scenarios = _loop_run(
+        report.scenarios = proxy_bench._client_run(
             run_routing(args.scenarios, args.policies, sizes, tm, args.seed, args.misconfigure)
         )
 

@@ -62,7 +62,7 @@ import numpy as np
 
 from loadtests.sim.cluster import engine_model_for, link_cost_from
 from loadtests.sim.engine import EngineSnapshot, EngineSpec, SimCluster, SimEngine, SimJob, TimeModel
-from loadtests.workloads.client import Summary, run_workload, send
+from loadtests.workloads.client import Summary, percentile, run_workload, send
 from loadtests.workloads.generate import Phase, WorkItem, Workload, multi_turn, phased, shared_prefix
 from router.app import App
 from router.config import LinksConfig, PoolConfig, parse_config
@@ -864,13 +864,6 @@ def _ratio(value: float, bounds: Sequence[float]) -> str:
     return f"{value:.2f}"
 
 
-def _quantiles(values: Sequence[float], qs: Sequence[float]) -> list[float]:
-    ordered = sorted(values)
-    if not ordered:
-        return [float("nan")] * len(qs)
-    return [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in qs]
-
-
 def _busy(run: Run) -> str:
     b = run.busy
     if "prefill" in b or "decode" in b:
@@ -960,8 +953,8 @@ def _prediction_errors(runs: list[Run]) -> list[str]:
                 for r in run.summary.ok
                 if predicted.get(r.request_id, 0.0) > 0
             ]
-            q10, q50, q90 = _quantiles(ratios, (0.1, 0.5, 0.9))
-            p50, p99 = _quantiles(run.reference.pick_s, (0.5, 0.99))
+            q10, q50, q90 = (percentile(ratios, q) for q in (0.1, 0.5, 0.9))
+            p50, p99 = (percentile(run.reference.pick_s, q) for q in (0.5, 0.99))
             out.append(
                 f"  reference: observed (client) / predicted TTFT p10 {q10:.2f}, p50 {q50:.2f}, "
                 f"p90 {q90:.2f} ({len(ratios)}); its pick takes p50 {p50 * MS:.2f} ms, "

@@ -48,7 +48,7 @@ from loadtests.bench.routing import KV_BYTES_PER_TOKEN
 from loadtests.servers import envoy
 from loadtests.sim.cluster import engine_model_for
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from loadtests.workloads.client import Result, run_workload
+from loadtests.workloads.client import Result, percentile, run_workload
 from loadtests.workloads.generate import Workload, shared_prefix
 from router.app import App
 from router.config import parse_config
@@ -94,13 +94,6 @@ def outcome(result: Result) -> str:
         if code in result.error:
             return f"stream:{code}"
     return f"stream:{result.error[:60]}"
-
-
-def p99(values: Sequence[float]) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 @dataclass
@@ -244,7 +237,7 @@ async def _sampler(soak: Soak, app: App, t0: float, path: str, window: list[Done
                 path,
                 len(ok),
                 len(batch) - len(ok),
-                p99(ok) * MS,
+                percentile(ok, 0.99) * MS,
                 rss_mb(),
                 app.pool.outstanding,
             )
@@ -396,7 +389,7 @@ def report(soak: Soak, window_s: float = 60.0) -> list[str]:
             failed = [d for d in reqs if d.outcome != "ok"]
             clean = [d for d in reqs if not soak.in_fault(d)]
             clean_failed = [d for d in clean if d.outcome != "ok"]
-            q = p99([d.ttft_s for d in clean if d.outcome == "ok"]) * MS
+            q = percentile([d.ttft_s for d in clean if d.outcome == "ok"], 0.99) * MS
             ticks = [t for t in soak.ticks if t.path == path and a < t.t_s <= b + 0.5]
             rss = ticks[-1].rss_mb if ticks else float("nan")
             outst = max((t.outstanding for t in ticks), default=0)
@@ -415,7 +408,7 @@ def report(soak: Soak, window_s: float = 60.0) -> list[str]:
                 for d in soak.requests
                 if d.path == path and a <= d.sent_s < b and d.outcome == "ok" and not soak.in_fault(d)
             ]
-            return p99(ok) * MS
+            return percentile(ok, 0.99) * MS
 
         first, last = clean_p99(start, start + span), clean_p99(end - span, end)
         drift = last / first if first > 0 else math.nan
@@ -498,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace-s", type=float, default=1.0, help="a fault's window extends this long")
     parser.add_argument("--window", type=float, default=60.0, help="table window, seconds")
     args = parser.parse_args(argv)
+    for name in ("minutes", "rate", "fault_every", "fault_s", "window"):
+        if getattr(args, name) <= 0:  # a fault every 0 s would never let a phase end
+            parser.error(f"--{name.replace('_', '-')} must be above 0")
     paths = ["proxy", "envoy"] if args.path == "both" else [args.path]
     logging.basicConfig(level=logging.ERROR)
     try:

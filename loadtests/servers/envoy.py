@@ -67,6 +67,21 @@ def with_cleartext_to_picker(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+async def wait_ok(url: str, deadline_s: float) -> None:
+    """Poll ``url`` until it answers 200 (each try at most 2 s); TimeoutError after ``deadline_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            if loop.time() > deadline:
+                raise TimeoutError(f"{url} did not answer 200 within {deadline_s}s")
+            await asyncio.sleep(0.05)
+
+
 async def wait_ready(admin: str, deadline_s: float) -> None:
     """Poll Envoy's admin until it is LIVE and the ext_proc cluster passed its health check."""
     loop = asyncio.get_running_loop()

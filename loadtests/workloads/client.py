@@ -6,7 +6,7 @@ import asyncio
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -33,6 +33,12 @@ class Result:
     request_id: str = ""  # the X-Request-Id the router answered with (matches its pick)
 
 
+def percentile(values: Iterable[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0..1) of ``values``; NaN when there are none."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
 @dataclass(slots=True)
 class Summary:
     name: str
@@ -44,10 +50,7 @@ class Summary:
         return [r for r in self.results if r.ok]
 
     def pct(self, attr: str, q: float) -> float:
-        values = sorted(getattr(r, attr) for r in self.ok if getattr(r, attr) == getattr(r, attr))
-        if not values:
-            return float("nan")
-        return values[min(len(values) - 1, int(q * len(values)))]
+        return percentile([getattr(r, attr) for r in self.ok if getattr(r, attr) == getattr(r, attr)], q)
 
     def median(self, attr: str) -> float:
         values = [getattr(r, attr) for r in self.ok if getattr(r, attr) == getattr(r, attr)]

@@ -7,8 +7,9 @@ policies can be fed exactly the same requests at exactly the same times.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,10 +176,25 @@ class Phase:
     max_tokens: int = 32
     max_tokens_high: int | None = None
 
+    @property
+    def end_rate(self) -> float:
+        return self.rate if self.rate_end is None else self.rate_end
+
     def rate_at(self, t: float) -> float:
         """Requests/s at ``t`` seconds into the phase."""
-        end = self.rate if self.rate_end is None else self.rate_end
-        return self.rate + (end - self.rate) * min(1.0, max(0.0, t / self.duration_s))
+        return self.rate + (self.end_rate - self.rate) * min(1.0, max(0.0, t / self.duration_s))
+
+    def arrivals(self, rng: random.Random, scale: float = 1.0) -> Iterator[float]:
+        """Offsets into the phase of Poisson arrivals at ``scale`` × its rate (by thinning), in order.
+        The caller may draw from ``rng`` between two of them (the sequence stays seeded)."""
+        peak = scale * max(self.rate, self.end_rate)
+        t = 0.0
+        while peak > 0:
+            t += rng.expovariate(peak)
+            if t >= self.duration_s:
+                return
+            if rng.random() * peak <= scale * self.rate_at(t):  # else thinned: the rate here is lower
+                yield t
 
 
 def phase_arrivals(rng: random.Random, n: int, phases: Sequence[Phase], *, scale: float = 1.0) -> list[float]:
@@ -187,24 +203,21 @@ def phase_arrivals(rng: random.Random, n: int, phases: Sequence[Phase], *, scale
     cycle = sum(p.duration_s for p in phases)
     if n <= 0:
         return []
-    if not phases or cycle <= 0 or max(max(p.rate, p.rate_end or 0.0) for p in phases) <= 0:
+    if not phases or cycle <= 0 or scale <= 0 or max(max(p.rate, p.end_rate) for p in phases) <= 0:
         raise ValueError("phase_arrivals needs phases with a positive duration and rate")
+    # Bounded: ten times the cycles the expected arrivals per cycle need (and at least 1,000).
+    expected = scale * sum(p.duration_s * (p.rate + p.end_rate) / 2 for p in phases)
+    cycles = max(1000, math.ceil(10 * n / expected)) if expected > 0 else 1000
     out: list[float] = []
     start = 0.0
-    while True:
+    for _ in range(cycles):
         for phase in phases:
-            peak = scale * max(phase.rate, phase.rate if phase.rate_end is None else phase.rate_end)
-            t = 0.0
-            while peak > 0:
-                t += rng.expovariate(peak)
-                if t >= phase.duration_s:
-                    break
-                if rng.random() * peak > scale * phase.rate_at(t):
-                    continue  # thinned: the rate here is below the peak
+            for t in phase.arrivals(rng, scale):
                 out.append(start + t)
                 if len(out) == n:
                     return out
             start += phase.duration_s
+    raise ValueError(f"phase_arrivals: {len(out)} of {n} arrivals after {start:g} s of phases")
 
 
 def phased(
@@ -218,14 +231,7 @@ def phased(
     items = []
     start = 0.0
     for phase in phases:
-        peak = max(phase.rate, phase.rate if phase.rate_end is None else phase.rate_end)
-        t = 0.0
-        while peak > 0:
-            t += rng.expovariate(peak)
-            if t >= phase.duration_s:
-                break
-            if rng.random() * peak > phase.rate_at(t):
-                continue  # thinned: the rate here is below the peak
+        for t in phase.arrivals(rng):
             group = rng.randrange(phase.n_prefixes) if phase.shared_tokens else -1
             shared = prefixes[group][: phase.shared_tokens * 4] if phase.shared_tokens else ""
             prompt = shared + "\nQuestion: " + _text(rng, max(1, phase.prompt_tokens - phase.shared_tokens))
