@@ -76,7 +76,7 @@ class GroupRecord:
     failures: int = 0  # consecutive, for the backoff
     retry_at: float = 0.0
     barrier_at: float | None = None  # all ranks Ready (this epoch)
-    admitted_at: float | None = None
+    admitted_at: float | None = None  # the last admission of this epoch (None before the first)
     seen_unready: bool = False  # this epoch was first seen before every rank was Ready
     drain_deadline: float | None = None
     drained: bool = False
@@ -311,6 +311,9 @@ class GroupController:
             record.state = GroupState.DISCOVERED
             return
         now = self.clock()
+        # Only an epoch's first admission measures a start-up: a re-admission after a flap, a
+        # drain or a re-gate would report the epoch's whole age, not how long a replica takes.
+        first = record.admitted_at is None
         record.state = GroupState.ADMITTED
         record.failures = 0
         record.reason = None
@@ -318,7 +321,7 @@ class GroupController:
         slots = self._slots(record)
         if slots:
             self.pool.admitted[slots] = True
-        if self.observer is not None:
+        if self.observer is not None and first:
             self.observer.registered(now - record.discovered_at)
             if record.seen_unready:
                 self.observer.ready_time(now - record.discovered_at)

@@ -193,3 +193,59 @@ async def test_admin_drain_undrain_and_regate(setup) -> None:
     await eventually(lambda: admitted(pool) == {"g-0"}, 2, "admitted after re-gate")
     view = control.view()["groups"][0]
     assert view["state"] == "admitted" and view["epoch"] == 1 and view["checks"][0]["ok"]
+
+
+class Recorder:
+    """The control observer's timing reports, as lists of seconds."""
+
+    def __init__(self) -> None:
+        self.ready_times: list[float] = []
+        self.registrations: list[float] = []
+
+    def check(self, result: CheckResult) -> None: ...
+
+    def barrier(self, seconds: float) -> None: ...
+
+    def registered(self, seconds: float) -> None:
+        self.registrations.append(seconds)
+
+    def ready_time(self, seconds: float) -> None:
+        self.ready_times.append(seconds)
+
+    def failed(self, check: str) -> None: ...
+
+
+async def test_only_an_epochs_first_admission_is_a_start_up_time() -> None:
+    """A flap, a drain or a re-gate re-admits the same epoch later: that is not how long a replica
+    takes to start, and it must not stretch the horizon the autoscaler plans over."""
+    pool, gate, clock = Pool(stale_after_s=1e9), ScriptedGate(), Clock()
+    recorder = Recorder()
+    control = GroupController(pool, gate, clock=clock, observer=recorder)  # type: ignore[arg-type]
+    control.apply([group(rank("g-0", 0), rank("g-1", 1, ready=False))])  # seen before it was Ready
+    clock.now += 0.7
+    control.apply([group(rank("g-0", 0), rank("g-1", 1))])
+    gate.passes("g")
+    await eventually(lambda: admitted(pool) == {"g-0"}, 2, "admitted")
+    assert recorder.ready_times == [pytest.approx(0.7)] and recorder.registrations == [pytest.approx(0.7)]
+    clock.now += 15.0
+    control.apply([group(rank("g-0", 0), rank("g-1", 1, ready=False))])  # a flap
+    control.apply([group(rank("g-0", 0), rank("g-1", 1))])
+    gate.passes("g")
+    await eventually(lambda: admitted(pool) == {"g-0"}, 2, "admitted after the flap")
+    clock.now += 5.0
+    control.drain("g")
+    control.undrain("g")
+    gate.passes("g")
+    await eventually(lambda: admitted(pool) == {"g-0"}, 2, "admitted after the drain")
+    control.regate("g")
+    gate.passes("g")
+    await eventually(lambda: admitted(pool) == {"g-0"}, 2, "admitted after the re-gate")
+    assert recorder.ready_times == [pytest.approx(0.7)] and recorder.registrations == [pytest.approx(0.7)]
+    # A new epoch (a rank replaced) is a start-up again.
+    clock.now += 1.0
+    control.apply([group(rank("g-0", 0), rank("g-1", 1, uid="uid-new", ready=False))])
+    clock.now += 1.3
+    control.apply([group(rank("g-0", 0), rank("g-1", 1, uid="uid-new"))])
+    gate.passes("g")
+    await eventually(lambda: admitted(pool) == {"g-0"}, 2, "the new epoch admitted")
+    assert recorder.ready_times == [pytest.approx(0.7), pytest.approx(1.3)]
