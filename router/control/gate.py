@@ -10,10 +10,13 @@ ever talk to the addresses discovery reported for the group being gated.
 * ``kv_capacity`` — ``/metrics`` scrapes and reports a KV capacity (``vllm:cache_config_info``).
 * ``canary`` — a minimal completion (``max_tokens`` ≤ 2) on the group's serving address; at most
   one per group epoch per ``canary_min_interval_s`` (a new epoch's first canary is not held back).
-* ``canary_pair`` — for P/D, the real prefill → decode exchange (``kv_transfer_params``) with one
-  admitted peer of the other role: a KV connector that only works one way fails. A decode group
-  without an admitted prefill peer skips it (it can serve alone); a prefill group waits for an
-  admitted decode peer (it is only ever used in a pair), so decode pods are admitted first.
+* ``canary_pair`` — for P/D, the real prefill → decode exchange (``kv_transfer_params``) with a
+  peer of the other role that real traffic could use (the pool's candidate mask: admitted, fresh,
+  not ejected): a KV connector that only works one way fails. A decode group without such a peer
+  skips it (it can serve alone); a prefill group waits for a decode peer (it is only ever used in
+  a pair), so decode pods are admitted first. When the pair fails and the peer cannot answer a
+  canary on its own either, the peer failed, not the group: the next peer is tried, and no
+  failed canary is charged to the group's pacing.
 * ``kv_events`` — precise mode: the engine's KV-event stream is complete (``kv_covered``).
 """
 
@@ -33,9 +36,9 @@ from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
 from router.observe.scrape import ScrapeError, Scraper
 from router.pool import Pool
 
-CANARY_HEADER = "x-pd-router-canary"
+CANARY_HEADER = "x-pd-router-canary"  # engines (and their logs) can tell a canary from traffic
 MAX_ANSWER_BYTES = 1 << 20  # what the gate reads of an engine's answer
-MAX_ANSWER_BYTES = 1 << 20  # engines (and their logs) can tell a canary from traffic
+MAX_PAIR_PEERS = 3  # peers a pair canary tries before it gives up for this run
 
 
 class GateFailed(Exception):
@@ -158,10 +161,7 @@ class Gate:
         recent = await self._pace(group, "canary")
         if recent is not None:
             return recent
-        body = {"model": self.settings.model, "prompt": "ping", "max_tokens": self.settings.canary_max_tokens}
-        headers = {"content-type": "application/json", CANARY_HEADER: "1"}
-        what = f"canary to {address}"
-        payload = await self._request("POST", address, "/v1/completions", what, orjson.dumps(body), headers)
+        payload = await self._ping(address, f"canary to {address}")
         if not _has_choices(payload):
             raise GateFailed(f"canary to {address} answered without choices")
         self._passed(group, "canary")
@@ -173,14 +173,9 @@ class Gate:
             return "not a P/D role: skipped"
         address = _serving(group)[0]
         own = "prefill" if "prefill" in roles else "decode"
-        peer = self._admitted_peer("decode" if own == "prefill" else "prefill", exclude=group.key)
-        if peer is None:
-            # A decode pod can serve on its own (local prefill); a prefill pod is only ever useful
-            # in a pair, so it waits for a decode peer to prove its connector against.
-            if own == "prefill":
-                raise GateFailed("no admitted decode peer to run the pair canary with yet")
-            return "no admitted prefill peer yet: skipped"
-        prefill, decode = (address, peer) if own == "prefill" else (peer, address)
+        peers = self._peers("decode" if own == "prefill" else "prefill", exclude=group.key)
+        if not peers:
+            return self._no_peer(own)
         recent = await self._pace(group, "canary_pair")
         if recent is not None:
             return recent
@@ -190,15 +185,43 @@ class Gate:
             "max_tokens": self.settings.canary_max_tokens,
         }
         leg = Leg("/v1/completions", {CANARY_HEADER: "1"})
+        for peer in peers[:MAX_PAIR_PEERS]:
+            prefill, decode = (address, peer) if own == "prefill" else (peer, address)
+            try:
+                params, _ = await self.exchange.prefill(prefill, leg, body)
+                answer = await self._decode_once(decode, leg, decode_body(body, params))
+            except UpstreamError as exc:
+                failure = f"pair {prefill} -> {decode}: {exc.reason}"
+            else:
+                if _has_choices(answer):
+                    self._passed(group, "canary_pair")
+                    return f"pair {prefill} -> {decode}"
+                failure = f"pair {prefill} -> {decode}: the decode leg answered without choices"
+            # A peer that cannot answer on its own failed the pair, not this group: try the next.
+            if await self._answers_alone(peer):
+                raise GateFailed(failure)
+        # Every peer tried was down: no verdict on this group, and no canary charged to it.
+        self._forget(group, "canary_pair")
+        return self._no_peer(own)
+
+    def _no_peer(self, own: str) -> str:
+        # A decode pod can serve on its own (local prefill); a prefill pod is only ever useful
+        # in a pair, so it waits for a decode peer to prove its connector against.
+        if own == "prefill":
+            raise GateFailed("no healthy decode peer to run the pair canary with yet")
+        return "no healthy prefill peer yet: skipped"
+
+    async def _answers_alone(self, address: str) -> bool:
         try:
-            params, _ = await self.exchange.prefill(prefill, leg, body)
-            answer = await self._decode_once(decode, leg, decode_body(body, params))
-        except UpstreamError as exc:
-            raise GateFailed(f"pair {prefill} -> {decode}: {exc.reason}") from None
-        if not _has_choices(answer):
-            raise GateFailed(f"pair {prefill} -> {decode}: the decode leg answered without choices")
-        self._passed(group, "canary_pair")
-        return f"pair {prefill} -> {decode}"
+            return _has_choices(await self._ping(address, f"peer {address}"))
+        except GateFailed:
+            return False
+
+    async def _ping(self, address: str, what: str) -> bytes:
+        """A minimal completion marked as a canary; anything but a 200 is a ``GateFailed``."""
+        body = {"model": self.settings.model, "prompt": "ping", "max_tokens": self.settings.canary_max_tokens}
+        headers = {"content-type": "application/json", CANARY_HEADER: "1"}
+        return await self._request("POST", address, "/v1/completions", what, orjson.dumps(body), headers)
 
     async def _kv_events(self, group: GroupSpec) -> str:
         slots = [self.pool.slot_by_address[a] for a in _serving(group) if a in self.pool.slot_by_address]
@@ -258,18 +281,25 @@ class Gate:
     def _passed(self, group: GroupSpec, kind: str) -> None:
         self._last_canary[f"{kind}\0{group.key}\0{group.fingerprint()}"] = (self.clock(), True)
 
-    def _admitted_peer(self, role: str, exclude: str) -> str | None:
+    def _forget(self, group: GroupSpec, kind: str) -> None:
+        self._last_canary.pop(f"{kind}\0{group.key}\0{group.fingerprint()}", None)
+
+    def _peers(self, role: str, exclude: str) -> list[str]:
+        """Addresses of the other role that real traffic could use now: the pool's own candidate
+        mask (admitted, freshly scraped, not ejected), never a peer that is down."""
         pool = self.pool
-        mask = pool.admitted & pool.in_use & (pool.can_decode if role == "decode" else pool.can_prefill)
-        for slot in mask.nonzero()[0].tolist():
+        slots = pool.candidate_slots()
+        able = pool.can_decode if role == "decode" else pool.can_prefill
+        peers = []
+        for slot in slots[able[slots]].tolist():
             endpoint = pool.by_slot[slot]
             if (
                 endpoint is not None
                 and endpoint.group != exclude
                 and endpoint.role in (role, "prefill-decode")
             ):
-                return endpoint.address
-        return None
+                peers.append(endpoint.address)
+        return peers
 
     async def _decode_once(self, address: str, leg: Leg, data: bytes) -> bytes:
         try:

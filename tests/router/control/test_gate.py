@@ -3,6 +3,7 @@ that did not pass gets no traffic, counted from the engines' own request logs.""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import aiohttp
@@ -139,6 +140,47 @@ async def test_a_one_way_kv_connector_fails_the_pair_canary(broken: bool) -> Non
     # The engines' own logs: no client request ever went through the prefill pod that failed.
     if broken:
         assert traffic(cluster, "p0") == 0
+
+
+def recreate(app, key: str) -> None:
+    """Discovery reports the group with its pod replaced (a new identity): a new epoch to gate."""
+    specs = [record.spec for record in app.control.groups.values()]
+    fresh = [
+        dataclasses.replace(
+            s, members=tuple(dataclasses.replace(m, identity=m.identity + "-new") for m in s.members)
+        )
+        if s.key == key
+        else s
+        for s in specs
+    ]
+    app.control.apply(fresh)
+
+
+@pytest.mark.parametrize("fault", ["ejected", "fails-alone"])
+async def test_a_pair_canary_against_a_broken_peer_does_not_fail_the_group(fault: str) -> None:
+    """The peer is one real traffic would not use (ejected), or it fails a canary on its own: the
+    recreated decode group is not charged, and it is admitted (it can serve alone)."""
+    specs = [EngineSpec("p0", "prefill", time=FAST), EngineSpec("d0", "decode", time=FAST)]
+    async with SimCluster(specs) as cluster:
+        eps = endpoints(cluster, {"name": "p0"}, {"name": "d0"})
+        # Pacing as shipped: a failure charged to d0 would keep it out for 30 s.
+        gate = {"checks": ["ranks", "kv_capacity", "canary_pair"], "retry_base_s": 0.05}
+        async with router_for({"endpoints": eps, "gate": gate, **SECTIONS}) as (app, base):
+            await eventually(lambda: app.control.groups["p0"].state.value == "admitted", 5, "pair admitted")
+            pool = app.pool
+            p0_slot = pool.endpoints["p0"].slot
+            if fault == "ejected":
+                await cluster.engines["p0"].shutdown()
+                await eventually(lambda: p0_slot not in pool.candidate_slots(), 5, "p0 out of the candidates")
+                assert pool.admitted[p0_slot]  # still admitted: only the candidate mask knows
+            else:
+                cluster.engines["p0"].set_failing(500)
+            recreate(app, "d0")
+            d0 = app.control.groups["d0"]
+            await eventually(lambda: d0.state.value == "admitted", 5, "d0 admitted without a pair")
+            assert "skipped" in d0.checks[-1].detail and d0.failures == 0
+            assert set(await send(base, 3)) == {200}
+    assert traffic(cluster, "d0") == 3
 
 
 async def test_the_admin_api_drains_undrains_and_regates_with_a_bearer_token() -> None:
