@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,12 @@ SIGNALS = (
 )
 
 
+# KEDA turns ``targetSizeFloat`` into a milli-quantity (an int64 of thousandths): below 0.001 it
+# is 0, and past int64 it overflows.
+MIN_TARGET = 0.001
+MAX_TARGET = 9e15
+
+
 class BadMetadata(ValueError):
     """The ScaledObject's trigger metadata does not say what to scale on."""
 
@@ -73,14 +80,25 @@ def selection_of(metadata: dict[str, str]) -> Selection:
     signal = metadata.get("signal", "load")
     if signal not in SIGNALS:
         raise BadMetadata(f"metadata signal must be one of {list(SIGNALS)}, got {signal!r}")
+    target = _number(metadata, "target", "1")
+    if not MIN_TARGET <= target <= MAX_TARGET:
+        raise BadMetadata(
+            f"metadata target must be between {MIN_TARGET} and {MAX_TARGET:.0e} (KEDA keeps it in "
+            f"thousandths: a smaller target becomes 0), got {metadata['target']!r}"
+        )
+    return Selection(role, signal, target, _number(metadata, "activation", "0"))
+
+
+def _number(metadata: dict[str, str], key: str, default: str) -> float:
+    """A finite number: ``inf`` or ``1e999`` would reach KEDA as an infinite target."""
+    text = metadata.get(key, default)
     try:
-        target = float(metadata.get("target", "1"))
-        activation = float(metadata.get("activation", "0"))
+        value = float(text)
     except ValueError:
-        raise BadMetadata("metadata target and activation must be numbers") from None
-    if not target > 0:
-        raise BadMetadata(f"metadata target must be > 0, got {target}")
-    return Selection(role, signal, target, activation)
+        raise BadMetadata(f"metadata {key} must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise BadMetadata(f"metadata {key} must be a finite number, got {text!r}")
+    return value
 
 
 class ScalerSignals:

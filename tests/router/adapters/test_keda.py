@@ -9,6 +9,7 @@ from helpers import eventually, router_on_sim
 from loadtests.sim.engine import EngineSpec
 from router.adapters.keda import externalscaler_pb2 as pb
 from router.adapters.keda.generate import MODULE, generated
+from router.adapters.keda.scaler import BadMetadata, selection_of
 
 SERVICE = "/externalscaler.ExternalScaler/"
 
@@ -81,8 +82,10 @@ async def test_the_scaler_answers_keda_per_role_and_signal() -> None:
     [
         ({"signal": "load"}, "role must be one of"),
         ({"role": "decode", "signal": "vibes"}, "signal must be one of"),
-        ({"role": "decode", "target": "lots"}, "must be numbers"),
-        ({"role": "decode", "target": "0"}, "target must be > 0"),
+        ({"role": "decode", "target": "lots"}, "target must be a number, got 'lots'"),
+        ({"role": "decode", "target": "0"}, "target must be between 0.001"),
+        ({"role": "decode", "target": "inf"}, "target must be a finite number, got 'inf'"),
+        ({"role": "decode", "target": "0.0001"}, "got '0.0001'"),
     ],
 )
 async def test_bad_metadata_is_invalid_argument_naming_the_key(
@@ -107,3 +110,29 @@ async def test_bad_metadata_is_invalid_argument_naming_the_key(
 def test_the_generated_messages_match_the_proto() -> None:
     # Regenerates from proto/externalscaler.proto; a stale module fails here, not in a cluster.
     assert MODULE.read_text() == generated(), "run: python -m router.adapters.keda.generate"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("target", "inf"),
+        ("target", "-Infinity"),
+        ("target", "1e999"),
+        ("target", "nan"),
+        ("target", "-1"),
+        ("target", "0.0004"),  # KEDA keeps thousandths: this would be a target of 0
+        ("target", "1e17"),  # past an int64 of thousandths
+        ("activation", "inf"),
+        ("activation", "nan"),
+        ("activation", "x"),
+    ],
+)
+def test_a_target_or_activation_keda_cannot_use_is_refused_naming_key_and_value(key: str, value: str) -> None:
+    with pytest.raises(BadMetadata) as err:
+        selection_of({"role": "decode", key: value})
+    assert f"metadata {key} must" in str(err.value) and repr(value) in str(err.value)
+
+
+def test_the_smallest_and_largest_targets_keda_can_hold_are_accepted() -> None:
+    assert selection_of({"role": "decode", "target": "0.001"}).target == 0.001
+    assert selection_of({"role": "prefill", "target": "9e15", "activation": "-0.5"}).activation == -0.5
