@@ -202,7 +202,7 @@ async def serve(config: PoolConfig, args: argparse.Namespace | None = None) -> i
 
 
 def _run_sidecar(args: argparse.Namespace) -> int:
-    from router.sidecar.server.server import SidecarServer
+    from router.sidecar.server import SidecarServer
 
     try:
         server = SidecarServer(
