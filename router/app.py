@@ -32,6 +32,7 @@ from router.adapters.health import HealthState
 from router.adapters.keda.scaler import KedaListener, KedaScaler, ScalerSignals
 from router.adapters.openai import ProxyListener
 from router.compose import (
+    empty_pool,
     flow_settings_from,
     gate_settings_from,
     learn_settings_from,
@@ -62,7 +63,6 @@ from router.observe.metrics import (
     RouterMetrics,
 )
 from router.observe.scrape import ANSWERED, ScrapeError, Scraper
-from router.pool import Pool
 from router.producers import PreciseKeys, SharedLookup
 from router.signals.engines import EngineSpeeds
 from router.signals.perf import PerformanceModel
@@ -88,11 +88,7 @@ class App:
         self.secrets = config.read_secrets()  # tokens and passwords from their files, once
         # Empty until discovery publishes: endpoints join unadmitted, and only a group epoch that
         # passed the ready gate is ever a candidate.
-        self.pool = Pool(
-            config.scrape.stale_after_ms / 1000.0,
-            config.scrape.eject_after_failures,
-            typical_prompt_tokens=config.engine.typical_prompt_tokens,
-        )
+        self.pool = empty_pool(config)
         if discovery is None and config.kubernetes is None:
             discovery = StaticDiscovery(config.endpoints)
         self.discovery: DiscoverySource | None = discovery  # Kubernetes: built at start (needs I/O)

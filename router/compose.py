@@ -57,13 +57,20 @@ def gate_settings_from(config: PoolConfig) -> GateSettings:
     )
 
 
-def pool_from(config: PoolConfig) -> Pool:
-    """The configured endpoints, admitted without a gate: for unit tests and benchmarks of the
-    picker alone (the service's pool is filled by discovery and the gate, ``router.app``)."""
-    pool = Pool(
+def empty_pool(config: PoolConfig) -> Pool:
+    """The pool's settings from the configuration, no endpoint yet: the service fills it from
+    discovery and the gate (``router.app``)."""
+    return Pool(
         stale_after_s=config.scrape.stale_after_ms / 1000.0,
         eject_after_failures=config.scrape.eject_after_failures,
+        typical_prompt_tokens=config.engine.typical_prompt_tokens,
     )
+
+
+def pool_from(config: PoolConfig) -> Pool:
+    """The configured endpoints, admitted without a gate: for unit tests and benchmarks of the
+    picker alone."""
+    pool = empty_pool(config)
     for endpoint in config.endpoints:
         pool.add(endpoint)
     return pool

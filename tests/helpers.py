@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 
 from kvindex.base import PrefixIndex
-from router.compose import picker_from
+from router.compose import picker_from, pool_from
 from router.config import LinksConfig, PoolConfig, parse_config
 from router.extension import Producer
 from router.flow import RequestFlow
@@ -129,9 +129,8 @@ def make_config(endpoints: list[dict[str, Any]], **sections: Any) -> PoolConfig:
 
 def make_pool(config: PoolConfig, metrics: dict[str, Metrics] | None = None, now: float = 100.0) -> Pool:
     """A pool with every endpoint scraped at ``now`` (idle unless ``metrics`` says otherwise)."""
-    pool = Pool(config.scrape.stale_after_ms / 1000.0, config.scrape.eject_after_failures)
-    for endpoint_config in config.endpoints:
-        endpoint = pool.add(endpoint_config)
+    pool = pool_from(config)
+    for endpoint in pool.endpoints.values():
         pool.apply_metrics(endpoint, (metrics or {}).get(endpoint.id, Metrics()), now)
     return pool
 

@@ -116,3 +116,24 @@ def test_the_reference_pickers_discovery_flags(tmp_path, capsys, monkeypatch, fl
     path.write_text("model: m\n")
     assert main(["check-config", "--config", str(path), *flags]) == 0
     assert expected in capsys.readouterr().out
+
+
+async def test_every_pool_built_from_a_config_carries_all_its_pool_settings() -> None:
+    """The service's pool, the picker-only pool and the tests' pool come from one constructor:
+    none drops a setting (``typical_prompt_tokens`` was lost by two of three)."""
+    from helpers import make_pool
+
+    from router.app import App
+    from router.compose import pool_from
+
+    config = parse_config(
+        {
+            "model": "m",
+            "endpoints": [{"address": "127.0.0.1:1", "role": "decode"}],
+            "engine": {"typical_prompt_tokens": 3000},
+            "scrape": {"stale_after_ms": 1234, "eject_after_failures": 7},
+        }
+    )
+    pools = [pool_from(config), make_pool(config), App(config).pool]
+    for pool in pools:
+        assert (pool.typical_prompt_tokens, pool.stale_after_s, pool.eject_after_failures) == (3000, 1.234, 7)
