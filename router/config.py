@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router.types import RequestLimits
+from scorers.pair_pickers import PolicyName
 from scorers.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
 
 Role = Literal["prefill", "decode", "prefill-decode"]
@@ -198,7 +199,7 @@ class PickerConfig(_Strict):
         description="prefill pods may serve whole requests when that is cheaper (role-flexible P/D; "
         "needs engines that can decode, e.g. vLLM's NIXL connector in kv_both mode)",
     )
-    policy: Literal["joint", "round-robin", "least-loaded", "independent"] = Field(
+    policy: PolicyName = Field(
         "joint", description="how the pair is chosen; the others are baselines, for comparison"
     )
     fallbacks: Annotated[int, Field(ge=0, le=16)] = Field(

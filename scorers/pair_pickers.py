@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -186,7 +186,9 @@ class IndependentChoice(_Separable):
         return key if pairs else key + costs.route_s[costs.decode]
 
 
-POLICIES: dict[str, type[JointArgmin] | type[_Separable]] = {
+PolicyName = Literal["joint", "round-robin", "least-loaded", "independent"]
+
+POLICIES: dict[PolicyName, type[JointArgmin] | type[_Separable]] = {
     "joint": JointArgmin,
     "round-robin": RoundRobin,
     "least-loaded": LeastLoaded,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-Role = Literal["prefill", "decode", "prefill-decode"]
+from router.config import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +23,7 @@ class Member:
     rank: int  # 0 is the leader
     ready: bool  # Kubernetes' Ready condition (static entries: True)
     addresses: tuple[str, ...] = ()  # ip:port this rank serves on; none for a worker-only rank
+    sidecars: tuple[str, ...] = ()  # those of ``addresses`` a P/D sidecar listens on
     revision: str | None = None  # artifact revision (revision label, image digest, or configured)
     role: Role = "decode"
     link: str = "default"

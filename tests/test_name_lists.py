@@ -1,0 +1,54 @@
+"""Lists of names that live in two places, tied together: a name added to one and not the other
+fails here, not in front of a user (a policy the config accepts that compose cannot build, a gate
+check with no code, a KEDA signal the chart refuses or the scaler does not know)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, get_args
+
+from router.adapters.keda.scaler import SIGNALS
+from router.config import GateCheck, PoolConfig, Role
+from router.control import model
+from router.control.gate import Gate, GateSettings
+from router.pool import Pool
+from scorers.pair_pickers import POLICIES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_configurable_policy_has_a_pair_picker_and_back() -> None:
+    policy = PoolConfig.model_fields["picker"].annotation.model_fields["policy"].annotation  # type: ignore[union-attr]
+    assert set(get_args(policy)) == set(POLICIES)
+
+
+def test_every_configurable_gate_check_is_one_the_gate_runs_and_back() -> None:
+    gate = Gate(GateSettings("m", ()), Pool(), None, None, None)  # type: ignore[arg-type]
+    assert set(get_args(GateCheck)) == set(gate._checks)
+
+
+def test_discovery_and_the_configuration_share_one_role_type() -> None:
+    assert model.Role is Role
+
+
+def _enums_under(node: Any, key: str) -> list[list[str]]:
+    found = []
+    if isinstance(node, dict):
+        for name, value in node.items():
+            if name == key and isinstance(value, dict) and "enum" in value:
+                found.append(value["enum"])
+            found.extend(_enums_under(value, key))
+    elif isinstance(node, list):
+        for item in node:
+            found.extend(_enums_under(item, key))
+    return found
+
+
+def test_the_charts_keda_signals_are_the_scalers() -> None:
+    schema = json.loads((ROOT / "helm/pd-router/values.schema.json").read_text())
+    keda = schema["properties"]["keda"]
+    enums = _enums_under(keda, "signal")
+    assert len(enums) == 2  # prefill and decode
+    for enum in enums:
+        assert sorted(enum) == sorted(SIGNALS)
