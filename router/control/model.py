@@ -23,12 +23,12 @@ class Member:
     rank: int  # 0 is the leader
     ready: bool  # Kubernetes' Ready condition (static entries: True)
     addresses: tuple[str, ...] = ()  # ip:port this rank serves on; none for a worker-only rank
-    sidecars: tuple[str, ...] = ()  # those of ``addresses`` a P/D sidecar listens on
     revision: str | None = None  # artifact revision (revision label, image digest, or configured)
     role: Role = "decode"
     link: str = "default"
     draining: bool = False  # deletion timestamp, or the drain annotation
     scale_decision: str | None = None  # an autoscaler's decision id (annotation), for tracing
+    sidecars: tuple[str, ...] = ()  # those of ``addresses`` a P/D sidecar listens on
 
 
 @dataclass(frozen=True, slots=True)
