@@ -95,6 +95,7 @@ async def serve_target(
                 sidecar = SidecarServer(endpoint["address"], "127.0.0.1", 0, prefill)
                 await stack.enter_async_context(sidecar)
                 endpoint["address"] = f"127.0.0.1:{sidecar.port}"
+                endpoint["sidecar"] = True  # so the picker pairs towards it
         app = await stack.enter_async_context(App(_config(endpoints, time, 0, True), seed=0))
         assert app.extproc_port is not None
         # Fail-open goes to a port nobody listens on: a picker failure shows as failed requests

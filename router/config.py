@@ -92,6 +92,11 @@ class EndpointConfig(_Strict):
         None, description="changes when the rank restarts (a new value starts a new group epoch)"
     )
     serves: bool = Field(True, description="false for a worker rank that holds a rank but serves no HTTP")
+    sidecar: bool = Field(
+        False,
+        description="a P/D sidecar (pd-router sidecar) listens on this address in front of the "
+        "engine: behind Envoy, a prefill -> decode pair may end here (extproc.pd_pairs: auto)",
+    )
 
     @field_validator("address")
     @classmethod
@@ -380,6 +385,14 @@ class ExtProcConfig(_Strict):
         1024, description="gRPC connections at most; the oldest one without a stream makes room"
     )
     idle_timeout_s: Positive = Field(300.0, description="a connection with no open call is closed after this")
+    pd_pairs: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="which decode pods a prefill -> decode pair may end on behind Envoy, which sends "
+        "the request to the decode pod only: auto, those a P/D sidecar fronts (an endpoint's "
+        "sidecar: true, or discovered: a pd-sidecar container port or the pd-router.io/pd-sidecar "
+        "annotation); always, every decode pod (each has a sidecar); never, none (one pod computes "
+        "and answers every request). The proxy runs its pairs itself and ignores this",
+    )
     conformance: bool = Field(
         False,
         description="Gateway API Inference Extension conformance hooks: honour the "

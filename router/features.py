@@ -98,6 +98,12 @@ FEATURES: tuple[Feature, ...] = (
     Feature("link_index", 0, np.int64, doc="topology label, as an index into the link table"),
     Feature("can_prefill", False, np.bool_, doc="role prefill or prefill-decode"),
     Feature("can_decode", False, np.bool_, doc="role decode or prefill-decode"),
+    Feature(
+        "sidecar",
+        False,
+        np.bool_,
+        doc="a P/D sidecar fronts it: behind a gateway, a pair may end on it (it runs the prefill leg)",
+    ),
     Feature("last_scrape_ok", -math.inf, candidate=False),
     Feature("in_use", False, np.bool_, candidate=False),
     Feature("admitted", False, np.bool_, candidate=False),

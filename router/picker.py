@@ -155,7 +155,10 @@ class Picker:
         is_decode = (
             cand.can_decode | cand.can_prefill if self.cost_model.prefill_may_decode else cand.can_decode
         )
-        return pair_costs(view, is_prefill, is_decode, self.cost_model, self._link_table())
+        # Behind a gateway only a P/D sidecar in front of the decode pod runs a pair's prefill
+        # leg: a pair anywhere else would book prefill work nobody does.
+        pairs_into = cand.sidecar if request.pairs_need_sidecar else None
+        return pair_costs(view, is_prefill, is_decode, self.cost_model, self._link_table(), pairs_into)
 
     def _cached_blocks(self, request: RouteRequest, slots: np.ndarray) -> np.ndarray:
         cached = self.index.match(request.block_keys, slots)
@@ -207,7 +210,9 @@ class Picker:
         if not 0 <= choice.decode < len(costs.decode):
             raise PickerContractError(f"pair picker {name!r} chose decode column {choice.decode}")
         if choice.prefill >= 0 and (
-            not costs.is_prefill(choice.prefill) or choice.prefill == costs.decode[choice.decode]
+            not costs.is_prefill(choice.prefill)
+            or choice.prefill == costs.decode[choice.decode]
+            or not costs.pairable[choice.decode]
         ):
             raise PickerContractError(f"pair picker {name!r} chose prefill position {choice.prefill}")
         if len(choice.prefill_fallbacks) > n or len(choice.decode_fallbacks) > n:

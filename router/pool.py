@@ -160,6 +160,7 @@ class Pool:
         self.admitted[slot] = admitted
         self.can_prefill[slot] = endpoint.can_prefill
         self.can_decode[slot] = endpoint.can_decode
+        self.sidecar[slot] = config.sidecar
         self.link_index[slot] = self.links.setdefault(endpoint.link, len(self.links))
         return endpoint
 

@@ -44,7 +44,8 @@ class UnknownModel(Rejection):
 
 
 class PrefillForbidden(Rejection):
-    """A sidecar's named prefill target is not on its allow list; nothing was sent anywhere."""
+    """A sidecar's allow list names neither the prefill target nor the peer sending a prefill leg;
+    nothing was sent anywhere."""
 
 
 class Shed(Rejection):

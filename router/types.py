@@ -28,6 +28,9 @@ class RouteRequest:
     precise_keys: np.ndarray | None = None  # vLLM-exact block hashes, when the index is precise
     # False for a request without a body (a GET): one pod answers it, never a prefill -> decode pair.
     prefill_leg: bool = True
+    # Behind a gateway, which sends the request to the decode pod only, a pair runs only where a
+    # P/D sidecar fronts that pod; the proxy runs its pairs itself (False: any decode pod).
+    pairs_need_sidecar: bool = False
     # Prompt tokens one approximate (character) block stands for, once calibrated; 0: the
     # configured block size (``router/signals/calibration.py``).
     block_tokens: float = 0.0

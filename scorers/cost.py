@@ -109,6 +109,7 @@ class PairCosts:
     prefill: np.ndarray  # (kp,) candidate positions
     decode: np.ndarray  # (kd,) candidate positions
     is_prefill_mask: np.ndarray  # (k,) bool: may compute the prompt for a pair
+    pairable: np.ndarray  # (kd,) bool: a pair may end on this column (``pair_costs``' pairs_into)
     prefill_class: np.ndarray  # (kp,) row - 1 of each prefill pod's link class
     transfer_s: np.ndarray  # (L, kd)
     after_transfer_s: np.ndarray  # (kd,) from the KV's arrival on D to the first token
@@ -186,11 +187,18 @@ class PairCosts:
 
 
 def pair_costs(
-    view: View, is_prefill: np.ndarray, is_decode: np.ndarray, cm: CostModel, links: LinkTable
+    view: View,
+    is_prefill: np.ndarray,
+    is_decode: np.ndarray,
+    cm: CostModel,
+    links: LinkTable,
+    pairs_into: np.ndarray | None = None,
 ) -> PairCosts:
     """Every term once over all k candidates, then the (1 + L, kd) matrix from slices of them.
 
-    ``links``: ``cm.links`` laid over the pool's link labels (rebuilt only when labels change)."""
+    ``links``: ``cm.links`` laid over the pool's link labels (rebuilt only when labels change).
+    ``pairs_into``: (k,) bool, the decode pods a pair may end on (behind a gateway, those a P/D
+    sidecar fronts); the others only compute their prompts themselves. None: every decode pod."""
     cand, ctx, model = view.cand, view.ctx, cm.model
     k = len(cand)
     route = column = _ZEROS
@@ -225,11 +233,15 @@ def pair_costs(
     d_tpot = view.tpot_s[decode]
 
     # Row 0: the decode pod prefills itself. A prefill pod in a decode column (role-flexible
-    # P/D) only ever serves the whole request itself: its column has no pairs.
+    # P/D) only ever serves the whole request itself: its column has no pairs; nor has a decode
+    # pod nothing would run a pair's prefill leg for. Such a column keeps its local route even
+    # without allow_local_prefill: it is the only thing that can happen there.
     local_ttft = route[decode]
-    absorbing = ~cand.can_decode[decode]
+    no_pairs = ~cand.can_decode[decode]
+    if pairs_into is not None:
+        no_pairs |= ~pairs_into[decode]
     if not cm.allow_local_prefill and len(prefill):
-        local_ttft = np.where(absorbing, local_ttft, np.inf)
+        local_ttft = np.where(no_pairs, local_ttft, np.inf)
 
     # Pairs, reduced to the prefill pods' link classes.
     p_route = route[prefill]
@@ -242,7 +254,7 @@ def pair_costs(
     same_pod = prefill[best][:, None] == decode[None, :]
     chosen = np.where(same_pod, second[:, None], best[:, None])
     pair_ttft = np.where(
-        (chosen >= 0) & ~absorbing, p_route[chosen] + cm.link_weight * transfer + after_transfer, np.inf
+        (chosen >= 0) & ~no_pairs, p_route[chosen] + cm.link_weight * transfer + after_transfer, np.inf
     )
     chosen = np.where(chosen >= 0, prefill[chosen], -1)
 
@@ -260,6 +272,7 @@ def pair_costs(
         prefill=prefill,
         decode=decode,
         is_prefill_mask=is_prefill,
+        pairable=~no_pairs,
         prefill_class=p_class,
         transfer_s=transfer,
         after_transfer_s=after_transfer,

@@ -11,7 +11,8 @@ decode pod each by its own key, separately: that is what makes them baselines.
   pod alone (decode-side terms), no link term: what llm-d / SGLang routers do.
 
 Baselines pair only dedicated prefill pods (they never split a request across two
-``prefill-decode`` pods: that is a pd-router-only move) and always pair when such pods exist.
+``prefill-decode`` pods: that is a pd-router-only move) and always pair when such pods exist and
+the decode pod can take a pair (``PairCosts.pairable``).
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ class PairPicker(Protocol):
 
     Contract, checked by ``router.picker.Picker``: returns ``None`` when no route is feasible
     (the runner answers 503), else a ``PairChoice`` whose ``decode`` is a column of ``costs``,
-    whose ``prefill`` is -1 or one of ``costs.prefill`` other than the decode pod, and with at most
-    ``fallbacks`` entries per fallback list. Never reserves, never awaits; may keep its own state
-    (a round-robin pointer) because one picker serves one pool.
+    whose ``prefill`` is -1 or one of ``costs.prefill`` other than the decode pod (always -1 on a
+    column that is not ``costs.pairable``), and with at most ``fallbacks`` entries per fallback
+    list. Never reserves, never awaits; may keep its own state (a round-robin pointer) because one
+    picker serves one pool.
     """
 
     name: str
@@ -99,13 +101,14 @@ class _Separable:
     def choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None:
         cand = costs.view.cand
         prefill = costs.prefill[~cand.can_decode[costs.prefill]]
-        d_key = self.decode_key(costs, prefill.size > 0)
+        pairs = costs.pairable & (prefill.size > 0)
+        d_key = self.decode_key(costs, pairs)
         d_order = np.argsort(d_key, kind="stable")
         d_order = d_order[np.isfinite(d_key[d_order])]
         if d_order.size == 0:
             return None
         p_order = _NONE
-        if prefill.size:
+        if prefill.size and pairs[d_order[0]]:
             p_order = prefill[np.argsort(self.prefill_key(costs, prefill), kind="stable")]
         self.advance()
         chosen_p = int(p_order[0]) if p_order.size else -1
@@ -115,9 +118,9 @@ class _Separable:
         """One value per position in ``prefill`` (dedicated prefill pods)."""
         raise NotImplementedError
 
-    def decode_key(self, costs: PairCosts, pairs: bool) -> np.ndarray:
-        """One value per column (``costs.decode``); +inf = not a candidate. ``pairs``: a prefill
-        pod will compute the prompt."""
+    def decode_key(self, costs: PairCosts, pairs: np.ndarray) -> np.ndarray:
+        """One value per column (``costs.decode``); +inf = not a candidate. ``pairs``, per column:
+        a prefill pod will compute the prompt."""
         raise NotImplementedError
 
     def advance(self) -> None:
@@ -142,7 +145,7 @@ class RoundRobin(_Separable):
     def prefill_key(self, costs: PairCosts, prefill: np.ndarray) -> np.ndarray:
         return self._rank(len(prefill), self._next_prefill % len(prefill))
 
-    def decode_key(self, costs: PairCosts, pairs: bool) -> np.ndarray:
+    def decode_key(self, costs: PairCosts, pairs: np.ndarray) -> np.ndarray:
         n = len(costs.decode)
         return self._rank(n, self._next_decode % n)
 
@@ -161,7 +164,7 @@ class LeastLoaded(_Separable):
         tokens = queue.queued_tokens(costs.view.cand, costs.view.ctx)[prefill]
         return tokens + _TIE * self._rng.random(len(prefill))
 
-    def decode_key(self, costs: PairCosts, pairs: bool) -> np.ndarray:
+    def decode_key(self, costs: PairCosts, pairs: np.ndarray) -> np.ndarray:
         cand = costs.view.cand
         scraped = fill_unknown(cand.running, worst=0.0) + fill_unknown(cand.waiting, worst=0.0)
         requests = np.maximum(scraped, cand.inflight_requests)[costs.decode]
@@ -181,9 +184,9 @@ class IndependentChoice(_Separable):
     def prefill_key(self, costs: PairCosts, prefill: np.ndarray) -> np.ndarray:
         return costs.route_s[prefill]
 
-    def decode_key(self, costs: PairCosts, pairs: bool) -> np.ndarray:
+    def decode_key(self, costs: PairCosts, pairs: np.ndarray) -> np.ndarray:
         key = costs.column_s[costs.decode]
-        return key if pairs else key + costs.route_s[costs.decode]
+        return np.where(pairs, key, key + costs.route_s[costs.decode])
 
 
 PolicyName = Literal["joint", "round-robin", "least-loaded", "independent"]

@@ -9,8 +9,9 @@ gRPC transport is ``router.transport.h2grpc``.
 What Envoy gets for a routed request (both, with the same single ``ip:port``):
 ``x-gateway-destination-endpoint`` in the header mutation and ``envoy.lb`` dynamic metadata, plus
 ``clear_route_cache``. A P/D decision adds ``x-prefiller-host-port`` (the decode pod's sidecar runs
-the prefill leg). Client copies of every routing header we own are removed when we do not set
-them. Client mistakes are ``ImmediateResponse``s with a JSON body, never gRPC errors.
+the prefill leg), so pairs end only on decode pods a sidecar fronts (``extproc.pd_pairs``). Client
+copies of every routing header we own are removed when we do not set them. Client mistakes are
+``ImmediateResponse``s with a JSON body, never gRPC errors.
 
 Body modes, detected from the first message's ``protocol_config``:
 
@@ -30,7 +31,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from envoy.config.core.v3 import base_pb2
@@ -72,6 +73,9 @@ _HEADER_ROUTED_MODES = (_Mode.NONE, _Mode.STREAMED)
 class ExtProcSettings:
     response_processing: bool
     conformance: bool = False  # the Inference Extension conformance suite's hooks (test-only)
+    # Which decode pods a pair may end on (``ExtProcConfig.pd_pairs``): Envoy sends the request to
+    # the decode pod alone, so only a sidecar there runs the prefill leg.
+    pd_pairs: Literal["auto", "always", "never"] = "auto"
     # Without response processing the stream closes once routed; the reservation then lapses
     # after the predicted duration of the request (capped), since no end-of-response will come.
     max_unobserved_s: float = 600.0
@@ -146,10 +150,19 @@ class ExtProcStream:
         else:
             return False
         try:
-            self.flight.parse(raw, self.subset)
+            self._parse(raw)
         except Rejection:
             return False
         return True
+
+    def _parse(self, raw: bytes) -> None:
+        assert self.flight is not None
+        request = self.flight.parse(raw, self.subset)
+        pairs = self.settings.pd_pairs
+        if pairs == "auto":
+            request.pairs_need_sidecar = True
+        elif pairs == "never":
+            request.prefill_leg = False
 
     def _on_request_headers(self, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self.flight is not None:
@@ -211,7 +224,7 @@ class ExtProcStream:
         assert self.flight is not None
         if self.flight.request is None:
             try:
-                self.flight.parse(bytes(self.body), self.subset)
+                self._parse(bytes(self.body))
             except Rejection as rejection:
                 return self.reject(rejection)
         return self._route()
@@ -553,7 +566,9 @@ class ExtProcListener:
         self.config = config
         self.health = health
         self.settings = ExtProcSettings(
-            response_processing=config.response_processing, conformance=config.conformance
+            response_processing=config.response_processing,
+            conformance=config.conformance,
+            pd_pairs=config.pd_pairs,
         )
         self.port: int | None = None
         self.health_port: int | None = None

@@ -172,7 +172,12 @@ class GroupController:
             for address in member.addresses:
                 name = member.name if len(member.addresses) == 1 else f"{member.name}@{address}"
                 wanted[name] = EndpointConfig(
-                    address=address, role=member.role, group=record.key, link=member.link, name=name
+                    address=address,
+                    role=member.role,
+                    group=record.key,
+                    link=member.link,
+                    name=name,
+                    sidecar=address in member.sidecars,
                 )
         pool = self.pool
         for endpoint_id in record.endpoint_ids:
@@ -187,6 +192,8 @@ class GroupController:
             if current is None:
                 self._leaving.pop(endpoint_id, None)
                 pool.add(config, admitted=False)
+            else:  # an annotation can come and go on a running pod: no new endpoint for that
+                pool.sidecar[current.slot] = config.sidecar
         record.endpoint_ids = list(wanted)
 
     def _leave(self, endpoint_id: str, deadline: float) -> None:

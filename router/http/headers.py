@@ -9,6 +9,9 @@ PREFILLER = "x-prefiller-host-port"
 DEBUG_DECODE = "x-pd-router-decode"
 DEBUG_PREFILL = "x-pd-router-prefill"
 DEBUG_REASON = "x-pd-router-reason"
+# Set by a sidecar on the prefill leg it sends to a peer's sidecar; a client's copy is removed at
+# the gateway and by the proxy like every header here, so only a peer can mark a prefill leg.
+PREFILL_LEG = "x-pd-prefill-leg"
 
 # Routing and control headers only the router may set (the Inference Extension's, llm-d's and
 # ours): a client's copy is removed before anything is forwarded, so clients cannot steer routing.
@@ -22,6 +25,7 @@ ROUTER_HEADERS = (
     "x-prefiller-url",  # llm-d's legacy name of the prefill header
     DEBUG_DECODE,
     DEBUG_PREFILL,
+    PREFILL_LEG,
 )
 
 # Connection-specific (RFC 9110 §7.6.1) or recomputed for each leg: never copied between hops.

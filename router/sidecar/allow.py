@@ -1,7 +1,10 @@
-"""Which prefill targets a sidecar may contact: literal addresses only, matched against ``--allow``.
+"""Which prefill targets a sidecar may contact, and which peers may send it a prefill leg:
+literal addresses only, matched against ``--allow``.
 
 The prefill address comes from a request header, so it is an SSRF vector: names are never
 resolved, zone ids and unbracketed IPv6 with a port are refused, and an empty list permits nothing.
+The same list names the peers whose sidecars may send this one a prefill leg (by IP: their source
+port is any).
 """
 
 from __future__ import annotations
@@ -87,6 +90,16 @@ class PrefillAllowList:
             return False
         address, port = parsed
         return (address, port) in self.endpoints or any(address in net for net in self.networks)
+
+    def permits_peer(self, host: str) -> bool:
+        """Whether a connection from IP ``host`` may come from a peer: any entry's address, any port."""
+        try:
+            address = _unmapped(ipaddress.ip_address(host))
+        except ValueError:
+            return False
+        return any(address in net for net in self.networks) or any(
+            address == allowed for allowed, _ in self.endpoints
+        )
 
     def __bool__(self) -> bool:
         return bool(self.networks or self.endpoints)

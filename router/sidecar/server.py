@@ -7,6 +7,12 @@ the local engine with the prefill's ``kv_transfer_params``. Everything that is n
 (``/metrics``, ``/health``, ``/v1/models``, ...) is reverse-proxied to the local engine, because
 the router scrapes decode pods through their sidecar. Prefill targets are checked against the
 allow list (``router.sidecar.allow``) before anything is sent.
+
+With a sidecar in front of every pod, a pair's prefill pod is fronted too: the prefill leg a peer's
+sidecar sends here (marked ``x-pd-prefill-leg``) goes to the local engine as it is. A client's
+``kv_transfer_params`` is still refused with 400: a prefill leg is accepted only from a peer on the
+allow list, only in a prefill leg's exact shape (the ``kv_transfer_params`` of a remote decode,
+which name no host to pull KV from; one token; not streamed) and without a prefill pod of its own.
 """
 
 from __future__ import annotations
@@ -18,15 +24,16 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 
 import aiohttp
+import orjson
 from aiohttp import web
 from yarl import URL
 
 from router.http.client_io import answer_response, read_body
-from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
-from router.http.headers import HOP_HEADERS, PASSTHROUGH_DROPPED, PREFILLER, forwardable
+from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS, Leg, TwoLegExchange, UpstreamError, decode_body
+from router.http.headers import HOP_HEADERS, PASSTHROUGH_DROPPED, PREFILL_LEG, PREFILLER, forwardable
 from router.http.server import http_runner
 from router.http.session import upstream_session
-from router.rejections import PrefillForbidden, Rejection, UpstreamFailed, answer
+from router.rejections import BadRequest, PrefillForbidden, Rejection, UpstreamFailed, answer
 from router.request import COMPLETION_PATHS, client_json
 from router.sidecar.allow import PrefillAllowList, first_prefiller, format_host_port, parse_host_port
 from router.transport.tls import HTTP1_ALPN, started
@@ -70,6 +77,8 @@ class Sidecar:
             return answer_response(answer(rejection))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        if PREFILL_LEG in request.headers:
+            return await self._prefill_leg(request)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         target = first_prefiller(request.headers.getall(PREFILLER, []))
         address: str | None = None
@@ -89,8 +98,10 @@ class Sidecar:
         outcome = "local"
         data = raw
         if address is not None:
+            # Marked, so that a sidecar in front of the prefill pod passes it to its engine.
+            prefill_leg = Leg(request.path, {**headers, PREFILL_LEG: "1"})
             try:
-                kv_params, _ = await self.exchange.prefill(address, leg, body)
+                kv_params, _ = await self.exchange.prefill(address, prefill_leg, body)
             except UpstreamError as exc:
                 # The decode engine computes the prompt itself: slower, not lost.
                 log.warning(
@@ -122,12 +133,35 @@ class Sidecar:
             )
             raise UpstreamFailed(f"the local decode engine failed: {exc.reason}") from None
 
+    async def _prefill_leg(self, request: web.Request) -> web.StreamResponse:
+        """A peer's sidecar runs a pair whose prefill pod is this one: the local engine computes the
+        prompt and keeps its KV for the peer's engine to pull. Checked before it is sent: the peer
+        is on the allow list, the leg names no prefill pod of its own, and its body is a prefill
+        leg (so a client cannot make the engine pull KV from a host of its choosing)."""
+        peer = request.remote or ""
+        if not self.allow.permits_peer(peer):
+            shown = peer[:64]
+            log.warning("prefill leg from %r, which is not on the allow list; refused", shown)
+            raise PrefillForbidden(f"prefill legs from {shown!r} are not allowed by this sidecar")
+        if request.headers.getall(PREFILLER, []):
+            raise BadRequest("a prefill leg cannot name a prefill pod of its own")
+        raw = await read_body(request, self.max_body_bytes)
+        _check_prefill_leg(raw)
+        return await self._forward(request, raw, outcome="prefill-leg")
+
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Reverse-proxy any other request to the local engine: status, headers and body unchanged."""
         try:
             data = await read_body(request, self.max_body_bytes) if request.body_exists else None
         except Rejection as rejection:
             return answer_response(answer(rejection))
+        return await self._forward(request, data)
+
+    async def _forward(
+        self, request: web.Request, data: bytes | None, outcome: str | None = None
+    ) -> web.StreamResponse:
+        """``request`` with ``data`` to the local engine; its answer streamed back as it is (plus
+        ``x-pd-sidecar-prefill: outcome`` when given)."""
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in PASSTHROUGH_DROPPED]
         try:
             upstream = await self.session.request(
@@ -148,6 +182,8 @@ class Sidecar:
             for name, value in upstream.headers.items():
                 if name.lower() not in HOP_HEADERS:
                     response.headers.add(name, value)
+            if outcome is not None:
+                response.headers[PREFILL_OUTCOME_HEADER] = outcome
             await response.prepare(request)
             try:
                 read = upstream.content.readany
@@ -167,6 +203,25 @@ class Sidecar:
 
 def _noop() -> None:
     pass
+
+
+def _check_prefill_leg(raw: bytes) -> None:
+    """Refuse (400) a body that is not a prefill leg: exactly the ``kv_transfer_params`` of a
+    remote decode (every remote_* null: no host to pull KV from), one token, not streamed."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"prefill leg body is not valid JSON: {exc}") from None
+    if (
+        not isinstance(body, dict)
+        or body.get("kv_transfer_params") != PREFILL_KV_TRANSFER_PARAMS
+        or body.get("stream") is True
+        or body.get("max_tokens") != 1
+        or body.get("max_completion_tokens", 1) != 1
+    ):
+        raise BadRequest(
+            "not a prefill leg: expected the kv_transfer_params of a remote decode, max_tokens 1, no stream"
+        )
 
 
 class SidecarServer:

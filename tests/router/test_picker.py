@@ -244,3 +244,67 @@ def test_a_prefill_pod_takes_whole_requests_only_when_allowed_and_decode_is_satu
         assert decision.breakdown["absorb_s"] > 0  # what it costs the prompts waiting there
     else:
         assert decision.decode.role == "decode"
+
+
+def _warm_pair_picker(sidecar_on: tuple[str, ...] = (), **sections) -> tuple[Picker, list[int]]:
+    """Two prefill-decode pods where a pair is the best route: e0 holds the prompt but decodes 60
+    requests, e1 is idle and cold, so e0 computes the prompt and e1 answers."""
+    endpoints = [
+        {"address": f"10.0.0.{i}:8000", "name": f"e{i}", "sidecar": f"e{i}" in sidecar_on} for i in range(2)
+    ]
+    index = DictIndex()
+    picker = picker_for(endpoints, {"e0": Metrics(running=60)}, index=index, **sections)
+    keys = list(range(1, 250))
+    index.record(picker.pool.endpoints["e0"].slot, np.array(keys, dtype=np.uint64))
+    return picker, keys
+
+
+def test_behind_a_gateway_a_pair_ends_only_on_a_decode_pod_a_sidecar_fronts() -> None:
+    picker, keys = _warm_pair_picker()
+    assert picker.pick(make_request(4000, keys), now=NOW).kind == "pd-pair"  # the proxy runs it
+    picker, keys = _warm_pair_picker()
+    # Envoy would send it to e1, which computes the prompt itself: priced as what happens there.
+    decision = picker.pick(make_request(4000, keys, pairs_need_sidecar=True), now=NOW)
+    assert decision.prefill is None and decision.kind == "single"
+    picker, keys = _warm_pair_picker(sidecar_on=("e0",))  # a sidecar on the wrong end
+    assert picker.pick(make_request(4000, keys, pairs_need_sidecar=True), now=NOW).prefill is None
+    picker, keys = _warm_pair_picker(sidecar_on=("e1",))
+    decision = picker.pick(make_request(4000, keys, pairs_need_sidecar=True), now=NOW)
+    assert (decision.prefill.id, decision.decode.id) == ("e0", "e1")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 80), st.integers(0, 20), st.integers(0, 249)), min_size=3, max_size=3),
+    st.lists(st.booleans(), min_size=3, max_size=3),
+    st.sampled_from(["joint", "independent", "least-loaded", "round-robin"]),
+    st.booleans(),
+)
+def test_no_pair_ever_ends_on_a_pod_without_a_sidecar_behind_a_gateway(
+    loads: list[tuple[int, int, int]], sidecars: list[bool], policy: str, local_prefill: bool
+) -> None:
+    roles = ["prefill", "prefill-decode", "decode"]
+    endpoints = [
+        {"address": f"10.0.0.{i}:8000", "name": f"e{i}", "role": role, "sidecar": sidecar}
+        for i, (role, sidecar) in enumerate(zip(roles, sidecars, strict=True))
+    ]
+    metrics = {f"e{i}": Metrics(running=r, waiting=w) for i, (r, w, _) in enumerate(loads)}
+    index = DictIndex()
+    picker = picker_for(
+        endpoints, metrics, index=index, picker={"policy": policy, "allow_local_prefill": local_prefill}
+    )
+    keys = list(range(1, 250))
+    for i, (_, _, held) in enumerate(loads):
+        index.record(picker.pool.endpoints[f"e{i}"].slot, np.array(keys[:held], dtype=np.uint64))
+    for _ in range(3):  # the reservations move the later picks around
+        decision = picker.pick(make_request(4000, keys, pairs_need_sidecar=True), now=NOW)
+        if decision.prefill is not None:
+            assert picker.pool.sidecar[decision.decode.slot], decision.reason
+
+
+def test_without_local_prefill_a_decode_pod_no_pair_can_reach_still_computes_its_prompts() -> None:
+    # allow_local_prefill: false asks for pairs; where no pair can run, the decode pod computing
+    # the prompt is what happens, so it is priced, not refused.
+    picker = picker_for(PD_TWO_RACKS, picker={"allow_local_prefill": False})
+    decision = picker.pick(make_request(2000, pairs_need_sidecar=True), now=NOW)
+    assert decision.prefill is None and decision.kind == "local-prefill"

@@ -206,6 +206,7 @@ The decode-side P/D sidecar container (`pd-router sidecar`), for the decode work
     {{- range $sc.extraArgs }}
     - {{ . | quote }}
     {{- end }}
+  {{- /* the picker reads this port name: pairs end only on pods a sidecar fronts (extproc.pd_pairs) */}}
   ports:
     - name: pd-sidecar
       containerPort: {{ $sc.port }}

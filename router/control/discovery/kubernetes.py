@@ -23,6 +23,11 @@ Pods become ``Member``s:
   monolithic deployment work); a pod with another role (``encode``, ...) is skipped;
 * the annotation ``llm-d.ai/active-ports`` (legacy ``inference.networking.k8s.io/active-ports``),
   a comma-separated port list, limits which target ports the pod serves on;
+* a P/D sidecar fronts a serving address when a container (or a restartable init container) names
+  that port ``pd-sidecar`` (or ``pd-sidecar-<anything>``, for data-parallel ranks; the Helm
+  chart's sidecar snippet does), or every address of a pod annotated
+  ``pd-router.io/pd-sidecar: "true"`` (another sidecar, such as llm-d's); behind Envoy, pairs end
+  only there (``extproc.pd_pairs: auto``);
 * a LeaderWorkerSet group is one group: ``leaderworkerset.sigs.k8s.io/group-key`` joins its pods
   (``group-index`` is reused when LWS recreates a group, the key is not),
   ``leaderworkerset.sigs.k8s.io/worker-index`` is the rank (0 = the leader) and the annotation
@@ -66,6 +71,8 @@ REVISION_LABELS = (
 LINK_LABEL = "pd-router.io/link"
 DRAIN_ANNOTATION = "pd-router.io/drain"
 SCALE_DECISION_ANNOTATION = "pd-router.io/scale-decision"
+SIDECAR_ANNOTATION = "pd-router.io/pd-sidecar"
+SIDECAR_PORT_NAME = "pd-sidecar"
 
 _ROLES: dict[str, Role] = {
     "prefill": "prefill",
@@ -426,14 +433,15 @@ class KubernetesDiscovery:
             return None
         rank = _int(labels.get(LWS_WORKER_INDEX), 0)
         serves = in_pool and (rank == 0 or self._workers_serve)
+        ports = _active_ports(target.ports, annotations) if serves else []
+        fronted = _sidecar_ports(pod, annotations, ports)
         member = Member(
             name=name,
             identity=_uid(pod),
             rank=rank,
             ready=_ready(status),
-            addresses=tuple(_address(ip, port) for port in _active_ports(target.ports, annotations))
-            if serves
-            else (),
+            addresses=tuple(_address(ip, port) for port in ports),
+            sidecars=tuple(_address(ip, port) for port in ports if port in fronted),
             revision=_revision(pod, labels),
             role=role,
             link=labels.get(LINK_LABEL) or "default",
@@ -470,6 +478,20 @@ def _active_ports(ports: Iterable[int], annotations: Mapping[str, str]) -> list[
         return list(ports)
     active = {_int(part.strip(), -1) for part in str(value).split(",") if part.strip()}
     return [port for port in ports if port in active]
+
+
+def _sidecar_ports(pod: Mapping[str, Any], annotations: Mapping[str, str], ports: list[int]) -> set[int]:
+    """Which of ``ports`` a P/D sidecar listens on: all with the annotation, else those named so."""
+    if str(annotations.get(SIDECAR_ANNOTATION, "")).lower() == "true":
+        return set(ports)
+    spec = pod.get("spec") or {}
+    named = set()
+    for container in (*(spec.get("containers") or ()), *(spec.get("initContainers") or ())):
+        for port in container.get("ports") or ():
+            name = str(port.get("name") or "")
+            if name == SIDECAR_PORT_NAME or name.startswith(SIDECAR_PORT_NAME + "-"):
+                named.add(_int(port.get("containerPort"), -1))
+    return named.intersection(ports)
 
 
 def _address(ip: str, port: int) -> str:

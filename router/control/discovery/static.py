@@ -1,6 +1,6 @@
 """Groups from the configuration file: ``endpoints`` with ``group``, ``rank``, ``group_size``,
-``revision``, ``incarnation`` and ``serves``. Every configured rank is taken as present and Ready;
-the gate then checks what a file cannot promise (metrics, the model, a canary).
+``revision``, ``incarnation``, ``serves`` and ``sidecar``. Every configured rank is taken as
+present and Ready; the gate then checks what a file cannot promise (metrics, the model, a canary).
 
 Given the file's path, the source re-reads it when it changes, so a rank that comes up late, a
 restart (a new ``incarnation``) or a new revision can be played without a cluster; only the
@@ -31,6 +31,7 @@ def groups_from(endpoints: Sequence[EndpointConfig]) -> list[GroupSpec]:
                 rank=endpoint.rank,
                 ready=True,
                 addresses=(endpoint.address,) if endpoint.serves else (),
+                sidecars=(endpoint.address,) if endpoint.serves and endpoint.sidecar else (),
                 revision=endpoint.revision,
                 role=endpoint.role,
                 link=endpoint.link,

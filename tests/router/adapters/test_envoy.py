@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from gateway import SINGLE, example_config, gateway, run_envoy
+from gateway import SINGLE, envoy_with_picker, example_config, gateway, run_envoy
 from helpers import eventually, router_for
 
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
@@ -205,8 +205,8 @@ async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(
         pool = [
             {"address": engines.address("p0"), "role": "prefill", "name": "p0"},
             {"address": engines.address("p1"), "role": "prefill", "name": "p1"},
-            {"address": sidecars["d0"], "role": "decode", "name": "d0"},
-            {"address": sidecars["d1"], "role": "decode", "name": "d1"},
+            {"address": sidecars["d0"], "role": "decode", "name": "d0", "sidecar": True},
+            {"address": sidecars["d1"], "role": "decode", "name": "d1", "sidecar": True},
         ]
         extproc = {"enabled": True, "port": 0, "health_port": 0}
         data = {
@@ -237,6 +237,75 @@ async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(
         assert decode_body["kv_transfer_params"]["remote_port"] == by_name[prefill].port
         assert decode_body["stream"] is True and "x-prefiller-host-port" not in decode_headers
         assert by_name[decode].stats.remote_prefills_received == 1
+
+
+def decisions(app: Any) -> dict[str, float]:
+    """``pd_router_decisions_total`` by kind."""
+    return {
+        sample.labels["kind"]: sample.value
+        for family in app.metrics.registry.collect()
+        if family.name == "pd_router_decisions"
+        for sample in family.samples
+        if sample.name == "pd_router_decisions_total"
+    }
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_without_a_sidecar_envoy_gets_single_pod_decisions_only(tmp_path: Path, mode: str) -> None:
+    # allow_local_prefill: false would make every request a pair if pairs were possible: Envoy
+    # sends each to one pod, which computes its prompt itself, so none is.
+    async with (
+        gateway(tmp_path, mode, picker={"allow_local_prefill": False}) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        for i in range(6):
+            body = completion(f"turn {i} " * 40, stream=i % 2 == 0)
+            async with http.post(f"{gw.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+        assert decisions(gw.app) == {"single": 6}
+        assert sum(gw.served_by().values()) == 6
+        for engine in gw.cluster.engines.values():
+            for _, headers, body in engine.requests_seen:
+                assert "x-prefiller-host-port" not in headers and "kv_transfer_params" not in body
+        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+
+
+async def test_a_sidecar_in_front_of_every_pod_serves_pairs_through_envoy(tmp_path: Path) -> None:
+    from router.sidecar.server import SidecarServer
+
+    specs = [EngineSpec(f"e{i}", "prefill-decode", time=FAST) for i in range(2)]
+    async with SimCluster(specs) as engines, contextlib.AsyncExitStack() as stack:
+        pool = []
+        for spec in specs:
+            server = SidecarServer(engines.address(spec.name), "127.0.0.1", 0, ["127.0.0.1"])
+            await stack.enter_async_context(server)
+            # The pool (an InferencePool's targetPort) names every pod by its sidecar.
+            pool.append(
+                {
+                    "address": f"127.0.0.1:{server.port}",
+                    "role": "prefill-decode",
+                    "name": spec.name,
+                    "sidecar": True,
+                }
+            )
+        picker = {"allow_local_prefill": False}  # every request a pair, each pod the other's prefill pod
+        async with (
+            envoy_with_picker(tmp_path, pool, picker=picker) as (app, url),
+            aiohttp.ClientSession() as http,
+        ):
+            for i in range(4):
+                body = completion(f"pair {i} " * 40, stream=i % 2 == 0)
+                async with http.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    # The prefill leg went through the peer's sidecar to its engine, not refused.
+                    assert resp.headers["x-pd-sidecar-prefill"] == "remote"
+                    await resp.read()
+            assert decisions(app) == {"pd-pair": 4}
+            await eventually(lambda: app.pool.outstanding == 0, what="reservations released")
+    by_name = engines.engines
+    assert sum(e.stats.remote_prefills_served for e in by_name.values()) == 4
+    assert sum(e.stats.remote_prefills_received for e in by_name.values()) == 4
 
 
 @pytest.mark.parametrize("mode", MODES)

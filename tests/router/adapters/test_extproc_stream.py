@@ -21,7 +21,7 @@ from router.transport.h2grpc import INTERNAL, INVALID_ARGUMENT
 Mode = processing_mode_pb2.ProcessingMode
 PD = [
     {"address": "10.0.0.1:8000", "role": "prefill", "name": "p0"},
-    {"address": "10.0.0.3:8000", "role": "decode", "name": "d0"},
+    {"address": "10.0.0.3:8000", "role": "decode", "name": "d0", "sidecar": True},
 ]
 BODY = orjson.dumps({"model": "m", "prompt": "hello " * 400, "max_tokens": 8})
 
@@ -32,6 +32,7 @@ def make_stream(
     metrics=None,
     later=None,
     producers=(),
+    pd_pairs: str = "auto",
     **sections,
 ):
     config = make_config(
@@ -39,7 +40,7 @@ def make_stream(
     )
     pool = make_pool(config, metrics)
     pool.stale_after_s = 1e9  # unit tests run on wall-clock time
-    settings = ExtProcSettings(response_processing=response_processing)
+    settings = ExtProcSettings(response_processing=response_processing, pd_pairs=pd_pairs)
     return ExtProcStream(make_flow(config, pool, producers=producers), settings, later), pool
 
 
@@ -161,6 +162,43 @@ def test_pd_decision_names_the_prefill_pod_and_never_keeps_client_copies() -> No
     }
     removed = set(out[0].request_headers.response.header_mutation.remove_headers)
     assert removed == set(OWNED_HEADERS) - set(routing)
+
+
+@pytest.mark.parametrize(
+    ("pd_pairs", "sidecar", "paired"),
+    [
+        ("auto", False, False),  # Envoy sends it to d0 alone: nothing there would run the prefill leg
+        ("auto", True, True),
+        ("always", False, True),  # the operator says every decode pod has a sidecar
+        ("never", True, False),
+    ],
+)
+def test_a_pair_is_named_only_when_the_decode_pod_runs_its_prefill_leg(
+    pd_pairs: str, sidecar: bool, paired: bool
+) -> None:
+    endpoints = [PD[0], {**PD[1], "sidecar": sidecar}]
+    stream, _ = make_stream(endpoints, pd_pairs=pd_pairs, picker={"allow_local_prefill": False})
+    stream.on_message(headers())
+    routing = set_headers(stream.on_message(body(BODY, eos=True))[0])
+    assert routing["x-gateway-destination-endpoint"] == "10.0.0.3:8000"
+    assert ("x-prefiller-host-port" in routing) == paired
+
+
+def test_the_listener_takes_the_pair_rule_from_the_config() -> None:
+    from router.adapters.extproc import ExtProcListener
+    from router.adapters.health import HealthState
+
+    config = make_config(PD, extproc={"enabled": True, "pd_pairs": "never"})
+    flow = make_flow(config, make_pool(config))
+    assert ExtProcListener(flow, config.extproc, HealthState()).settings.pd_pairs == "never"
+
+
+def test_flow_control_binds_a_held_request_under_the_same_pair_rule() -> None:
+    # Flow control picks on parse (not in the body answer): the rule is on the request by then.
+    stream, _ = make_stream([PD[0], {**PD[1], "sidecar": False}], picker={"allow_local_prefill": False})
+    stream.on_message(headers())
+    assert stream.parse_if_complete(body(BODY, eos=True))
+    assert stream.flight.pick().prefill is None
 
 
 @pytest.mark.parametrize(

@@ -249,3 +249,14 @@ async def test_only_an_epochs_first_admission_is_a_start_up_time() -> None:
     gate.passes("g")
     await eventually(lambda: admitted(pool) == {"g-0"}, 2, "the new epoch admitted")
     assert recorder.ready_times == [pytest.approx(0.7), pytest.approx(1.3)]
+
+
+async def test_a_sidecar_coming_and_going_changes_the_endpoint_in_place(setup) -> None:
+    pool, _, _, control = setup
+    fronted = rank("g-0", 0, sidecars=("10.0.0.1:8000",))
+    control.apply([group(fronted, size=1)])
+    endpoint = pool.endpoints["g-0"]
+    assert pool.sidecar[endpoint.slot]
+    control.apply([group(dataclasses.replace(fronted, sidecars=()), size=1)])
+    # An annotation changed on the same pod: the same endpoint (its reservations, its metrics).
+    assert pool.endpoints["g-0"] is endpoint and not pool.sidecar[endpoint.slot]

@@ -177,6 +177,38 @@ async def test_ready_not_ready_deleted_and_draining(kube: FakeKube) -> None:
         assert sorted(seen.groups) == ["b"]
 
 
+def with_ports(
+    obj: dict[str, Any], kind: str, container: str, ports: list[tuple[str, int]]
+) -> dict[str, Any]:
+    """``obj`` (a pod) with a ``kind`` container (containers, initContainers) serving ``ports``."""
+    entries = [{"name": name, "containerPort": number, "protocol": "TCP"} for name, number in ports]
+    obj["spec"].setdefault(kind, []).append({"name": container, "image": "pd-router:1", "ports": entries})
+    return obj
+
+
+async def test_a_sidecar_fronts_the_addresses_its_port_name_or_the_annotation_says(kube: FakeKube) -> None:
+    kube.put("pools", pool(ports=(8000, 8001)))
+    kube.put("pods", with_ports(pod("named", "10.0.0.1"), "containers", "pd", [("pd-sidecar", 8001)]))
+    # A restartable init container (a native sidecar) and one port name per data-parallel rank.
+    ranks = [("pd-sidecar-0", 8000), ("pd-sidecar-1", 8001)]
+    kube.put("pods", with_ports(pod("ranks", "10.0.0.2"), "initContainers", "pd", ranks))
+    kube.put("pods", pod("annotated", "10.0.0.3", annotations={"pd-router.io/pd-sidecar": "true"}))
+    kube.put("pods", with_ports(pod("vllm-only", "10.0.0.4"), "containers", "engine", [("http", 8000)]))
+    source = discovery(kube)
+    async with running(source) as seen:
+        await grows(seen, 1, "the first snapshot")
+        fronted = {name: seen.member(name).sidecars for name in ("named", "ranks", "annotated", "vllm-only")}
+        assert fronted == {
+            "named": ("10.0.0.1:8001",),
+            "ranks": ("10.0.0.2:8000", "10.0.0.2:8001"),
+            "annotated": ("10.0.0.3:8000", "10.0.0.3:8001"),
+            "vllm-only": (),
+        }
+        kube.put("pods", pod("annotated", "10.0.0.3"))  # the annotation removed on the running pod
+        await grows(seen, 2, "the annotation gone")
+        assert seen.member("annotated").sidecars == ()
+
+
 async def test_a_leaderworkerset_group_and_a_replaced_rank(kube: FakeKube) -> None:
     # Multi-node TP: the pool selects only leaders; the workers must still be seen.
     kube.put("pools", pool(selector={"app": "vllm", LWS_INDEX: "0"}))

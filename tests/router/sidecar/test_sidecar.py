@@ -94,6 +94,24 @@ def test_invalid_allow_entry_raises_naming_it(entry: str) -> None:
     assert repr(entry) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("entries", "peer", "permitted"),
+    [
+        (["127.0.0.0/8"], "127.0.0.1", True),
+        (["10.0.0.5"], "10.0.0.5", True),
+        (["10.0.0.5:8000"], "10.0.0.5", True),  # a peer's source port is any: its IP is what counts
+        (["10.0.0.5:8000"], "10.0.0.6", False),
+        (["10.0.0.0/8"], "::ffff:10.0.0.1", True),
+        (["10.0.0.0/8"], "11.0.0.1", False),
+        (["0.0.0.0/0"], "", False),
+        (["0.0.0.0/0"], "localhost", False),
+        ([], "127.0.0.1", False),
+    ],
+)
+def test_peers_that_may_send_a_prefill_leg(entries: list[str], peer: str, permitted: bool) -> None:
+    assert PrefillAllowList(entries).permits_peer(peer) is permitted
+
+
 def test_first_prefiller_takes_the_first_entry_and_strips_the_legacy_scheme() -> None:
     assert first_prefiller(["10.0.0.1:8000, 10.0.0.2:8000"]) == "10.0.0.1:8000"
     assert first_prefiller(["http://10.0.0.1:8000", "10.0.0.2:8000"]) == "10.0.0.1:8000"
@@ -204,6 +222,88 @@ async def test_exact_ip_port_allow_refuses_another_port_on_the_same_host() -> No
                 async with http.post(f"{base}/v1/completions", json=completion(), headers=headers) as resp:
                     assert resp.status == 403
         assert seen_count(cluster) == 0
+
+
+@contextlib.asynccontextmanager
+async def sidecar_per_pod(allow: list[str]) -> AsyncIterator[tuple[SimCluster, dict[str, str]]]:
+    """Two prefill-decode engines, each behind its own sidecar; yields (cluster, name -> sidecar)."""
+    specs = [EngineSpec(name, "prefill-decode", time=TimeModel(speed=20.0)) for name in ("e0", "e1")]
+    async with SimCluster(specs) as cluster, contextlib.AsyncExitStack() as stack:
+        sidecars = {}
+        for spec in specs:
+            server = SidecarServer(cluster.address(spec.name), "127.0.0.1", 0, allow)
+            await stack.enter_async_context(server)
+            sidecars[spec.name] = f"127.0.0.1:{server.port}"
+        yield cluster, sidecars
+
+
+@pytest.mark.integration
+async def test_a_pair_between_two_sidecar_fronted_pods_runs_its_prefill_leg_through_the_peer() -> None:
+    async with sidecar_per_pod(["127.0.0.1"]) as (cluster, sidecars), aiohttp.ClientSession() as http:
+        headers = {"x-prefiller-host-port": sidecars["e0"]}  # the prefill pod's pool address
+        body = completion(stream=True)
+        async with http.post(f"http://{sidecars['e1']}/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-pd-sidecar-prefill"] == "remote"  # not failed-local: e0 computed it
+            assert (await resp.read()).rstrip().endswith(b"data: [DONE]")
+        e0, e1 = cluster.engines["e0"], cluster.engines["e1"]
+        [(_, p_headers, p_body)] = e0.requests_seen
+        assert p_body["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+        assert "x-pd-prefill-leg" not in p_headers  # the marker stops at the peer's sidecar
+        assert e0.stats.remote_prefills_served == 1 and e1.stats.remote_prefills_received == 1
+
+
+PREFILL_LEG = {"x-pd-prefill-leg": "1", "content-type": "application/json"}
+
+
+def prefill_leg(**changes: object) -> dict:
+    """A prefill leg's body as a peer's sidecar sends it (``changes`` applied)."""
+    leg = {**completion(), "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+    return leg | changes
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("allow", "headers", "body", "status"),
+    [
+        # A client's kv_transfer_params, without the marker only a peer's sidecar sets: as before.
+        (["127.0.0.1"], {"content-type": "application/json"}, prefill_leg(), 400),
+        (["10.0.0.0/8"], PREFILL_LEG, prefill_leg(), 403),  # not from a peer on the allow list
+        (["127.0.0.1"], {**PREFILL_LEG, "x-prefiller-host-port": "127.0.0.1:9"}, prefill_leg(), 400),
+        # Params that would make the engine pull KV from a host: only a decode leg has them.
+        (
+            ["127.0.0.1"],
+            PREFILL_LEG,
+            prefill_leg(kv_transfer_params={**PREFILL_KV_TRANSFER_PARAMS, "remote_host": "10.6.6.6"}),
+            400,
+        ),
+        (["127.0.0.1"], PREFILL_LEG, prefill_leg(max_tokens=500), 400),
+        (["127.0.0.1"], PREFILL_LEG, prefill_leg(stream=True), 400),
+        (["127.0.0.1"], PREFILL_LEG, prefill_leg(max_completion_tokens=500), 400),
+    ],
+)
+async def test_a_prefill_leg_is_accepted_only_from_a_peer_in_its_exact_shape(
+    allow: list[str], headers: dict[str, str], body: dict, status: int
+) -> None:
+    async with sidecar_per_pod(allow) as (cluster, sidecars), aiohttp.ClientSession() as http:
+        url = f"http://{sidecars['e0']}/v1/completions"
+        async with http.post(url, json=body, headers=headers) as resp:
+            assert resp.status == status
+            assert (await resp.json())["error"]["message"]
+        assert seen_count(cluster) == 0
+
+
+@pytest.mark.integration
+async def test_a_peers_prefill_leg_reaches_the_engine_unchanged_and_its_answer_comes_back() -> None:
+    async with sidecar_per_pod(["127.0.0.1"]) as (cluster, sidecars), aiohttp.ClientSession() as http:
+        headers = {**PREFILL_LEG, "X-Request-Id": "leg-1"}
+        url = f"http://{sidecars['e0']}/v1/completions"
+        async with http.post(url, json=prefill_leg(), headers=headers) as resp:
+            assert resp.status == 200 and resp.headers["x-pd-sidecar-prefill"] == "prefill-leg"
+            params = (await resp.json())["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "e0"
+        [(_, seen_headers, seen_body)] = cluster.engines["e0"].requests_seen
+        assert seen_body == prefill_leg() and seen_headers["x-request-id"] == "leg-1"
 
 
 @pytest.mark.integration
