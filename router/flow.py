@@ -42,6 +42,9 @@ CLIENT_GONE = "client_gone"  # the proxy's client disconnected mid-request
 CANCELLED = "cancelled"  # the client or the gateway went away before the response ended
 NO_ROUTE = "no_route"  # the stream ended before a request was complete enough to route
 ROUTED = "routed"  # ext_proc without response processing: the router never sees the response
+# The engine died while its answer streamed: the client got part of it and an SSE error event
+# with this code (``router/http/exchange.py``).
+UPSTREAM_DISCONNECTED = "upstream_disconnected"
 
 
 def response_outcome(status: int, *, gateway_reply: bool = False) -> str:
@@ -254,6 +257,12 @@ class Flight:
             pool.eject(endpoint, reason)
         else:
             pool.record_failure(endpoint, reason)
+
+    def upstream_cut(self, endpoint: Endpoint, reason: str) -> None:
+        """The engine stopped mid-answer, after the client had part of it: a failure, however the
+        response began."""
+        self.outcome = UPSTREAM_DISCONNECTED
+        self.upstream_failed(endpoint, reason, connect=False)
 
     def hand_over(self) -> RouteDecision | None:
         """Give the reservation to someone else (a timer); ``close`` then leaves it alone."""

@@ -127,6 +127,7 @@ class Proxy:
                     flight.prefill_done,
                     flight.body,
                     flight.body_rest,
+                    lambda reason, endpoint=endpoint: flight.upstream_cut(endpoint, reason),
                 )
             except UpstreamError as exc:
                 last_error = exc

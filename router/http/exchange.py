@@ -29,6 +29,9 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
 }
 
 
+UPSTREAM_DISCONNECTED = "upstream_disconnected"  # the SSE error event's code for a stream cut mid-way
+
+
 class UpstreamError(Exception):
     """An engine failed before we sent the client anything; the next fallback may be tried."""
 
@@ -118,12 +121,14 @@ class TwoLegExchange:
         on_first_byte: Callable[[], None],
         on_body: Callable[[bytes], bytes] = lambda chunk: chunk,
         on_end: Callable[[], bytes] = lambda: b"",
+        on_cut: Callable[[str], None] = lambda reason: None,
     ) -> web.StreamResponse:
         """Send the decode leg and stream its answer through ``start_response``; ``on_body`` sees
         every piece of it as it passes and returns what to write, ``on_end`` what is left at the end.
 
         Raises ``UpstreamError`` only while nothing has been sent to the client (so the caller can
-        fail over); after that an engine failure ends the stream with an SSE error event.
+        fail over); after that an engine failure ends the stream with an SSE error event and is
+        reported to ``on_cut`` (with its reason): the response began well, but did not end so.
         """
         try:
             resp = await self.session.post(
@@ -166,7 +171,8 @@ class TwoLegExchange:
                         address, f"decode stream failed before any byte: {type(exc).__name__}"
                     ) from None
                 log.warning("decode stream from %s cut mid-way: %s", address, type(exc).__name__)
-                await out.write(_sse_error("upstream engine stopped mid-stream", "upstream_disconnected"))
+                on_cut(f"decode stream cut mid-way: {type(exc).__name__}")
+                await out.write(_sse_error("upstream engine stopped mid-stream", UPSTREAM_DISCONNECTED))
             if out is None:
                 on_first_byte()
                 out = await start_response(resp)

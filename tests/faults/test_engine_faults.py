@@ -15,7 +15,7 @@ from collections import Counter
 import aiohttp
 import pytest
 from aiohttp import web
-from helpers import eventually, router_for, sse_events
+from helpers import eventually, outcomes, router_for, sse_events
 
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 
@@ -130,6 +130,8 @@ async def test_an_engine_killed_mid_stream_ends_that_stream_with_an_error_event_
             assert await completions(http, base, 10) == [200] * 10
             await eventually(lambda: app.pool.outstanding == 0, 5.0, "reservations released")
             assert app.pool.endpoints[victim].failures >= 1
+            # Counted as what it was: begun with a 200, ended by the engine, not answered.
+            assert outcomes(app.metrics) == {"ok": 10, "upstream_disconnected": 1}
 
 
 async def test_a_hung_engine_fails_over_before_the_first_byte_and_is_released() -> None:
