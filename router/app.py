@@ -147,8 +147,8 @@ class App:
             block_tokens=limits.block_tokens,
         )
         self.metrics.registry.register(self.scaling)
-        # Per-engine speed against the pool's model; learned only while signals.learn is on.
-        self.engine_speeds = EngineSpeeds() if config.signals.learn else None
+        # Per-engine speed against the pool's model; learned only while signals.learn_engine_speed is on.
+        self.engine_speeds = EngineSpeeds() if self.scaling.perf.settings.engine_speed else None
         self.flow_control: FlowControl | None = None
         if config.flow_control.enabled:
             self.flow_control = FlowControl(

@@ -136,7 +136,10 @@ def picker_from(
 def learn_settings_from(config: PoolConfig) -> LearnSettings:
     signals = config.signals
     return LearnSettings(
-        learn=signals.learn,
+        perf_model=signals.learns("perf_model"),
+        token_ratio=signals.learns("token_ratio"),
+        cached_evidence=signals.learns("cached_evidence"),
+        engine_speed=signals.learns("engine_speed"),
         min_samples=signals.min_samples,
         prior_samples=signals.prior_samples,
         observed_window_s=signals.observed_window_s,

@@ -536,8 +536,26 @@ class SignalsConfig(_Strict):
     )
     learn: bool = Field(
         True,
-        description="route with what answers teach: engine speeds fitted from observed TTFT/TPOT, "
-        "tokens per character, engines' cached-token reports (off: observed and exported only)",
+        description="route with what answers teach, each part as its learn_* switch says (off: "
+        "every part off; observed and exported only)",
+    )
+    learn_perf_model: bool = Field(
+        True,
+        description="price routes with the engine speeds fitted from observed TTFT/TPOT instead of "
+        "the engine section's",
+    )
+    learn_engine_speed: bool = Field(
+        True, description="a per-engine slowness factor: each engine's speed against the pool's model"
+    )
+    learn_token_ratio: bool = Field(
+        True,
+        description="scale character estimates of prompt tokens by the tokens per character the "
+        "engines report (never a tokenizer's count)",
+    )
+    learn_cached_evidence: bool = Field(
+        True,
+        description="an engine reporting far fewer cached prompt tokens than the index said it "
+        "held makes the index keep less for it",
     )
     min_samples: Annotated[int, Field(ge=2)] = Field(
         16, description="observed answers per role before a fit replaces the configured engine model"
@@ -586,6 +604,10 @@ class SignalsConfig(_Strict):
             if getattr(self.min_replicas, role) > getattr(self.max_replicas, role):
                 raise ValueError(f"min_replicas.{role} is above max_replicas.{role}")
         return self
+
+    def learns(self, part: Literal["perf_model", "engine_speed", "token_ratio", "cached_evidence"]) -> bool:
+        """Whether learned ``part`` is applied: ``learn`` and its own ``learn_<part>``."""
+        return self.learn and bool(getattr(self, f"learn_{part}"))
 
 
 class MetricsConfig(_Strict):

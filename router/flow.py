@@ -23,7 +23,7 @@ from router.flow_control import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker, RouteDecision
 from router.pool import Endpoint
-from router.rejections import Answer, Rejection, answer
+from router.rejections import Answer, Rejection, Saturated, answer
 from router.request import headers_only_request, parse_request
 from router.response import ResponseMeter, Usage, usage_of
 from router.rewrite import ModelRewrites
@@ -95,11 +95,15 @@ class RequestFlow:
         if self.control is None:
             flight.pick()
             return True
-        return self.control.bind_now(flight)
+        bound = self.control.bind_now(flight)
+        flight.held = not bound
+        return bound
 
     async def admit(self, flight: Flight) -> None:
         """Bind the request to a pod: at once, or when flow control finds one with room."""
-        if not self.bind_now(flight):
+        # Told to wait already (ext_proc asks ``bind_now`` before it pauses): asking again would
+        # pick again, for nothing, exactly while the pool is saturated.
+        if flight.held or not self.bind_now(flight):
             assert self.control is not None
             await self.control.wait(flight)
 
@@ -126,11 +130,13 @@ class Flight:
         "first_byte_at",
         "flow",
         "headers",
+        "held",
         "meter",
         "outcome",
         "picked_at",
         "prefill_leg_s",
         "prefill_usage",
+        "rejection",
         "request",
         "retargeted",
         "series",
@@ -152,7 +158,9 @@ class Flight:
         self.prefill_usage: Usage | None = None  # what that leg's engine reported
         self.meter: ResponseMeter | None = None  # the answer's tokens, once it flows
         self.retargeted = False  # a failover happened: the timings are not one engine's
-        self.estimated_tokens = 0  # the prompt's tokens from its characters, before calibration
+        self.estimated_tokens = 0  # the prompt's tokens from its characters (0: exact, or none)
+        self.held = False  # flow control said wait: ``admit`` goes straight to its queue
+        self.rejection: Rejection | None = None  # the pick's answer, when it was a final no
 
     def parse(self, raw: bytes, subset: frozenset[str] | None = None) -> RouteRequest:
         """The body and headers as a ``RouteRequest``; raises a ``Rejection``."""
@@ -160,13 +168,7 @@ class Flight:
         if request.requested_model is not None:
             self.flow.metrics.rewritten(request.rewrite_rule, request.requested_model, request.model)
         request.subset = subset
-        signals = self.flow.signals
-        if signals is not None:  # calibrated by what engines reported for earlier prompts
-            self.estimated_tokens = request.prompt_tokens
-            ratio = signals.tokens.ratio if signals.perf.settings.learn else 1.0
-            if ratio != 1.0:
-                request.prompt_tokens = signals.tokens.scale(request.prompt_tokens)
-                request.block_tokens = self.flow.limits.block_tokens * ratio
+        self.estimated_tokens = 0 if request.exact_tokens else request.prompt_tokens
         return request
 
     def headers_only(self, subset: frozenset[str] | None = None) -> RouteRequest:
@@ -176,21 +178,50 @@ class Flight:
 
     def pick(self) -> RouteDecision:
         """Choose and reserve (never awaits); raises ``NoCapacity`` or ``Shed``. Once bound, the
-        decision stays (flow control may have bound it before the adapter asks)."""
+        decision stays (flow control may have bound it before the adapter asks); once refused,
+        so does the refusal (only ``Saturated`` is worth picking again, when capacity frees)."""
         if self.decision is not None:
             return self.decision
+        if self.rejection is not None:
+            raise self.rejection
         request = self.request
         assert request is not None, "parse() or headers_only() first"
-        self.decision = self.flow.picker.pick(request)
+        self._calibrate(request)
+        try:
+            self.decision = self.flow.picker.pick(request)
+        except Saturated:
+            raise
+        except Rejection as rejection:
+            self.rejection = rejection
+            raise
         self.picked_at = time.perf_counter()
         metrics = self.flow.metrics
         metrics.observe_pick(self.decision, self.picked_at - self.started)
         if self.flow.signals is not None:
-            self.flow.signals.demand.arrived(self.decision.breakdown["uncached_tokens"], request.max_tokens)
+            self.flow.signals.demand.arrived(self.decision.prediction.uncached_tokens, request.max_tokens)
         self.series = metrics.per_request.bind_request(request, self.fairness_id(), request.stream)
         for running in self.series.running:
             running.inc()
         return self.decision
+
+    def _calibrate(self, request: RouteRequest) -> None:
+        """A character estimate in the engines' tokens, as their answers counted earlier prompts.
+
+        At the pick, not the parse: only then is it known whether producers gave the request
+        precise keys, whose blocks are exactly the engines' block size. From the estimate kept
+        at the parse, so a request picked again (held by flow control) is scaled once."""
+        signals = self.flow.signals
+        if (
+            not self.estimated_tokens
+            or signals is None
+            or request.precise_keys is not None
+            or not signals.perf.settings.token_ratio
+        ):
+            return
+        ratio = signals.tokens.ratio
+        if ratio != 1.0:
+            request.prompt_tokens = signals.tokens.scale(self.estimated_tokens)
+            request.block_tokens = self.flow.limits.block_tokens * ratio
 
     def fairness_id(self) -> str:
         return self.headers.get(FAIRNESS_HEADER, "")[:64]
@@ -294,8 +325,8 @@ class Flight:
             return
         if meter is not None and self.request is not None:
             signals.demand.answered(self.request.max_tokens, meter.output_tokens)
-        perf, b, now = signals.perf, decision.breakdown, time.monotonic()
-        work = b["queued_tokens"] + b["uncached_tokens"]
+        perf, predicted, now = signals.perf, decision.prediction, time.monotonic()
+        work = predicted.queued_tokens + predicted.uncached_tokens
         first = None if meter is None or not meter.streaming else meter.first_at
         computed_in = self.prefill_leg_s
         if computed_in is None and first is not None and decision.prefill is None:
@@ -307,13 +338,15 @@ class Flight:
                 base, per_token = perf.prefill.coefficients
                 speeds.observe((decision.prefill or decision.decode).id, computed_in, base + per_token * work)
         if first is not None:
-            perf.observe_ttft(now, first - self.picked_at, b["ttft_s"])
+            perf.observe_ttft(now, first - self.picked_at, predicted.ttft_s)
         tpot = None if meter is None else meter.tpot()
         if tpot is not None:
             decode_only = decision.decode.role == "decode"
-            perf.observe_tpot(now, tpot, b["tpot_s"], b["batch"], b["kv_tokens"], fit=decode_only)
+            perf.observe_tpot(
+                now, tpot, predicted.tpot_s, predicted.batch, predicted.kv_tokens, fit=decode_only
+            )
             if speeds is not None:
-                speeds.observe(decision.decode.id, tpot, b["tpot_s"] / b["slowness_d"])
+                speeds.observe(decision.decode.id, tpot, predicted.tpot_s / predicted.slowness_d)
         self._correct(decision)
 
     def _correct(self, decision: RouteDecision) -> None:
@@ -323,22 +356,28 @@ class Flight:
         assert signals is not None and request is not None
         answer = None if self.meter is None else self.meter.usage
         # The engine that computed the prompt: the prefill leg's, or the one that answered.
+        endpoint = decision.prefill or decision.decode
         computed = self.prefill_usage if decision.prefill is not None else answer
-        reported = next((u.prompt_tokens for u in (answer, computed) if u and u.prompt_tokens), None)
-        if reported is not None and self.estimated_tokens:
-            signals.tokens.observe(self.estimated_tokens, reported)
+        if self.estimated_tokens:  # each engine's count against the estimate, as that engine's
+            reports = {decision.decode.id: answer, endpoint.id: computed}
+            for engine, usage in reports.items():
+                if usage is not None and usage.prompt_tokens:
+                    signals.tokens.observe(engine, self.estimated_tokens, usage.prompt_tokens)
         if computed is None or computed.cached_tokens is None:
             return
-        held = decision.breakdown["held_tokens"]
+        held = decision.prediction.held_tokens
         signals.perf.observe_cached(held, computed.cached_tokens)
         tokens_per_block = request.block_tokens or self.flow.limits.block_tokens
         blocks = evicted_blocks(held, computed.cached_tokens, tokens_per_block)
         # Only when nothing else was computing there at the pick: a prompt sharing this prefix
         # still in prefill makes the engine report it uncached without any eviction.
-        if blocks is not None and signals.perf.settings.learn and not decision.breakdown["prefilling_there"]:
+        if (
+            blocks is not None
+            and signals.perf.settings.cached_evidence
+            and not decision.prediction.prefilling_there
+        ):
             # The engine has just recomputed and cached this prompt, so its blocks are right in
             # the index now; what was wrong is how much the index thinks the engine keeps.
-            endpoint = decision.prefill or decision.decode
             log.debug("%s had %d cached tokens, not %d", endpoint.id, computed.cached_tokens, held)
             self.flow.picker.shrink(endpoint, blocks[1] - blocks[0])
 

@@ -36,14 +36,50 @@ class PickerContractError(RuntimeError):
     """A filter or pair picker broke its contract: a bug in that extension, named here."""
 
 
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What the cost model predicted for the chosen route, and the features it predicted from:
+    what learning compares each answer with (``router/flow.py``, ``router/signals/``). Seconds
+    and tokens."""
+
+    ttft_s: float
+    tpot_s: float
+    uncached_tokens: float  # the prompt's tokens the computing pod must compute (reserved there)
+    queued_tokens: float  # prefill work queued ahead of it on that pod, at the pick
+    held_tokens: float  # the prompt's tokens the index said that pod held (before the trust cap)
+    # Prompts were still being computed on that pod: a low cached count in its answer may be one
+    # of them not done yet rather than an eviction.
+    prefilling_there: bool
+    batch: float  # the decode pod's batch, this request included
+    kv_tokens: float  # the decode pod's KV tokens in use, this request's included
+    slowness_d: float  # the decode pod's learned slowness factor (already in ``tpot_s``)
+
+    @classmethod
+    def of(cls, b: dict[str, float]) -> Prediction:
+        """The prediction in ``PairCosts.breakdown``'s entries."""
+        return cls(
+            ttft_s=b["ttft_s"],
+            tpot_s=b["tpot_s"],
+            uncached_tokens=b["uncached_tokens"],
+            queued_tokens=b["queued_tokens"],
+            held_tokens=b["held_tokens"],
+            prefilling_there=b["prefilling_there"] > 0,
+            batch=b["batch"],
+            kv_tokens=b["kv_tokens"],
+            slowness_d=b["slowness_d"],
+        )
+
+
 @dataclass(slots=True)
 class RouteDecision:
-    """Where one request goes, why, and the reservation to release when it ends."""
+    """Where one request goes, why, and the reservation to release when it ends. ``prediction``
+    is what learning reads; ``breakdown`` (every term) is for debug headers, logs and the demo."""
 
     decode: Endpoint
     prefill: Endpoint | None
     reservation: Reservation
     breakdown: dict[str, float]
+    prediction: Prediction
     policy: str = "joint"
     prompt_tokens: int = 0
     # Fallbacks, best first, as pool slots; most requests never need them, so their endpoints are
@@ -231,10 +267,11 @@ class Picker:
         cached = costs.view.cached
         if len(cached) and cached.max() > cached[d_pos if choice.prefill < 0 else choice.prefill]:
             self.affinity_misses += 1
+        prediction = Prediction.of(breakdown)
         reservation = self.pool.reserve(
             decode_slot=d_slot,
             prefill_slot=p_slot,
-            prefill_tokens=breakdown["uncached_tokens"],
+            prefill_tokens=prediction.uncached_tokens,
             kv_tokens=float(costs.view.need_kv[d_pos]),
         )
         self.pool.observe_prompt(request.prompt_tokens)
@@ -255,6 +292,7 @@ class Picker:
             prefill=prefill_ep,
             reservation=reservation,
             breakdown=breakdown,
+            prediction=prediction,
             policy=self.pair_picker.name,
             prompt_tokens=request.prompt_tokens,
             prefill_fallback_slots=slots[choice.prefill_fallbacks],

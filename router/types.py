@@ -34,6 +34,9 @@ class RouteRequest:
     # Prompt tokens one approximate (character) block stands for, once calibrated; 0: the
     # configured block size (``router/signals/calibration.py``).
     block_tokens: float = 0.0
+    # ``prompt_tokens`` came from a tokenizer or from token ids, not from characters: the engines'
+    # count already, so token calibration never rescales it.
+    exact_tokens: bool = False
     # The model the client asked for, when a rewrite changed ``model`` (and the body's "model").
     requested_model: str | None = None
     rewrite_rule: str = ""  # the rule (or "header") that rewrote it

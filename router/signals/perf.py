@@ -44,7 +44,12 @@ DECODE_TERMS = ("base_seconds", "seconds_per_seq", "seconds_per_kv_token")
 
 @dataclass(frozen=True, slots=True)
 class LearnSettings:
-    learn: bool = True  # False: observe and export, but keep predicting with the configuration
+    # Each learned correction on its own (``signals.learn_*``); off: observed and exported, never
+    # applied. ``perf_model``: route with the fitted speeds instead of the configured ones.
+    perf_model: bool = True
+    token_ratio: bool = True  # scale character estimates of prompt tokens (``calibration.py``)
+    cached_evidence: bool = True  # shrink the index where engines report fewer cached tokens
+    engine_speed: bool = True  # a per-engine slowness factor against the pool's model (``engines.py``)
     min_samples: int = 16  # real samples before a role's fit replaces its prior
     per_bucket: int = 64  # samples kept per size bucket
     prior_samples: float = 0.1  # how many samples the configured model counts as
@@ -259,7 +264,7 @@ class PerformanceModel:
     def engine_model(self) -> EngineModel:
         """The configured engine model with the fitted speeds in it (the configured ones while
         learning is off)."""
-        if not self.settings.learn:
+        if not self.settings.perf_model:
             return self.configured
         _, per_token = self.prefill.coefficients
         base, per_seq, per_kv = self.decode.coefficients

@@ -374,7 +374,7 @@ class PoolSignals:
 
     def tick(self) -> dict[str, Recommendation]:
         now = self.clock()
-        if self.perf.refit() and self.perf.settings.learn:
+        if self.perf.refit() and self.perf.settings.perf_model:
             self.reprice(replace(self.cost_model, model=self.perf.engine_model()))
         horizon = self.horizon_s()
         tokens_per_s, requests_per_s, per_request, answer_tokens_per_s = self._arrival_rate(

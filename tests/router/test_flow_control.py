@@ -1,17 +1,29 @@
 """Flow control: held while saturated, bound late in priority order and fairly between tenants,
-bounded in size and time with the right statuses, answered on shutdown; and through the proxy,
-a saturated pool holds requests in the router instead of piling them on one engine."""
+bounded in size and time with the right statuses, answered on shutdown; through the proxy, a
+saturated pool holds requests in the router instead of piling them on one engine; through ext_proc,
+one pick answers a request (refused, or held) until capacity may have freed."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
+import orjson
 import pytest
-from helpers import eventually, router_on_sim
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import struct_pb2
+from helpers import SINGLE_PODS, Metrics, eventually, make_config, make_picker, make_pool, router_on_sim
 
 from loadtests.sim.engine import EngineSpec
+from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
+from router.compose import flow_settings_from
+from router.flow import RequestFlow
 from router.flow_control import FlowControl, FlowSettings
+from router.observe.metrics import RouterMetrics
+from router.pool import Pool
 from router.rejections import NoCapacity, QueueFull, QueueTimeout, Saturated, Shed, answer
 from router.types import RouteRequest
 
@@ -152,3 +164,94 @@ async def test_a_saturated_pool_holds_requests_in_the_router_and_serves_them_all
     assert "llm_d_epp_flow_control_queue_size{" in text
     assert "llm_d_epp_flow_control_request_queue_duration_seconds_count{" in text
     assert 'outcome="dispatched"' in text
+
+
+# -- ext_proc: the stream asks flow control before it pauses ---------------------------------------
+
+
+class FakeCall:
+    """What ``ExtProcCall`` needs of ``h2grpc.Call``: records what was sent and the status."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.ProcessingResponse] = []
+        self.status: tuple[int, str] | None = None
+
+    def send(self, message: bytes) -> None:
+        self.sent.append(pb.ProcessingResponse.FromString(message))
+
+    def finish(self, code: int = 0, message: str = "") -> None:
+        self.status = (code, message)
+
+
+class ExtProcOnFlowControl:
+    """An ext_proc call over a flow with flow control, counting the picker's picks."""
+
+    def __init__(self, max_wait_ms: float, metrics: dict[str, Any] | None = None) -> None:
+        config = make_config(
+            SINGLE_PODS,
+            extproc={"enabled": True, "response_processing": True},
+            flow_control={"enabled": True, "max_wait_ms": max_wait_ms},
+        )
+        self.pool: Pool = make_pool(config, metrics)
+        self.pool.stale_after_s = 1e9  # unit tests run on wall-clock time
+        picker = make_picker(config, self.pool)
+        self.picks = 0
+        pick = picker.pick
+
+        def counted(request: RouteRequest, now: float | None = None) -> Any:
+            self.picks += 1
+            return pick(request, now)
+
+        picker.pick = counted  # type: ignore[method-assign]
+        self.control = FlowControl(flow_settings_from(config))
+        flow = RequestFlow(
+            picker, RouterMetrics(self.pool, "t"), config.request_limits(), config.model, control=self.control
+        )
+        self.call = FakeCall()
+        self.handler = ExtProcCall(self.call, ExtProcStream(flow, ExtProcSettings(response_processing=True)))  # type: ignore[arg-type]
+
+    def request(self, subset: list[str] | None = None) -> None:
+        """Envoy's headers then the whole body (FULL_DUPLEX_STREAMED)."""
+        values = {":method": "POST", ":path": "/v1/completions", "x-request-id": "r1"}
+        head = pb.ProcessingRequest(
+            request_headers=pb.HttpHeaders(
+                headers=base_pb2.HeaderMap(
+                    headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+                )
+            )
+        )
+        mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+        head.protocol_config.request_body_mode = head.protocol_config.response_body_mode = mode
+        if subset is not None:
+            hint = struct_pb2.Struct()
+            hint.update({"x-gateway-destination-endpoint-subset": subset})
+            head.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+        body = orjson.dumps({"model": "m", "prompt": "hello " * 400, "max_tokens": 8})
+        self.handler.on_message(head.SerializeToString())
+        self.handler.on_message(
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString()
+        )
+
+
+async def test_ext_proc_answers_a_refused_pick_without_picking_again() -> None:
+    ext = ExtProcOnFlowControl(max_wait_ms=500.0)
+    ext.request(subset=["10.9.9.9:8000"])  # no such pod: the pick refuses, 503
+    (response,) = ext.call.sent
+    assert response.immediate_response.status.code == 503
+    assert ext.picks == 1 and ext.control.size == 0 and ext.pool.outstanding == 0
+
+
+async def test_ext_proc_holds_a_saturated_request_on_one_pick_and_binds_it_when_room_frees() -> None:
+    busy = {pod["name"]: Metrics(waiting=4.0) for pod in SINGLE_PODS}
+    ext = ExtProcOnFlowControl(max_wait_ms=0.0, metrics=busy)
+    ext.request()
+    await eventually(lambda: ext.control.size == 1, what="the request held")
+    assert ext.picks == 1 and ext.call.sent == []  # saturated once is enough to wait
+    for endpoint in ext.pool.endpoints.values():
+        ext.pool.apply_metrics(endpoint, Metrics(), 100.0)
+    assert ext.control.dispatch() == 1
+    await eventually(lambda: bool(ext.call.sent), what="routed once bound")
+    assert ext.picks == 2 and ext.pool.outstanding == 1
+    assert ext.call.sent[0].request_headers.response.header_mutation.set_headers
+    ext.handler.on_end()
+    assert ext.pool.outstanding == 0

@@ -1,19 +1,32 @@
 """Predictions corrected by what engines report: the token estimate converges on the engines'
-count, an engine that evicted loses those blocks from the index, and streamed answers carry the
-usage the router asked for without the client seeing it."""
+count (estimates only, robust to an engine whose usage is odd), an engine that evicted loses those
+blocks from the index, and streamed answers carry the usage the router asked for without the
+client seeing it."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import numpy as np
 import orjson
 import pytest
-from helpers import eventually, router_on_sim, sse_events
+from helpers import SINGLE_PODS, eventually, make_config, make_picker, make_pool, router_on_sim, sse_events
 
+import router.flow
 from loadtests.sim.engine import EngineSpec
-from router.signals.calibration import TokenCalibration, evicted_blocks
+from router.compose import learn_settings_from
+from router.extension import Producer
+from router.flow import RequestFlow
+from router.observe.metrics import RouterMetrics
+from router.signals.calibration import TokenCalibration, evicted_blocks, pool_ratio
+from router.signals.perf import PerformanceModel
+from router.signals.scaling import PoolSignals
+from router.types import RouteRequest
+
+E0, E1 = (pod["address"] for pod in SINGLE_PODS[:2])
 
 
 def test_the_ratio_converges_on_what_engines_count_and_waits_for_enough_answers() -> None:
@@ -22,13 +35,121 @@ def test_the_ratio_converges_on_what_engines_count_and_waits_for_enough_answers(
     for i in range(200):
         estimated = rng.randint(100, 4000)  # characters / 4
         reported = round(estimated * 4 / 6 * rng.uniform(0.97, 1.03))  # the tokenizer: 6 chars a token
-        calibration.observe(estimated, reported)
-        if i < 7:
-            assert calibration.ratio == 1.0  # too few answers to trust
+        calibration.observe(f"e{i % 3}", estimated, reported)
+        if i < 3 * 8 - 3:
+            assert calibration.ratio == 1.0  # too few answers from any engine to trust
     assert calibration.ratio == pytest.approx(4 / 6, rel=0.03)
     assert calibration.scale(600) == pytest.approx(400, abs=12)
-    calibration.observe(100, 10_000)  # a wild answer moves it a little, bounded
-    assert calibration.ratio < 0.9
+    calibration.observe("e0", 100, 350)  # a wild answer, plausible on its own: the median holds
+    assert calibration.ratio == pytest.approx(4 / 6, rel=0.03)
+
+
+def test_one_engine_with_odd_usage_does_not_move_the_ratio_of_the_others() -> None:
+    calibration = TokenCalibration(min_samples=8)
+    rng = random.Random(0)
+    for i in range(300):
+        estimated = rng.randint(100, 4000)
+        honest = round(estimated * 4 / 6 * rng.uniform(0.97, 1.03))
+        calibration.observe(f"e{i % 3}", estimated, honest)
+        calibration.observe("ones", estimated, 1)  # prompt_tokens: 1 whatever the prompt
+        calibration.observe("double", estimated, 2 * honest)  # plausible alone, not beside the others
+    assert calibration.ratio == pytest.approx(4 / 6, rel=0.03)
+    assert calibration.engine_ratio("ones") is None and calibration.rejected == 300
+    assert calibration.engine_ratio("double") == pytest.approx(8 / 6, rel=0.03)
+    # Two engines far apart leave no majority: the one nearer the configured estimate wins.
+    assert pool_ratio([4 / 6, 8 / 3]) == pytest.approx(4 / 6)
+    assert pool_ratio([4 / 6, 0.7]) == pytest.approx((4 / 6 * 0.7) ** 0.5)  # agreeing: their median
+
+
+def learning_flow(producers: tuple[Producer, ...] = (), **signals: Any) -> RequestFlow:
+    """The flow the service builds, learning from answers, over two idle pods ``E0`` and ``E1``."""
+    config = make_config(SINGLE_PODS[:2], signals=signals)
+    pool = make_pool(config)
+    pool.stale_after_s = 1e9  # unit tests run on wall-clock time
+    picker = make_picker(config, pool)
+    perf = PerformanceModel(picker.cost_model.model, learn_settings_from(config))
+    learning = PoolSignals(pool, perf, lambda: picker.cost_model, lambda _: None)
+    metrics = RouterMetrics(pool, "t")
+    return RequestFlow(picker, metrics, config.request_limits(), config.model, producers, learning)
+
+
+def answered(flow: RequestFlow, i: int, on: str, count: Callable[[int], int]) -> None:
+    """Prompt ``i`` answered by the engine at ``on``, which counts ``count(our estimate)`` tokens."""
+    flight = flow.start({})
+    flight.parse(orjson.dumps({"model": "m", "prompt": f"{i} " + "words " * (50 + 7 * i)}), frozenset({on}))
+    flight.pick()
+    flight.responded(200)
+    usage = {"prompt_tokens": count(flight.estimated_tokens), "completion_tokens": 2}
+    flight.body(orjson.dumps({"choices": [], "usage": usage}))
+    flight.close()
+
+
+def six_chars_a_token(estimate: int) -> int:
+    return round(estimate * 4 / 6)  # the configuration says 4 characters a token
+
+
+def picked(flow: RequestFlow) -> RouteRequest:
+    """A new 6,000-character prompt as the picker sees it (estimated at 1,500 tokens)."""
+    flight = flow.start({})
+    request = flight.parse(b'{"model": "m", "prompt": "' + b"x" * 6000 + b'"}', frozenset({E0}))
+    flight.pick()
+    flight.close()
+    return request
+
+
+def test_an_engine_reporting_one_prompt_token_does_not_move_the_ratio_for_the_others() -> None:
+    flow = learning_flow()
+    for i in range(24):
+        answered(flow, i, E0, six_chars_a_token)
+        answered(flow, i, E1, lambda _: 1)  # prompt_tokens: 1, whatever the prompt
+    assert flow.signals is not None
+    assert flow.signals.tokens.ratio == pytest.approx(4 / 6, rel=0.01)
+    request = picked(flow)
+    assert request.prompt_tokens == pytest.approx(1000, rel=0.01)
+    assert request.block_tokens == pytest.approx(16 * 4 / 6, rel=0.01)
+
+
+async def test_precise_mode_and_exact_counts_are_never_rescaled(monkeypatch: pytest.MonkeyPatch) -> None:
+    class PreciseKeys:  # what ``router.producers.PreciseKeys`` gives a request: vLLM block keys
+        name = "precise_keys"
+
+        async def produce(self, request: RouteRequest) -> None:
+            request.precise_keys = np.arange(len(request.block_keys), dtype=np.uint64)
+
+    flow = learning_flow((PreciseKeys(),))
+    for i in range(12):  # approximate requests (no producer ran) teach 6 characters a token
+        answered(flow, i, E0, six_chars_a_token)
+    assert flow.signals is not None and flow.signals.tokens.ratio == pytest.approx(4 / 6, rel=0.01)
+    assert picked(flow).prompt_tokens == pytest.approx(1000, rel=0.01)  # an estimate: calibrated
+
+    flight = flow.start({})
+    request = flight.parse(b'{"model": "m", "prompt": "' + b"x" * 6000 + b'"}')
+    await flow.prepare(request)
+    flight.pick()
+    flight.close()
+    assert (request.prompt_tokens, request.block_tokens) == (1500, 0.0)  # blocks of exactly 16 tokens
+
+    parse = router.flow.parse_request
+
+    def exact(*args: Any) -> RouteRequest:  # as a prompt of token ids, or one a tokenizer counted
+        request = parse(*args)
+        request.exact_tokens = True
+        return request
+
+    monkeypatch.setattr(router.flow, "parse_request", exact)
+    request = picked(flow)
+    assert (request.prompt_tokens, request.block_tokens) == (1500, 0.0)
+    samples = flow.signals.tokens.samples
+    answered(flow, 99, E0, six_chars_a_token)
+    assert flow.signals.tokens.samples == samples  # nothing to learn from an exact count
+
+
+def test_the_token_ratio_has_its_own_switch() -> None:
+    flow = learning_flow(learn_token_ratio=False)
+    for i in range(12):
+        answered(flow, i, E0, six_chars_a_token)
+    assert flow.signals is not None and flow.signals.tokens.ratio == pytest.approx(4 / 6, rel=0.01)
+    assert picked(flow).prompt_tokens == 1500  # learned and exported, not applied
 
 
 def test_evicted_blocks_only_when_the_engine_had_far_less() -> None:
@@ -53,6 +174,8 @@ async def test_token_estimate_calibrates_on_a_pool_whose_tokenizer_is_coarser() 
         # The next prompt is estimated in the engines' tokens: 6,000 characters are ~1,000.
         flight = app.flow.start({})
         request = flight.parse(b'{"model": "sim-model", "prompt": "' + b"x" * 6000 + b'"}')
+        flight.pick()
+        flight.close()
         assert request.prompt_tokens == pytest.approx(1000, rel=0.05)
         assert request.block_tokens == pytest.approx(16 * 4 / 6, rel=0.05)
 

@@ -8,6 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.compose import learn_settings_from
+from router.config import parse_config
 from router.signals.perf import LearnSettings, PerformanceModel, SampleBuckets, fit_linear, physical
 from scorers.base import EngineModel
 
@@ -86,11 +88,25 @@ def test_the_prior_holds_until_enough_samples_and_when_learning_is_off() -> None
         model.observe_prefill(100.0 + 500 * work, 1.0)
     assert not model.refit() and not model.prefill.fitted
     assert model.engine_model() == CONFIGURED
-    frozen = PerformanceModel(CONFIGURED, LearnSettings(learn=False, min_samples=2))
+    frozen = PerformanceModel(CONFIGURED, LearnSettings(perf_model=False, min_samples=2))
     for work in range(40):
         frozen.observe_prefill(100.0 + 500 * work, 0.01 + 0.001 * work)
     frozen.refit()
     assert frozen.prefill.fitted and frozen.engine_model() == CONFIGURED
+
+
+def test_each_learned_correction_has_its_own_switch_and_learn_false_turns_all_off() -> None:
+    def parts(**signals: bool) -> dict[str, bool]:
+        config = parse_config({"model": "m", "endpoints": [{"address": "10.0.0.1:8000"}], "signals": signals})
+        learn = learn_settings_from(config)
+        names = ("perf_model", "engine_speed", "token_ratio", "cached_evidence")
+        return {name: getattr(learn, name) for name in names}
+
+    assert parts() == dict.fromkeys(parts(), True)
+    assert parts(learn=False) == dict.fromkeys(parts(), False)
+    assert parts(learn=False, learn_token_ratio=True) == dict.fromkeys(parts(), False)
+    for name in parts():
+        assert parts(**{f"learn_{name}": False}) == {other: other != name for other in parts()}
 
 
 def test_a_few_samples_move_the_fit_a_little_many_move_it_all_the_way() -> None:

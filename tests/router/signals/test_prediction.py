@@ -1,0 +1,28 @@
+"""What learning reads of a pick is typed: ``RouteDecision.prediction`` carries the predicted
+TTFT/TPOT and the features they were predicted from, the ``breakdown`` dict stays debug output."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from helpers import SINGLE_PODS, Metrics, make_config, make_flow, make_pool
+
+from router.picker import Prediction
+
+
+def test_the_decision_carries_a_typed_prediction_of_what_the_breakdown_shows() -> None:
+    config = make_config(SINGLE_PODS[:2])
+    pool = make_pool(config, {"e0": Metrics(waiting=2.0, running=3.0)})  # e0 has prompts waiting
+    pool.stale_after_s = 1e9  # unit tests run on wall-clock time
+    flow = make_flow(config, pool)
+    for pod, prefilling in ((SINGLE_PODS[0], True), (SINGLE_PODS[1], False)):
+        flight = flow.start({})
+        flight.parse(b'{"model": "m", "prompt": "' + b"hello " * 300 + b'"}', frozenset({pod["address"]}))
+        decision = flight.pick()
+        predicted = decision.prediction
+        assert isinstance(predicted, Prediction) and predicted.prefilling_there is prefilling
+        shown = decision.breakdown
+        for field in dataclasses.fields(Prediction):
+            assert getattr(predicted, field.name) == shown[field.name], field.name
+        assert predicted.uncached_tokens == decision.reservation.prefill_tokens
+        flight.close()
