@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import itertools
 import logging
 import operator
@@ -26,7 +27,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -66,6 +67,7 @@ class InvalidRequest(Exception):
 
 
 WAITING_LIMIT = 4096
+LOCAL_PORTS = 20000  # the first port an in-process cluster names its engines by
 SEEN_LIMIT = 1000
 # vLLM's own TTFT buckets, so dashboards and the router's TTFT reconciliation see familiar edges.
 TTFT_BUCKETS: tuple[float, ...] = (
@@ -153,7 +155,12 @@ class EngineStats:
     busy_s: float = 0.0  # simulated seconds spent in steps (utilisation = busy_s / wall time)
 
 
-class _EngineDead(Exception):
+class EngineStopped(Exception):
+    """``local_call``: the engine was stopped while the answer was still coming (over HTTP the
+    stream is cut instead)."""
+
+
+class _EngineDead(EngineStopped):
     """The engine was killed while a request was in flight."""
 
 
@@ -176,6 +183,43 @@ class _Request:
     admitted_once: bool = False
     first_token_at: float | None = None
     timer: asyncio.TimerHandle | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """An accepted completion request and what its answer needs (HTTP or in-process alike)."""
+
+    req: _Request
+    chat: bool
+    response_id: str
+    stream: bool
+    include_usage: bool
+    remote_decode: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """A completion request answered with an error instead (status, vLLM's message)."""
+
+    status: int
+    message: str
+
+
+@dataclass(slots=True)
+class LocalAnswer:
+    """What ``SimEngine.local_call`` answers: the status and headers the HTTP app would send, and
+    the body as the pieces it would write, each when it would write it."""
+
+    status: int
+    headers: dict[str, str]
+    body: AsyncIterator[bytes]
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("Content-Type", "").split(";", 1)[0].strip()
+
+    async def read(self) -> bytes:
+        return b"".join([piece async for piece in self.body])
 
 
 @dataclass(frozen=True, slots=True)
@@ -541,9 +585,21 @@ class SimEngine:
             self.port,
         )
 
+    async def start_local(self, port: int, host: str = "127.0.0.1") -> None:
+        """Run the batching loop without listening: requests come in through ``local_call`` (the
+        virtual-clock runs, where nothing may touch a socket). ``host:port`` is only the engine's
+        name on the in-process network (NIXL ``kv_transfer_params`` carry it, as over HTTP)."""
+        if self.spec.kv_events:
+            raise ValueError(f"engine {self.spec.name}: KV events need ZMQ sockets; not in-process")
+        self._host = host
+        self.port = port
+        self._loop_task = asyncio.create_task(self._batch_loop(), name=f"simengine-{self.spec.name}")
+        self._loop_task.add_done_callback(self._loop_done)
+        self.alive = True
+
     async def shutdown(self) -> None:
         """Crash-stop: cut live connections mid-way, close the listener, stop the batch loop."""
-        if self._runner is None:
+        if self._runner is None and not self.alive:  # never started (or stopped already)
             return
         runner, self._runner = self._runner, None
         self.alive = False
@@ -572,7 +628,8 @@ class SimEngine:
         publisher, self._publisher = self._publisher, None
         if publisher is not None:
             await publisher.close()
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()
         log.info("sim engine %s stopped", self.spec.name)
 
     def _loop_done(self, task: asyncio.Task[None]) -> None:
@@ -607,6 +664,9 @@ class SimEngine:
         return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._models_body(), content_type="application/json")
+
+    def _models_body(self) -> bytes:
         spec = self.spec
         created = int(time.time())
         base = {
@@ -621,7 +681,7 @@ class SimEngine:
         # vLLM lists a LoRA adapter with its base model as the parent.
         adapters = [{**base, "id": name, "root": name, "parent": spec.model} for name in spec.lora_adapters]
         body = {"object": "list", "data": [base, *adapters]}
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
+        return orjson.dumps(body)
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         # vLLM answers 200 either way; a sim-only 409 lets tests tell a refused reset apart.
@@ -630,52 +690,109 @@ class SimEngine:
         return _error(409, "cannot reset prefix cache: some blocks are still in use")
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=self.metrics_text().encode(),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
-        )
+        return web.Response(body=self.metrics_text().encode(), headers={"Content-Type": METRICS_TYPE})
+
+    # -- in-process calls (no HTTP) ------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def local_call(
+        self, method: str, path: str, headers: Mapping[str, str] | None = None, body: bytes = b""
+    ) -> AsyncIterator[LocalAnswer]:
+        """The HTTP app's answer to one request, in-process: the completions (the same
+        ``_accept`` and the same bytes as the handlers), ``/metrics``, ``/v1/models`` and
+        ``/health``. The body's pieces come as the engine produces them; leaving the block is the
+        connection closing (a request the engine still holds is dropped, as a client hanging up
+        does). Raises ``ConnectionRefusedError`` when the engine is not running, ``EngineStopped``
+        from the body when it is stopped mid-answer."""
+        if not self.alive:
+            raise ConnectionRefusedError(f"engine {self.spec.name} is not running")
+        if self._stall > 0:
+            await asyncio.sleep(self._stall)
+        lowered = {name.lower(): value for name, value in (headers or {}).items()}
+        rid = lowered.get("x-request-id")
+        echo = {} if rid is None else {"X-Request-Id": rid}
+        if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            call = self._accept(path, lowered, body)
+            if isinstance(call, _Refusal):
+                yield LocalAnswer(
+                    call.status, {**_JSON, **echo}, _once(_error_body(call.status, call.message))
+                )
+                return
+            try:
+                if call.stream:
+                    stream = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **echo}
+                    async with contextlib.aclosing(self._events(call)) as events:
+                        yield LocalAnswer(200, stream, events)
+                else:
+                    yield LocalAnswer(200, {**_JSON, **echo}, self._json_pieces(call))
+            finally:
+                self._end(call)
+        elif method == "GET" and path == "/metrics":
+            yield LocalAnswer(200, {"Content-Type": METRICS_TYPE}, _once(self.metrics_text().encode()))
+        elif method == "GET" and path == "/v1/models":
+            yield LocalAnswer(200, dict(_JSON), _once(self._models_body()))
+        elif method == "GET" and path == "/health":
+            yield LocalAnswer(200, {}, _once(b""))
+        else:
+            yield LocalAnswer(404, {"Content-Type": "text/plain; charset=utf-8"}, _once(b"404: Not Found"))
+
+    async def _json_pieces(self, call: _Call) -> AsyncIterator[bytes]:
+        yield await self._json_answer(call)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        chat = request.path == "/v1/chat/completions"
-        raw = await request.read()
+        call = self._accept(request.path, _lower_headers(request), await request.read())
+        if isinstance(call, _Refusal):
+            return _error(call.status, call.message)
+        try:
+            if call.stream:
+                return await self._stream(request, call)
+            return await self._respond(call)
+        except _EngineDead:
+            return _error(500, "engine stopped")
+        finally:
+            self._end(call)
+
+    def _accept(self, path: str, headers: dict[str, str], raw: bytes) -> _Call | _Refusal:
+        """A completion request as the engine takes it in: logged, validated and queued (the
+        ``_Call`` to answer) or refused. The one path of the HTTP handler and ``local_call``."""
+        chat = path == "/v1/chat/completions"
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            self.requests_seen.append((request.path, _lower_headers(request), None))
-            return _error(400, f"request body is not valid JSON: {exc}")
-        headers = _lower_headers(request)
-        self.requests_seen.append((request.path, headers, body))
+            self.requests_seen.append((path, headers, None))
+            return _Refusal(400, f"request body is not valid JSON: {exc}")
+        self.requests_seen.append((path, headers, body))
         self.arrivals.append((time.monotonic(), headers))  # the engine's own log of when work came
         if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object")
+            return _Refusal(400, "request body must be a JSON object")
         model = body.get("model", self.spec.model)
         if model != self.spec.model and model not in self.spec.lora_adapters:
-            return _error(404, f"The model `{model}` does not exist.")
+            return _Refusal(404, f"The model `{model}` does not exist.")
         try:
             parsed = self._parse(body, chat)
         except InvalidRequest as exc:
-            return _error(400, str(exc))
+            return _Refusal(400, str(exc))
         text, max_tokens, stream, include_usage, kvp = parsed
         remote_decode = bool(kvp.get("do_remote_decode")) if kvp else False
         remote_prefill = bool(kvp.get("do_remote_prefill")) if kvp else False
         role = self.spec.role
         if remote_decode and role == "decode":
-            return _error(400, f"engine {self.spec.name} is decode-only: cannot serve do_remote_decode")
+            return _Refusal(400, f"engine {self.spec.name} is decode-only: cannot serve do_remote_decode")
         if remote_prefill and role == "prefill":
-            return _error(400, f"engine {self.spec.name} is prefill-only: cannot serve do_remote_prefill")
+            return _Refusal(400, f"engine {self.spec.name} is prefill-only: cannot serve do_remote_prefill")
         if self._failing is not None:
-            return _error(self._failing, f"engine {self.spec.name} is failing (fault injection)")
+            return _Refusal(self._failing, f"engine {self.spec.name} is failing (fault injection)")
         if remote_prefill and self._pull_broken:
-            return _error(500, f"engine {self.spec.name}: KV transfer from the prefill engine failed")
+            return _Refusal(500, f"engine {self.spec.name}: KV transfer from the prefill engine failed")
         token_ids, block_keys = self._tokenize(text)
         prompt_tokens = (
             len(token_ids) if token_ids is not None else estimate_tokens(text, self.spec.chars_per_token)
         )
         if prompt_tokens == 0:
-            return _error(400, "prompt is empty")
+            return _Refusal(400, "prompt is empty")
         max_len = self.spec.num_gpu_blocks * self.spec.block_tokens
         if prompt_tokens + max_tokens > max_len:
-            return _error(
+            return _Refusal(
                 400,
                 f"This model's maximum context length is {max_len} tokens. However, you "
                 f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
@@ -694,8 +811,8 @@ class SimEngine:
                 )
         if len(self._waiting) >= WAITING_LIMIT:
             self.stats.rejected_full += 1
-            return _error(503, "waiting queue is full")
-        header_rid = request.headers.get("X-Request-Id")
+            return _Refusal(503, "waiting queue is full")
+        header_rid = headers.get("x-request-id")
         rid = header_rid or uuid.uuid4().hex
         req = _Request(
             rid=rid,
@@ -711,15 +828,12 @@ class SimEngine:
         self._waiting.append(req)
         self._wake.set()
         response_id = ("chatcmpl-" if chat else "cmpl-") + rid
-        try:
-            if stream:
-                return await self._stream(request, req, chat, response_id, include_usage)
-            return await self._respond(req, chat, response_id, remote_decode)
-        except _EngineDead:
-            return _error(500, "engine stopped")
-        finally:
-            if req.state != "done":
-                self._drop(req)
+        return _Call(req, chat, response_id, stream, include_usage, remote_decode)
+
+    def _end(self, call: _Call) -> None:
+        """The answer is over (sent, failed or abandoned): free what the request still holds."""
+        if call.req.state != "done":
+            self._drop(call.req)
 
     def _tokenize(self, text: str) -> tuple[list[int] | None, list[int]]:
         """(token ids or None, full-block keys): vLLM-exact in precise mode, else the text estimate."""
@@ -764,9 +878,12 @@ class SimEngine:
             raise _EngineDead
         return token
 
-    async def _respond(
-        self, req: _Request, chat: bool, response_id: str, remote_decode: bool
-    ) -> web.Response:
+    async def _respond(self, call: _Call) -> web.Response:
+        return web.Response(body=await self._json_answer(call), content_type="application/json")
+
+    async def _json_answer(self, call: _Call) -> bytes:
+        """The whole non-streamed answer, once every token is out."""
+        req, chat = call.req, call.chat
         parts: list[str] = []
         while (token := await self._next_token(req)) is not None:
             parts.append(token)
@@ -796,10 +913,10 @@ class SimEngine:
                 "prompt_logprobs": None,
             }
         kv_params: dict[str, Any] | None = None
-        if remote_decode:
+        if call.remote_decode:
             kv_params = self._remote_params(req)
         body = {
-            "id": response_id,
+            "id": call.response_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.spec.model,
@@ -810,53 +927,58 @@ class SimEngine:
             "prompt_logprobs": None,
             "kv_transfer_params": kv_params,
         }
-        return web.Response(body=orjson.dumps(body), content_type="application/json")
+        return orjson.dumps(body)
 
-    async def _stream(
-        self, request: web.Request, req: _Request, chat: bool, response_id: str, include_usage: bool
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, call: _Call) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Cache-Control": "no-cache"})
         resp.content_type = "text/event-stream"
         await resp.prepare(request)
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        base = {"id": response_id, "object": obj, "created": created, "model": self.spec.model}
         try:
-            if chat:
-                first = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                await resp.write(_sse({**base, "choices": [first]}))
-            sent = 0
-            while (token := await self._next_token(req)) is not None:
-                sent += 1
-                finish = "length" if sent >= req.max_tokens else None
-                if chat:
-                    choice = {
-                        "index": 0,
-                        "delta": {"content": token},
-                        "logprobs": None,
-                        "finish_reason": finish,
-                    }
-                else:
-                    choice = {
-                        "index": 0,
-                        "text": token,
-                        "logprobs": None,
-                        "finish_reason": finish,
-                        "stop_reason": None,
-                    }
-                await resp.write(_sse({**base, "choices": [choice]}))
-            if include_usage:
-                await resp.write(_sse({**base, "choices": [], "usage": self._usage(req)}))
-            await resp.write(b"data: [DONE]\n\n")
+            async with contextlib.aclosing(self._events(call)) as events:
+                async for event in events:
+                    await resp.write(event)
             await resp.write_eof()
         except (ConnectionResetError, ConnectionError):
-            log.debug("sim engine %s: client went away during stream %s", self.spec.name, req.rid)
+            log.debug("sim engine %s: client went away during stream %s", self.spec.name, call.req.rid)
         return resp
+
+    async def _events(self, call: _Call) -> AsyncIterator[bytes]:
+        """The streamed answer's SSE events, each as it becomes available (a token per event)."""
+        req, chat = call.req, call.chat
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": call.response_id, "object": obj, "created": created, "model": self.spec.model}
+        if chat:
+            first = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            yield _sse({**base, "choices": [first]})
+        sent = 0
+        while (token := await self._next_token(req)) is not None:
+            sent += 1
+            finish = "length" if sent >= req.max_tokens else None
+            if chat:
+                choice = {
+                    "index": 0,
+                    "delta": {"content": token},
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
+            else:
+                choice = {
+                    "index": 0,
+                    "text": token,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                }
+            yield _sse({**base, "choices": [choice]})
+        if call.include_usage:
+            yield _sse({**base, "choices": [], "usage": self._usage(req)})
+        yield b"data: [DONE]\n\n"
 
     def _usage(self, req: _Request) -> dict[str, Any]:
         return {
@@ -1257,7 +1379,15 @@ _ERROR_TYPES: Mapping[int, str] = {
 }
 
 
-def _error(status: int, message: str) -> web.Response:
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_JSON = {"Content-Type": "application/json"}
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+def _error_body(status: int, message: str) -> bytes:
     """vLLM's OpenAI-style error body."""
     body = {
         "error": {
@@ -1267,7 +1397,11 @@ def _error(status: int, message: str) -> web.Response:
             "code": status,
         }
     }
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+    return orjson.dumps(body)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, body=_error_body(status, message), content_type="application/json")
 
 
 class SimCluster:
@@ -1279,11 +1413,17 @@ class SimCluster:
         link_cost: LinkCost | None = None,
         host: str = "127.0.0.1",
         seen_limit: int = SEEN_LIMIT,
+        *,
+        in_process: bool = False,
     ) -> None:
         """``seen_limit``: requests each engine keeps in ``requests_seen``/``arrivals`` (for tests;
-        a long run keeps few, or they fill memory)."""
+        a long run keeps few, or they fill memory). ``in_process``: the engines listen nowhere and
+        are called with ``SimEngine.local_call`` (``loadtests.sim.local_net``); each gets a port of
+        its own from ``LOCAL_PORTS`` all the same, its name on that in-process network."""
         names = [spec.name for spec in specs]
         self.seen_limit = seen_limit
+        self.in_process = in_process
+        self._ports = itertools.count(LOCAL_PORTS)
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
         self._specs = list(specs)
@@ -1325,9 +1465,15 @@ class SimCluster:
         if spec.name in self._engines:
             raise ValueError(f"engine {spec.name!r} exists already")
         engine = SimEngine(spec, self)
-        await engine.start(self._host)
+        await self._start(engine, spec.port or next(self._ports))
         self._engines[spec.name] = engine
         return engine
+
+    async def _start(self, engine: SimEngine, port: int) -> None:
+        if self.in_process:
+            await engine.start_local(port, self._host)
+        else:
+            await engine.start(self._host)
 
     async def remove(self, name: str) -> None:
         """Stop an engine and forget it (a replica scaled away): anything still in flight is cut."""
@@ -1349,7 +1495,7 @@ class SimCluster:
         # Same HTTP and KV-event ports; the new publisher's seq restarts at 0 (a new incarnation).
         spec = replace(old.spec, port=old.port, kv_events_port=kv_ports[0], kv_replay_port=kv_ports[1])
         engine = SimEngine(spec, self)
-        await engine.start(self._host)
+        await self._start(engine, old.port)
         self._engines[name] = engine
 
     async def __aenter__(self) -> SimCluster:

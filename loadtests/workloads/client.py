@@ -6,7 +6,7 @@ import asyncio
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -74,53 +74,82 @@ def _has_text(choice: dict) -> bool:
     return bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
 
 
+class StreamTally:
+    """What a client reads from a streamed answer, line by line: TTFT is the first content chunk,
+    TPOT the mean gap after it, usage from the usage chunk; an error event ends the answer."""
+
+    __slots__ = ("_partial", "chunks", "error", "first", "last", "started", "usage")
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.first = self.last = 0.0
+        self.chunks = 0
+        self.usage: dict = {}
+        self.error: str | None = None
+        self._partial = b""  # a line cut between two pieces of ``feed``
+
+    def line(self, line: bytes, now: float) -> bool:
+        """One line of the stream, read at ``now``; True when it was an error event (stop reading)."""
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            return False
+        event = orjson.loads(line[6:])
+        if "error" in event:
+            self.error = str(event["error"])
+            return True
+        if event.get("usage"):
+            self.usage = event["usage"]
+        if any(_has_text(choice) for choice in event.get("choices") or ()):
+            # The first chat chunk is an empty role delta sent before any work: not a token.
+            self.first = self.first or now
+            self.last = now
+            self.chunks += 1
+        return False
+
+    def feed(self, data: bytes, now: float) -> bool:
+        """Raw bytes of the stream, read at ``now`` (lines may be cut between pieces); as ``line``."""
+        lines = (self._partial + data if self._partial else data).split(b"\n")
+        self._partial = lines.pop()
+        # Events end with a blank line: skipped at once.
+        return any(line and self.line(line, now) for line in lines)
+
+    def result(self, status: int, headers: Mapping[str, str]) -> Result:
+        """The request's ``Result`` once the answer ended (``headers``: the response's)."""
+        if self.error is not None:
+            return Result(False, status, error=self.error)
+        if not self.chunks:
+            return Result(False, 200, error="no tokens")
+        usage = self.usage
+        details = usage.get("prompt_tokens_details") or {}
+        first, last, chunks = self.first, self.last, self.chunks
+        return Result(
+            True,
+            200,
+            ttft_s=first - self.started,
+            tpot_s=(last - first) / (chunks - 1) if chunks > 1 else float("nan"),
+            latency_s=last - self.started,
+            prompt_tokens=usage.get("prompt_tokens", 0),
+            cached_tokens=details.get("cached_tokens", 0) or 0,
+            completion_tokens=usage.get("completion_tokens", chunks),
+            decode=headers.get("x-pd-router-decode", ""),
+            prefill=headers.get("x-pd-router-prefill", ""),
+            reason=headers.get("x-pd-router-reason", ""),
+            request_id=headers.get("x-request-id", ""),
+        )
+
+
 async def send(session: aiohttp.ClientSession, base_url: str, item: WorkItem) -> Result:
     """One streaming request; TTFT is the first content chunk, TPOT the mean gap after it."""
-    started = time.perf_counter()
-    first = last = 0.0
-    chunks = 0
-    usage: dict = {}
+    tally = StreamTally(time.perf_counter())
     try:
         async with session.post(base_url + item.path, json=item.body) as resp:
-            decode = resp.headers.get("x-pd-router-decode", "")
-            prefill = resp.headers.get("x-pd-router-prefill", "")
-            reason = resp.headers.get("x-pd-router-reason", "")
-            request_id = resp.headers.get("x-request-id", "")
             if resp.status != 200:
                 return Result(False, resp.status, error=(await resp.text())[:200])
             async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                event = orjson.loads(line[6:])
-                if "error" in event:
-                    return Result(False, resp.status, error=str(event["error"]))
-                if event.get("usage"):
-                    usage = event["usage"]
-                if any(_has_text(choice) for choice in event.get("choices") or ()):
-                    # The first chat chunk is an empty role delta sent before any work: not a token.
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
-                    chunks += 1
+                if tally.line(line, time.perf_counter()):
+                    break
+            return tally.result(resp.status, resp.headers)
     except (aiohttp.ClientError, TimeoutError) as exc:
         return Result(False, 0, error=type(exc).__name__)
-    if not chunks:
-        return Result(False, 200, error="no tokens")
-    details = usage.get("prompt_tokens_details") or {}
-    return Result(
-        True,
-        200,
-        ttft_s=first - started,
-        tpot_s=(last - first) / (chunks - 1) if chunks > 1 else float("nan"),
-        latency_s=last - started,
-        prompt_tokens=usage.get("prompt_tokens", 0),
-        cached_tokens=details.get("cached_tokens", 0) or 0,
-        completion_tokens=usage.get("completion_tokens", chunks),
-        decode=decode,
-        prefill=prefill,
-        reason=reason,
-        request_id=request_id,
-    )
 
 
 async def run_workload(

@@ -1,0 +1,559 @@
+"""Routing quality in virtual time: the same numbers on every machine and every run.
+
+The routing benchmark (``loadtests.bench.routing``) runs real HTTP against engines that sleep in
+wall-clock time, so its numbers move with the machine. This one runs the same scenarios
+(``loadtests.workloads.scenarios``) with the same simulated engines (``SimEngine``'s batching,
+prefix cache, KV limit and transfers) and the same router code — ``App`` (the ready gate, the
+scrape loop parsing each engine's own ``/metrics`` text at the configured interval, the signals
+tick that refits the performance model), and the proxy's own ``completions`` handler driving
+``RequestFlow``/``Flight`` (parse, pick with its reservation, the prefill leg, the decode leg
+streamed through the ``ResponseMeter``, close and learning) — but everything in one process on a
+virtual clock (``loadtests.sim.virtual_clock``): no socket (``loadtests.sim.local_net``), no
+thread, time advanced from event to event. Each proxy → engine leg takes ``--hop-ms`` (1 ms, what
+the wall-clock benchmark measured on loopback); the router's own CPU time is not simulated (a
+pick is instantaneous), nor is the engines' (HTTP framing, JSON).
+
+Per scenario and policy: TTFT p50/p90/p99, TPOT p50/p99, goodput (TTFT ≤ 1 s and TPOT ≤ 20 ms)
+and the ratios to least-loaded and to the full-information reference (``routing.ReferencePicker``,
+run in-process as in the wall-clock benchmark). Every policy gets the same seeded workload on a
+fresh cluster with a fresh clock.
+
+    python -m loadtests.bench.quality                          # b, d, e: RR, LL, pd-router, reference
+    python -m loadtests.bench.quality --scenarios abcde --no-reference
+    python -m loadtests.bench.quality --variant learn-off=signals.learn=false \\
+        --variant flex=picker.prefill_may_decode=true
+    python -m loadtests.bench.quality --json out.json           # the numbers, for a baseline
+    python -m loadtests.bench.quality --router-tree /tmp/old    # pd-router of another checkout
+
+``--router-tree PATH`` runs the router (``router``, ``scorers``, ``kvindex``) of another checkout
+with this checkout's simulator and scenarios, in a subprocess whose import path puts PATH's
+packages first. Trees with ``router.flow`` (the ``RequestFlow`` proxy) and older trees with
+``router.proxy.Proxy(config, pool, picker, exchange, metrics, ready, prepare)`` both run; settings
+the older configuration does not know are dropped (and listed), and only pd-router and its
+variants run there (the baselines are this checkout's: compare with its numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+from loadtests.sim.cluster import link_cost_from
+from loadtests.sim.engine import SimCluster, TimeModel
+from loadtests.sim.local_net import LocalClient, LocalSession
+from loadtests.sim.virtual_clock import run_virtual
+from loadtests.workloads.client import Result, StreamTally, Summary
+from loadtests.workloads.generate import Workload
+from loadtests.workloads.scenarios import POLICIES, SCENARIOS, Scenario, config_data, goodput, scaled_links
+
+MS = 1000.0
+HOP_S = 0.001  # the proxy's loopback hop to an engine (routing.HOP_S: what the reference assumes)
+DEFAULT_SCENARIOS = "bde"
+BASELINES = ("round-robin", "least-loaded")
+JOINT = "pd-router"
+REFERENCE = "reference"
+# The virtual run serves no listener: the handler is called in-process.
+VIRTUAL_OVERRIDES = ("proxy.enabled=false",)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A row of the table: a ``picker`` section plus ``--set``-style overrides."""
+
+    name: str
+    picker: dict[str, Any]
+    overrides: tuple[str, ...] = ()
+    reference: bool = False
+
+
+def policy(name: str, overrides: Sequence[str] = ()) -> Policy:
+    """A named policy of ``scenarios.POLICIES`` (``reference``: the full-information picker), or a
+    variant of pd-router's defaults when ``overrides`` are given."""
+    if overrides:
+        return Policy(name, dict(POLICIES[JOINT]), tuple(overrides))
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} or give a --variant")
+    return Policy(name, dict(POLICIES[name]), reference=name == REFERENCE)
+
+
+@dataclass
+class PolicyRun:
+    """One policy on one scenario: every request's result and what the run cost."""
+
+    scenario: str
+    policy: str
+    summary: Summary
+    cpu_s: float  # CPU seconds of the whole run (process time, not virtual)
+    sim_s: float  # virtual seconds from the first arrival to the last answer
+    busy: dict[str, float] = field(default_factory=dict)  # role -> mean share of the run stepping
+    prefill_tokens_computed: int = 0
+    pruned: tuple[str, ...] = ()  # settings the router under test does not know (older trees)
+    api: str = ""
+    calls: dict[str, int] = field(default_factory=dict)  # what the router sent the engines, by route
+    observed: dict[str, int] = field(default_factory=dict)  # answers the performance model compared
+
+    def stats(self, scn: Scenario, tm: TimeModel) -> dict[str, float]:
+        s = self.summary
+        return {
+            "requests": len(s.results),
+            "ok": len(s.ok),
+            "ttft_p50_ms": s.pct("ttft_s", 0.5) * MS,
+            "ttft_p90_ms": s.pct("ttft_s", 0.9) * MS,
+            "ttft_p99_ms": s.pct("ttft_s", 0.99) * MS,
+            "tpot_p50_ms": s.pct("tpot_s", 0.5) * MS,
+            "tpot_p99_ms": s.pct("tpot_s", 0.99) * MS,
+            "goodput": goodput(s, scn.goodput_ttft_s / tm.speed, scn.goodput_tpot_s / tm.speed),
+            "hit_rate": s.hit_rate,
+            "prefill_tokens_computed": self.prefill_tokens_computed,
+        }
+
+    def per_request(self) -> list[tuple[str, bool, float, float, str, str]]:
+        """``(request id, ok, TTFT, TPOT, decode pod, prefill pod)`` per request, by request id."""
+        return sorted(
+            (r.request_id, r.ok, r.ttft_s, r.tpot_s, r.decode, r.prefill) for r in self.summary.results
+        )
+
+
+# -- the router under test ---------------------------------------------------------------------
+
+
+@dataclass
+class RouterUnderTest:
+    handler: Callable[[Any], Awaitable[Any]]  # the proxy's completions handler
+    max_body_bytes: int
+    api: str  # "flow" (RequestFlow proxy) or "legacy" (router.proxy.Proxy)
+    pruned: tuple[str, ...] = ()
+    app: Any = None
+
+    def observed(self) -> dict[str, int]:
+        """Answers the performance model compared with its predictions, per measure (TTFT, TPOT,
+        ...), where the router has one."""
+        ratios = getattr(getattr(getattr(self.app, "scaling", None), "perf", None), "ratios", {})
+        return {measure: int(counts.sum()) for measure, counts in ratios.items()}
+
+
+def _flow_api() -> bool:
+    return importlib.util.find_spec("router.flow") is not None
+
+
+@contextlib.asynccontextmanager
+async def open_router(
+    data: dict[str, Any],
+    overrides: Sequence[str],
+    seed: int,
+    session: LocalSession,
+    cluster: SimCluster,
+    *,
+    reference: bool = False,
+) -> AsyncIterator[RouterUnderTest]:
+    """The router of whichever tree is importable, started as the service starts (``App``), its
+    engine session answered in-process by ``session``."""
+    from router import app as app_module
+
+    with mock.patch.object(app_module, "upstream_session", lambda: session):
+        if _flow_api():
+            async with _flow_router(app_module, data, overrides, seed, session, cluster, reference) as r:
+                yield r
+        else:
+            async with _legacy_router(app_module, data, overrides, seed, session, reference) as r:
+                yield r
+
+
+@contextlib.asynccontextmanager
+async def _flow_router(
+    app_module: Any,
+    data: dict[str, Any],
+    overrides: Sequence[str],
+    seed: int,
+    session: LocalSession,
+    cluster: SimCluster,
+    reference: bool,
+) -> AsyncIterator[RouterUnderTest]:
+    from router.adapters.openai import Proxy
+    from router.config import parse_config
+    from router.http.exchange import TwoLegExchange
+
+    config = parse_config(data, [*VIRTUAL_OVERRIDES, *overrides])
+    async with app_module.App(config, seed=seed) as app:
+        if reference:
+            from loadtests.bench.routing import install_reference
+
+            install_reference(app, cluster)
+        cfg = config.proxy
+        exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)  # type: ignore[arg-type]
+        proxy = Proxy(app.flow, exchange, lambda: app.ready, debug_headers=True)
+        yield RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", app=app)
+
+
+@contextlib.asynccontextmanager
+async def _legacy_router(
+    app_module: Any,
+    data: dict[str, Any],
+    overrides: Sequence[str],
+    seed: int,
+    session: LocalSession,
+    reference: bool,
+) -> AsyncIterator[RouterUnderTest]:
+    """A tree from before ``RequestFlow`` (e304d75 and its time): ``router.proxy.Proxy`` over the
+    ``App``'s pool and picker."""
+    from router.config import PoolConfig, parse_config
+
+    try:
+        from router.proxy import Proxy, TwoLegExchange
+    except ImportError as exc:
+        raise UnsupportedTree(f"neither router.flow nor router.proxy.Proxy: {exc}") from None
+    if reference:
+        raise UnsupportedTree("the reference picker needs the current picker's extension points")
+    if data.get("picker", {}).get("policy", "joint") != "joint":
+        raise UnsupportedTree("baseline policies need picker.policy; run them from this checkout")
+    data = json.loads(json.dumps(data))
+    pruned = tuple(prune_unknown(data, PoolConfig))
+    params = list(inspect.signature(Proxy).parameters)
+    if params[:4] != ["config", "pool", "picker", "exchange"]:
+        raise UnsupportedTree(f"router.proxy.Proxy{tuple(params)}: an interface this harness does not know")
+    config = parse_config(data, [*VIRTUAL_OVERRIDES, *overrides])
+    async with app_module.App(config, seed=seed) as app:
+        cfg = config.proxy
+        exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)
+        prepare = app._prepare_hook() if hasattr(app, "_prepare_hook") else None
+        proxy = Proxy(config, app.pool, app.picker, exchange, app.metrics, lambda: app.ready, prepare)
+        proxy.debug_headers = True
+        yield RouterUnderTest(proxy.completions, config.limits.max_body_bytes, "legacy", pruned, app)
+
+
+class UnsupportedTree(RuntimeError):
+    """The router under test has an interface this harness cannot drive."""
+
+
+def prune_unknown(data: dict[str, Any], model: Any, prefix: str = "") -> list[str]:
+    """Drop the keys of ``data`` that the pydantic ``model`` has no field for (recursively, into
+    nested models and lists of them); returns the dotted paths dropped."""
+    dropped: list[str] = []
+    fields = model.model_fields
+    for key in list(data):
+        if key not in fields:
+            dropped.append(prefix + key)
+            del data[key]
+            continue
+        annotation = fields[key].annotation
+        args = getattr(annotation, "__args__", ())
+        value = data[key]
+        if isinstance(value, dict) and hasattr(annotation, "model_fields"):
+            dropped += prune_unknown(value, annotation, f"{prefix}{key}.")
+        elif isinstance(value, list) and args and hasattr(args[0], "model_fields"):
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    dropped += prune_unknown(item, args[0], f"{prefix}{key}[{i}].")
+    return sorted(set(dropped))
+
+
+# -- one run -----------------------------------------------------------------------------------
+
+
+async def _drive(router: RouterUnderTest, workload: Workload, name: str) -> Summary:
+    """The open-loop client: every item at its arrival time, through the proxy's handler."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    summary = Summary(name)
+    client = LocalClient(router.handler, client_max_size=router.max_body_bytes + 1)
+    start = loop.time()
+
+    async def one(index: int, item: Any) -> None:
+        delay = item.at_s - (loop.time() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tally = StreamTally(time.perf_counter())
+        head: list[bytes] = []
+
+        def on_data(data: bytes) -> None:
+            if len(head) < 4:
+                head.append(data)
+            tally.feed(data, time.perf_counter())
+
+        # As aiohttp's ``json=`` sends it (loadtests.workloads.client.send), with a request id
+        # of its own so the run does not depend on uuid4.
+        raw = json.dumps(item.body).encode()
+        headers = {"Content-Type": "application/json", "X-Request-Id": f"r{index:06d}"}
+        response = await client.call("POST", item.path, headers, raw, on_data)
+        if response.status != 200:
+            result = Result(False, response.status, error=b"".join(head)[:200].decode(errors="replace"))
+            result.request_id = headers["X-Request-Id"]
+        else:
+            result = tally.result(response.status, response.headers)
+            result.request_id = result.request_id or headers["X-Request-Id"]
+        result.at_s = item.at_s
+        summary.results.append(result)
+
+    await asyncio.gather(*(one(i, item) for i, item in enumerate(workload.items)))
+    summary.wall_s = loop.time() - start
+    return summary
+
+
+async def _run(
+    scn: Scenario, pol: Policy, workload: Workload, tm: TimeModel, seed: int, hop_s: float
+) -> PolicyRun:
+    from router.config import LinksConfig
+
+    links = scaled_links(scn.links, tm.speed)
+    link_cost = link_cost_from(LinksConfig.model_validate(links)) if links else None
+    async with SimCluster(scn.specs(tm), link_cost, in_process=True) as cluster:
+        session = LocalSession(cluster, hop_s=hop_s)
+        endpoints = [
+            (name, cluster.address(name), e.spec.role, e.spec.link) for name, e in cluster.engines.items()
+        ]
+        data = config_data(endpoints, tm, links, pol.picker)
+        async with open_router(
+            data, pol.overrides, seed, session, cluster, reference=pol.reference
+        ) as router:
+            summary = await _drive(router, workload, pol.name)
+            observed = router.observed()
+        busy: dict[str, list[float]] = {}
+        for engine in cluster.engines.values():
+            share = engine.stats.busy_s / summary.wall_s if summary.wall_s else 0.0
+            busy.setdefault(engine.spec.role, []).append(share)
+        computed = sum(engine.stats.prefill_tokens_computed for engine in cluster.engines.values())
+    run = PolicyRun(scn.key, pol.name, summary, 0.0, summary.wall_s, api=router.api, pruned=router.pruned)
+    run.calls = dict(session.calls)
+    run.observed = observed
+    run.busy = {role: sum(v) / len(v) for role, v in busy.items()}
+    run.prefill_tokens_computed = computed
+    return run
+
+
+def run_policy(
+    scn: Scenario,
+    pol: Policy,
+    *,
+    requests: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    hop_s: float = HOP_S,
+    tm: TimeModel | None = None,
+    workload: Workload | None = None,
+) -> PolicyRun:
+    """One policy on one scenario, on a fresh cluster in a fresh virtual loop (synchronous: it runs
+    its own event loop). ``workload``: the scenario's own for these ``requests``, ``rate`` and
+    ``seed`` when not given (pass it to share one between policies)."""
+    tm = tm or TimeModel()
+    if workload is None:
+        workload = scn.workload(requests or scn.requests, rate or scn.rate, seed)
+    cpu = time.process_time()
+    run = run_virtual(_run(scn, pol, workload, tm, seed, hop_s), seed=seed)
+    run.cpu_s = time.process_time() - cpu
+    return run
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+
+def _fmt(value: float, digits: int = 1) -> str:
+    return "-" if value != value or math.isinf(value) else f"{value:.{digits}f}"
+
+
+def _ratio(a: float, b: float) -> str:
+    return "-" if not (a == a and b == b) or b == 0 else f"{a / b:.2f}"
+
+
+def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: int, rate: float) -> str:
+    stats = {run.policy: run.stats(scn, tm) for run in runs}
+    ll = stats.get("least-loaded", {})
+    ref = stats.get(REFERENCE, {})
+    slo_ttft, slo_tpot = scn.goodput_ttft_s / tm.speed * MS, scn.goodput_tpot_s / tm.speed * MS
+    lines = [
+        "",
+        f"{scn.title} — {requests} requests at {rate:g} req/s{' base' if scn.key == 'd' else ''}, "
+        f"virtual time; goodput = TTFT ≤ {slo_ttft:g} ms and TPOT ≤ {slo_tpot:g} ms",
+        f"  {scn.params}",
+        "",
+    ]
+    header = (
+        f"  {'policy':<18} {'ok':>9} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
+        f"{'goodput':>7} {'p50/LL':>6} {'p90/LL':>6} {'p99/LL':>6} {'p90/ref':>7} {'p99/ref':>7} "
+        f"{'hit':>5} {'sim s':>6} {'CPU s':>6}"
+    )
+    lines += [header, "  " + "-" * (len(header) - 2)]
+    for run in runs:
+        s = stats[run.policy]
+        lines.append(
+            f"  {run.policy:<18} {int(s['ok']):>4}/{int(s['requests']):<4} {_fmt(s['ttft_p50_ms']):>9} "
+            f"{_fmt(s['ttft_p90_ms']):>8} {_fmt(s['ttft_p99_ms']):>8} {_fmt(s['tpot_p50_ms'], 2):>9} "
+            f"{_fmt(s['tpot_p99_ms'], 2):>7} {s['goodput']:>7.1%} "
+            f"{_ratio(s['ttft_p50_ms'], ll.get('ttft_p50_ms', math.nan)):>6} "
+            f"{_ratio(s['ttft_p90_ms'], ll.get('ttft_p90_ms', math.nan)):>6} "
+            f"{_ratio(s['ttft_p99_ms'], ll.get('ttft_p99_ms', math.nan)):>6} "
+            f"{_ratio(s['ttft_p90_ms'], ref.get('ttft_p90_ms', math.nan)):>7} "
+            f"{_ratio(s['ttft_p99_ms'], ref.get('ttft_p99_ms', math.nan)):>7} "
+            f"{s['hit_rate']:>5.0%} {run.sim_s:>6.1f} {run.cpu_s:>6.1f}"
+        )
+    for run in runs:
+        failed = [r for r in run.summary.results if not r.ok]
+        if failed:
+            lines.append(
+                f"  {run.policy} failed {len(failed)}×, first: HTTP {failed[0].status} {failed[0].error}"
+            )
+        if run.pruned:
+            lines.append(f"  {run.policy}: this router does not know {', '.join(run.pruned)} (dropped)")
+    return "\n".join(lines) + "\n"
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def _variants(raw: Sequence[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for item in raw:
+        name, sep, sets = item.partition("=")
+        if not sep or not name or "=" not in sets:
+            raise ValueError(f"--variant {item!r}: expected NAME=dotted.key=value[,dotted.key=value...]")
+        out.setdefault(name, []).extend(s for s in sets.split(",") if s)
+    return out
+
+
+def _router_tree_env(tree: Path, work: Path) -> Path:
+    """A directory whose ``router``, ``scorers`` and ``kvindex`` are ``tree``'s and whose
+    ``loadtests`` is this checkout's: the import path of the subprocess."""
+    here = Path(__file__).resolve().parents[2]
+    for name in ("router", "scorers", "kvindex"):
+        if not (tree / name / "__init__.py").exists():
+            raise SystemExit(f"--router-tree {tree}: no {name}/ package there")
+        (work / name).symlink_to(tree / name)
+    (work / "loadtests").symlink_to(here / "loadtests")
+    return work
+
+
+def _pin_tree(tree: Path) -> None:
+    """Import ``router``, ``scorers`` and ``kvindex`` from ``tree`` only: an editable install's
+    finder would otherwise supply the modules ``tree`` lacks from this checkout."""
+    sys.meta_path[:] = [
+        f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
+    ]
+    for name in ("router", "scorers", "kvindex"):
+        module = importlib.import_module(name)
+        where = Path(module.__file__ or "").resolve()
+        if tree.resolve() not in where.parents:
+            raise SystemExit(f"--router-tree: {name} was imported from {where}, not from {tree}")
+
+
+def _run_in_tree(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    tree = Path(args.router_tree).resolve()
+    forwarded = [a for a in argv if not a.startswith("--router-tree")]
+    if "--router-tree" in argv:  # "--router-tree PATH" as two words
+        i = list(argv).index("--router-tree")
+        forwarded = [*argv[:i], *argv[i + 2 :]]
+    with tempfile.TemporaryDirectory(prefix="quality-tree-") as work:
+        cwd = _router_tree_env(tree, Path(work))
+        env = {**os.environ, "PYTHONPATH": str(cwd)}
+        cmd = [sys.executable, "-m", "loadtests.bench.quality", "--in-tree", str(tree), *forwarded]
+        return subprocess.call(cmd, cwd=cwd, env=env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests.bench.quality",
+        description="Routing quality on the simulated cluster in virtual time: deterministic, seconds "
+        "of CPU per scenario. Prints one table per scenario.",
+    )
+    parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS, help=f"default: {DEFAULT_SCENARIOS}")
+    parser.add_argument(
+        "--policies",
+        default=",".join([*BASELINES, JOINT]),
+        help=f"comma-separated, of {', '.join(POLICIES)} (default: %(default)s; the reference is added "
+        "unless --no-reference)",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+        help="a row of pd-router's defaults with these --set overrides (repeatable)",
+    )
+    parser.add_argument("--no-reference", action="store_true", help="skip the full-information reference")
+    parser.add_argument("--requests", type=int, default=0, help="requests per run (default: per scenario)")
+    parser.add_argument("--rate", type=float, default=0.0, help="arrival rate, req/s (default: per scenario)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hop-ms", type=float, default=HOP_S * MS, help="proxy → engine hop (default: 1)")
+    parser.add_argument("--json", default="", help="also write the numbers here (a baseline file)")
+    parser.add_argument(
+        "--router-tree",
+        default="",
+        help="run the router of this checkout (router/, scorers/, kvindex/) with this harness",
+    )
+    parser.add_argument("--in-tree", default="", help=argparse.SUPPRESS)  # set by --router-tree
+    args = parser.parse_args(argv)
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {sorted(SCENARIOS)}")
+    try:
+        variants = _variants(args.variant)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.router_tree:
+        return _run_in_tree(args, argv)
+    if args.in_tree:
+        _pin_tree(Path(args.in_tree))
+    names = [p for p in args.policies.split(",") if p]
+    legacy = not _flow_api()
+    if legacy:
+        skipped = [n for n in names if n != JOINT]
+        names = [n for n in names if n == JOINT]
+        sys.stderr.write(
+            f"router of {args.in_tree or 'this path'}: before RequestFlow; runs pd-router and variants "
+            f"only (skipped: {', '.join(skipped) or 'none'})\n"
+        )
+    elif not args.no_reference and REFERENCE not in names:
+        names.append(REFERENCE)
+    try:
+        policies = [policy(n) for n in names] + [policy(n, sets) for n, sets in variants.items()]
+    except ValueError as exc:
+        parser.error(str(exc))
+    tm = TimeModel()
+    command = shlex.join(["python", "-m", "loadtests.bench.quality", *argv])
+    out: dict[str, Any] = {"command": command, "seed": args.seed, "hop_ms": args.hop_ms, "scenarios": {}}
+    for key in args.scenarios:
+        scn = SCENARIOS[key]
+        n, rate = args.requests or scn.requests, args.rate or scn.rate
+        runs = []
+        workload = scn.workload(n, rate, args.seed)
+        for pol in policies:
+            run = run_policy(scn, pol, seed=args.seed, hop_s=args.hop_ms / MS, tm=tm, workload=workload)
+            sys.stderr.write(
+                f"  [{key}] {pol.name}: p50 TTFT {run.summary.pct('ttft_s', 0.5) * MS:.1f} ms, "
+                f"{run.cpu_s:.1f} CPU s for {run.sim_s:.1f} virtual s\n"
+            )
+            runs.append(run)
+        sys.stdout.write(render(scn, runs, tm, n, rate))
+        sys.stdout.flush()
+        out["scenarios"][key] = {
+            "requests": n,
+            "rate": rate,
+            "policies": {run.policy: _round(run.stats(scn, tm)) for run in runs},
+        }
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def _round(stats: dict[str, float]) -> dict[str, float]:
+    return {k: (round(v, 3) if isinstance(v, float) and math.isfinite(v) else v) for k, v in stats.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

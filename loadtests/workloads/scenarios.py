@@ -1,0 +1,332 @@
+"""The routing benchmarks' scenarios: cluster shapes, seeded workloads, the router configuration
+each policy runs with, and goodput. Shared by ``loadtests.bench.routing`` (wall-clock, real HTTP)
+and ``loadtests.bench.quality`` (virtual clock, in-process). Of the router only ``router.config``
+is imported (through ``loadtests.sim.cluster``), which every checkout has, so ``quality`` can also
+run a router from another checkout (``--router-tree``).
+
+Scenarios:
+  a  4 × prefill-decode pods, shared-prefix workload (many long system prompts, short questions)
+  b  4 × prefill-decode pods, multi-turn chat (every turn resends the conversation)
+  c  2 prefill + 2 decode on two racks (fast links inside a rack, slow across), long shared prefixes
+  d  4 × prefill-decode pods, bursty multi-turn chat (session starts in bursts of 1.5× and 2× the
+     base rate)
+  e  2 prefill + 2 decode, long outputs: decode-bound (decode pods busy, prefill pods half idle)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loadtests.sim.cluster import engine_model_for
+from loadtests.sim.engine import EngineSpec, TimeModel
+from loadtests.workloads.client import Summary
+from loadtests.workloads.generate import Phase, Workload, multi_turn, phased, shared_prefix
+
+KV_BYTES_PER_TOKEN = 131072  # 128 KiB/token: Llama-3-8B class (32 layers × 8 KV heads × 128 × 2 × bf16)
+# Goodput SLOs at speed 1: TTFT ≤ 1 s and TPOT ≤ 20 ms (divided by the simulator's speed).
+GOODPUT_TTFT_S, GOODPUT_TPOT_S = 1.0, 0.020
+
+
+@dataclass
+class Scenario:
+    key: str
+    title: str
+    specs: Callable[[TimeModel], list[EngineSpec]]
+    workload: Callable[[int, float, int], Workload]  # (requests, rate, seed)
+    policies: list[str]
+    rate: float  # default arrival rate, requests/s (chosen from a sweep; see the report)
+    requests: int  # default request count
+    links: dict[str, Any] = field(default_factory=dict)  # physical link table (before speed scaling)
+    params: str = ""  # one line of parameters for the table header
+    # Goodput: a request counts when TTFT ≤ goodput_ttft_s and TPOT ≤ goodput_tpot_s (at speed 1).
+    goodput_ttft_s: float = GOODPUT_TTFT_S
+    goodput_tpot_s: float = GOODPUT_TPOT_S
+
+
+# -- scenario definitions --------------------------------------------------------------------------
+
+# (a)/(b): 1024 blocks × 16 = 16k tokens of KV per pod, so one pod cannot hold every system prompt
+# (16 × 2k tokens) — the realistic regime where scattering a prefix over all pods costs cache hits.
+PD_POOL_BLOCKS = 1024
+A_PREFIXES, A_PREFIX_TOKENS, A_SUFFIX_TOKENS, A_MAX_TOKENS = 16, 2048, 64, 16
+B_TURNS, B_SYSTEM, B_USER, B_ANSWER = 4, 1024, 256, 32
+
+# (c): two racks; 25 GB/s inside a rack (NVLink/RDMA within a node group), 3 GB/s across.
+C_LINKS = {
+    "same": {"latency_ms": 0.05, "bandwidth_gbytes_per_s": 25.0},
+    "default": {"latency_ms": 1.0, "bandwidth_gbytes_per_s": 3.0},
+}
+C_BLOCKS = 2048
+C_PREFIXES, C_PREFIX_TOKENS, C_SUFFIX_TOKENS, C_MAX_TOKENS = 8, 4096, 192, 16
+
+# (d): the chat of (b), its sessions starting in bursts: base rate, 1.5× burst, base, 2× burst.
+# Turns follow each other as in (b) at its 50 req/s (0.3–1 s apart) whatever the base rate: users'
+# think time does not depend on how many of them there are.
+D_BASE_S, D_BURST_S = 5.0, 2.5
+D_BURSTS = (1.5, 2.0)
+D_TURN_PACE = 50.0
+
+# (e): one rack (the in-rack link of (c)), long outputs; 8 shared 512-token prefixes + 512 tokens.
+E_BLOCKS = 2048
+E_PROMPT, E_SHARED, E_PREFIXES, E_OUT_LOW, E_OUT_HIGH = 1024, 512, 8, 192, 384
+
+
+def _pd_pool(tm: TimeModel) -> list[EngineSpec]:
+    return [
+        EngineSpec(f"pod-{i}", "prefill-decode", link="rack-a", num_gpu_blocks=PD_POOL_BLOCKS, time=tm)
+        for i in range(4)
+    ]
+
+
+def _two_racks(tm: TimeModel) -> list[EngineSpec]:
+    return [
+        EngineSpec(f"{role}-{rack}", role, link=f"rack-{rack}", num_gpu_blocks=C_BLOCKS, time=tm)
+        for role in ("prefill", "decode")
+        for rack in ("a", "b")
+    ]
+
+
+def _one_rack_pd(tm: TimeModel) -> list[EngineSpec]:
+    return [
+        EngineSpec(f"{role}-{i}", role, link="rack-a", num_gpu_blocks=E_BLOCKS, time=tm)
+        for role in ("prefill", "decode")
+        for i in range(2)
+    ]
+
+
+def _shared(prefixes: int, prefix_tokens: int, suffix: int, max_tokens: int) -> Callable[..., Workload]:
+    def make(n: int, rate: float, seed: int) -> Workload:
+        return shared_prefix(
+            n,
+            n_prefixes=prefixes,
+            prefix_tokens=prefix_tokens,
+            suffix_tokens=suffix,
+            max_tokens=max_tokens,
+            rate=rate,
+            seed=seed,
+        )
+
+    return make
+
+
+def _chat(n: int, rate: float, seed: int) -> Workload:
+    wl = multi_turn(
+        max(1, n // B_TURNS),
+        turns=B_TURNS,
+        system_tokens=B_SYSTEM,
+        user_tokens=B_USER,
+        answer_tokens=B_ANSWER,
+        rate=rate,
+        seed=seed,
+    )
+    return wl
+
+
+def _bursts(rate: float) -> list[Phase]:
+    """One cycle of (d)'s profile at base ``rate`` (requests/s): base, 1.5× burst, base, 2× burst."""
+    out = []
+    for factor in D_BURSTS:
+        out += [Phase(D_BASE_S, rate), Phase(D_BURST_S, rate * factor)]
+    return out
+
+
+def _bursty_chat(n: int, rate: float, seed: int) -> Workload:
+    return multi_turn(
+        max(1, n // B_TURNS),
+        turns=B_TURNS,
+        system_tokens=B_SYSTEM,
+        user_tokens=B_USER,
+        answer_tokens=B_ANSWER,
+        rate=D_TURN_PACE,
+        seed=seed,
+        phases=_bursts(rate),
+    )
+
+
+def _long_outputs(n: int, rate: float, seed: int) -> Workload:
+    # Poisson arrivals over a longer stretch than needed, cut at exactly ``n`` requests.
+    phase = Phase(
+        1.5 * n / rate + 1.0,
+        rate,
+        prompt_tokens=E_PROMPT,
+        shared_tokens=E_SHARED,
+        n_prefixes=E_PREFIXES,
+        max_tokens=E_OUT_LOW,
+        max_tokens_high=E_OUT_HIGH,
+    )
+    wl = phased([phase], seed=seed, name="long-outputs")
+    wl.items = wl.items[:n]
+    return wl
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "a": Scenario(
+        "a",
+        "(a) 4 × prefill-decode, shared-prefix",
+        _pd_pool,
+        _shared(A_PREFIXES, A_PREFIX_TOKENS, A_SUFFIX_TOKENS, A_MAX_TOKENS),
+        ["round-robin", "least-loaded", "pd-router", "reference"],
+        rate=40.0,
+        requests=600,
+        params=(
+            f"{A_PREFIXES} prefixes × {A_PREFIX_TOKENS} tok + {A_SUFFIX_TOKENS} tok question, "
+            f"max_tokens {A_MAX_TOKENS}; {PD_POOL_BLOCKS * 16} KV tokens/pod"
+        ),
+    ),
+    "b": Scenario(
+        "b",
+        "(b) 4 × prefill-decode, multi-turn chat",
+        _pd_pool,
+        _chat,
+        ["round-robin", "least-loaded", "pd-router", "reference"],
+        rate=50.0,
+        requests=600,
+        params=(
+            f"{B_TURNS} turns/session, system {B_SYSTEM} tok, user {B_USER} tok/turn, "
+            f"answer {B_ANSWER} tok; {PD_POOL_BLOCKS * 16} KV tokens/pod"
+        ),
+    ),
+    "c": Scenario(
+        "c",
+        "(c) 2 prefill + 2 decode on 2 racks, long shared prefixes",
+        _two_racks,
+        _shared(C_PREFIXES, C_PREFIX_TOKENS, C_SUFFIX_TOKENS, C_MAX_TOKENS),
+        ["round-robin", "independent", "pd-router", "reference"],
+        rate=10.0,
+        requests=300,
+        links=C_LINKS,
+        params=(
+            f"{C_PREFIXES} prefixes × {C_PREFIX_TOKENS} tok + {C_SUFFIX_TOKENS} tok, max_tokens "
+            f"{C_MAX_TOKENS}; KV {KV_BYTES_PER_TOKEN // 1024} KiB/token; links in-rack "
+            f"{C_LINKS['same']['bandwidth_gbytes_per_s']:g} GB/s + {C_LINKS['same']['latency_ms']:g} ms, "
+            f"cross-rack {C_LINKS['default']['bandwidth_gbytes_per_s']:g} GB/s + "
+            f"{C_LINKS['default']['latency_ms']:g} ms; {C_BLOCKS * 16} KV tokens/pod"
+        ),
+    ),
+    "d": Scenario(
+        "d",
+        "(d) 4 × prefill-decode, bursty multi-turn chat",
+        _pd_pool,
+        _bursty_chat,
+        ["round-robin", "least-loaded", "pd-router", "reference"],
+        rate=28.0,
+        requests=720,
+        params=(
+            f"the chat of (b); sessions start at the base rate for {D_BASE_S:g} s, then "
+            f"{D_BURSTS[0]:g}× for {D_BURST_S:g} s, base, {D_BURSTS[1]:g}× for {D_BURST_S:g} s, "
+            f"repeated (rate = base, in requests/s); {PD_POOL_BLOCKS * 16} KV tokens/pod"
+        ),
+    ),
+    "e": Scenario(
+        "e",
+        "(e) 2 prefill + 2 decode, long outputs (decode-bound)",
+        _one_rack_pd,
+        _long_outputs,
+        ["round-robin", "least-loaded", "pd-router", "pd-router-flex", "reference"],
+        rate=22.0,
+        requests=300,
+        links={"same": C_LINKS["same"]},
+        params=(
+            f"{E_PREFIXES} prefixes × {E_SHARED} tok + {E_PROMPT - E_SHARED} tok, max_tokens "
+            f"{E_OUT_LOW}–{E_OUT_HIGH}; one rack ({C_LINKS['same']['bandwidth_gbytes_per_s']:g} GB/s); "
+            f"{E_BLOCKS * 16} KV tokens/pod"
+        ),
+    ),
+}
+
+
+# -- the router's configuration --------------------------------------------------------------
+
+
+def scaled_links(links: dict[str, Any], speed: float) -> dict[str, Any]:
+    """Link costs in wall-clock terms at ``speed``.
+
+    The simulator divides compute time by ``speed`` but not KV-transfer time, so the link table is
+    scaled the same way here (bandwidth × speed, latency ÷ speed) to keep transfer/compute ratios
+    physical. Router and simulator get the same scaled table.
+    """
+    out: dict[str, Any] = {}
+    for name in ("same", "default"):
+        if name in links:
+            cost = links[name]
+            out[name] = {
+                "latency_ms": cost["latency_ms"] / speed,
+                "bandwidth_gbytes_per_s": cost["bandwidth_gbytes_per_s"] * speed,
+            }
+    return out
+
+
+def config_data(
+    endpoints: Sequence[tuple[str, str, str, str]],
+    tm: TimeModel,
+    links: dict[str, Any],
+    policy: str | dict[str, Any] = "joint",
+    *,
+    misconfigure: float = 1.0,
+    learn: bool = True,
+) -> dict[str, Any]:
+    """The router's configuration (before validation) for a simulated cluster.
+
+    ``endpoints``: ``(name, address, role, link)`` per engine; ``policy``: ``picker.policy``, or
+    the whole ``picker`` section; ``misconfigure``: the configured engine claims this × the
+    simulator's real speed (3 = the engines are three times slower than the operator wrote);
+    ``learn``: the online model may correct it."""
+    speed = tm.speed
+    data: dict[str, Any] = {
+        "model": "sim-model",
+        "endpoints": [
+            {"address": address, "role": role, "link": link, "name": name}
+            for name, address, role, link in endpoints
+        ],
+        "engine": claimed_engine(engine_model_for(tm, KV_BYTES_PER_TOKEN), misconfigure),
+        "signals": {"learn": learn, "tick_ms": max(50.0, 1000.0 / speed)},
+        # SLOs scale with simulated time so the TTFT-vs-TPOT balance of the cost does not change.
+        "slo": {"ttft_ms": 500.0 / speed, "tpot_ms": 50.0 / speed},
+        "scrape": {"interval_ms": max(50.0, 200.0 / speed), "stale_after_ms": 5000},
+        "proxy": {"port": 0, "debug_headers": True},
+        "picker": {"policy": policy} if isinstance(policy, str) else dict(policy),
+    }
+    if links:
+        data["links"] = links
+    return data
+
+
+def claimed_engine(true: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The engine section of an operator who believes the engines ``factor`` × faster."""
+    if factor == 1.0:
+        return true
+    slower = ("decode_step_base_ms", "decode_ms_per_seq", "decode_ms_per_1k_kv_tokens")
+    return {
+        **true,
+        "prefill_tokens_per_s": true["prefill_tokens_per_s"] * factor,
+        **{key: true[key] / factor for key in slower},
+    }
+
+
+# Bench label -> the ``picker`` section (pd-router is the joint choice; the others are its
+# baselines). ``reference`` keeps the joint picker's configuration but its pair picker is replaced
+# by ``ReferencePicker`` (bench only).
+POLICIES: dict[str, dict[str, Any]] = {
+    "round-robin": {"policy": "round-robin"},
+    "least-loaded": {"policy": "least-loaded"},
+    "independent": {"policy": "independent"},
+    "pd-router": {"policy": "joint"},
+    # Role-flexible P/D: prefill pods may serve whole requests (vLLM's NIXL kv_both).
+    "pd-router-flex": {"policy": "joint", "prefill_may_decode": True},
+    "pd-router-static": {"policy": "joint"},  # the same without the online model (only with --misconfigure)
+    "reference": {"policy": "joint"},
+}
+
+
+# -- measures ----------------------------------------------------------------------------------
+
+
+def goodput(summary: Summary, ttft_s: float, tpot_s: float) -> float:
+    """Share of all requests (failed ones count as missed) with TTFT ≤ ``ttft_s`` and TPOT ≤
+    ``tpot_s`` (a one-token answer has no TPOT: only its TTFT counts)."""
+    if not summary.results:
+        return float("nan")
+    good = sum(1 for r in summary.ok if r.ttft_s <= ttft_s and (r.tpot_s != r.tpot_s or r.tpot_s <= tpot_s))
+    return good / len(summary.results)
