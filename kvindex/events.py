@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -420,6 +421,7 @@ class Action(enum.Enum):
 
     APPLIED = "applied"
     DUPLICATE = "duplicate"
+    UNVERIFIED = "unverified"  # dropped: the replay socket has not confirmed who sent it, lately
     REPLAY = "replay"  # caller must fetch a replay from ``replay_from`` and call ``on_replay``
 
 
@@ -439,29 +441,59 @@ class EngineStats:
     purges: int
     restarts: int
     errors: int  # unexpected exceptions (e.g. raised by the sink), logged and survived
+    unverified: int  # live batches dropped after a disconnect the replay socket could not clear up
 
 
 class EngineStream:
     """One engine's stream state; pure and synchronous (the consumer task does the I/O).
 
-    Sequence rules:
+    A publisher process numbers its batches 0, 1, 2, ... and its replay socket answers with the
+    very bytes it published (vLLM buffers the encoded payloads). A restarted engine is a new
+    process that numbers from 0 again, on the same addresses; nothing in a batch names the process.
+    So a batch is taken to continue the history we follow only when its seq says so and nothing
+    contradicts it, and a replay must prove that it continues that history: it must hold the batch
+    at our position byte for byte.
 
-    * first batch ever (or of a new incarnation): seq 0 → apply, covered. seq > 0 means batches
-      were lost (ZMQ slow joiner): with a replay socket, replay from 0; without one (or if
-      the replay does not start at 0) → purge.
-    * seq == last + 1 → apply.
-    * seq <= last: a PUB never repeats a seq, so a live duplicate can only be a batch we already
-      got by replay (the SUB queued it meanwhile). Inside that window → drop; anything else is a
-      new publisher incarnation (engine restart, whose first batches the slow joiner may have
-      eaten, so it is not required to be 0) → ``cleared`` once, then handled as a first batch.
-    * seq > last + 1 (gap) → replay from last + 1; no replay socket, a timeout, or a replay that
-      does not start at last + 1 → purge.
+    Sequence rules for a live batch, while we follow a publisher (position = the last seq taken):
 
-    Purge = ``cleared`` + ``covered(False)``, then keep applying new batches. The cache the engine
-    held before the purge is unknown to us; after ``rebuild_after_s`` without another purge we
-    assume it has been evicted or re-announced by the traffic since (a heuristic: reused blocks are
-    not re-reported, so the index may under-count hits, never invent them) and report
-    ``covered(True)`` again.
+    * a replayed batch that the live stream brings again (the SUB queued it meanwhile) is dropped
+      as a duplicate if it is newer than the last live seq (the SUB queue is FIFO) and
+      byte-identical to what the replay gave; a seq alone proves nothing, a new process reuses it;
+    * after a disconnect (``on_disconnect``), or while the live stream may still carry batches of
+      another process, the batch is checked against the engine's replay buffer from 0 before
+      anything is applied (also with nothing followed yet): whatever its seq, since a restarted
+      engine's first batches may be lost to the slow joiner and its first seen seq may be any
+      number, even our position + 1;
+    * seq <= position: a PUB never repeats a seq, so this is a new process → restart;
+    * seq == position + 1 → apply;
+    * seq > position + 1 (gap) → replay from our position.
+
+    Without a replay socket a disconnect only makes any seq but position + 1 a restart, and a gap
+    purges. With nothing followed yet (start, or after a restart) seq 0 is applied and any other
+    seq replays from 0.
+
+    A replay's answer:
+
+    * holds our position's batch, byte-identical → it continues our history: apply what follows;
+    * holds a different batch there, or is the process's whole history from 0 and ends before our
+      position → a restart: ``cleared`` once; a history from 0 is adopted (complete, so covered),
+      anything else is dropped and the next live batch replays from 0;
+    * anything else (no reply in time, an empty one, our position no longer in its buffer) →
+      purge: what we cannot prove is dropped, and we go on from what it did give. When that was
+      the check after a disconnect, live batches stay unconfirmed and are dropped until a check
+      (no more than one per ``verify_retry_s``) is answered.
+
+    The live batch that asked for a replay is applied only as part of the answer, which holds it if
+    it came from the process that answered: a batch nobody confirmed is never applied, and one that
+    the answering process did not publish means the live stream still carries another process's
+    batches, so the next one is checked too.
+
+    Purge = ``cleared`` + ``covered(False)``. The cache the engine held before the purge is unknown
+    to us; after ``rebuild_after_s`` without another purge we assume it has been evicted or
+    re-announced by the traffic since (a heuristic: reused blocks are not re-reported, so the index
+    may under-count hits, never invent them) and report ``covered(True)`` again. ``cleared`` is
+    sent only when the sink may hold something of this engine, so a restart and a purge it caused
+    drop the old entries once (the engine's own ``AllBlocksCleared`` is passed on as it comes).
     """
 
     def __init__(
@@ -471,24 +503,31 @@ class EngineStream:
         *,
         has_replay: bool,
         rebuild_after_s: float = 30.0,
+        verify_retry_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self._sink = sink
         self._has_replay = has_replay
         self._rebuild_after_s = rebuild_after_s
+        self._verify_retry_s = verify_retry_s
         self._clock = clock
-        self._last: int | None = None
+        self._last: int | None = None  # our position; None: following no publisher
+        self._last_payload = b""  # the batch at our position, what a replay must hold to continue us
+        self._last_live: int | None = None  # the newest seq the live stream brought us from it
+        # Replayed batches the live stream may still bring: seq -> hash of the bytes. A hash, not
+        # the bytes: a replay from 0 can hold thousands of batches.
+        self._replayed: dict[int, int] = {}
         self._covered: bool | None = None
         self._purged_at: float | None = None
-        self._dup_window: tuple[int, int] | None = None
         self._pending: tuple[int, bytes] | None = None
-        self._clear_pending_restart = False  # a restart just cleared: a purge need not clear again
-        self._reconnected = False  # the SUB lost its connection since the last batch
+        self._verify = False  # check the next live batch against the replay buffer first
+        self._verify_after = -math.inf  # not before then: the last check got no answer
+        self._dirty = True  # something may have been stored since our last ``cleared`` (at start: unknown)
         self.replay_from: int | None = None
         self.batches = self.replayed_batches = self.events = self.non_gpu_events = 0
         self.malformed = self.duplicates = self.gaps = self.replays = self.replay_failures = 0
-        self.purges = self.restarts = self.errors = 0
+        self.purges = self.restarts = self.errors = self.unverified = 0
 
     # -- public, driven by the consumer (or a test) --
 
@@ -496,76 +535,75 @@ class EngineStream:
         """The SUB lost its connection to the publisher: the next batch may come from a new process.
 
         A restarted engine numbers its batches from 0 again, but a reconnecting subscriber can miss
-        the first ones (ZMQ's slow joiner) and see a seq *above* the old last one, which would look
-        like a gap. After a disconnect, anything but the next seq counts as a restart.
+        the first ones (ZMQ's slow joiner) and see any seq, even the one we expect next.
         """
-        self._reconnected = True
+        self._verify = True
 
     def on_batch(self, seq: int, payload: bytes) -> Action:
         """Handle one live batch. ``Action.REPLAY``: fetch from ``replay_from``, then ``on_replay``."""
         if self._pending is not None:
             raise RuntimeError("on_batch while a replay is outstanding; call on_replay first")
         self.batches += 1
-        reconnected, self._reconnected = self._reconnected, False
-        if self._last is not None and (seq <= self._last or (reconnected and seq != self._last + 1)):
-            window = self._dup_window
-            if window is not None and window[0] <= seq <= window[1]:
-                self.duplicates += 1
-                return Action.DUPLICATE
-            self.restarts += 1
-            logger.info(
-                "KV events from %s: seq %d after %d, engine restarted; clearing", self.engine, seq, self._last
-            )
-            self._clear()
-            self._clear_pending_restart = True
-            self._last = None
-            self._dup_window = None
+        if self._last is not None and self._is_duplicate(seq, payload):
+            # Not a reason to trust the next batch more: the duplicate may be the old process's.
+            self.duplicates += 1
+            self._last_live = seq
+            return Action.DUPLICATE
+        if self._verify and self._has_replay:
+            if self._clock() < self._verify_after:
+                self.unverified += 1
+                return Action.UNVERIFIED
+            return self._request_replay(0, seq, payload)
+        if self._last is not None and (seq <= self._last or (self._verify and seq != self._last + 1)):
+            self._restart(f"seq {seq} after {self._last}")
+        self._verify = False
         if self._last is None:
             if seq == 0:
-                self._apply(seq, payload)
+                self._take_live(seq, payload)
                 self._set_covered(True)
                 return Action.APPLIED
             if self._has_replay:
                 return self._request_replay(0, seq, payload)
             self._purge(f"first seq {seq} > 0 and no replay socket")
-            self._apply(seq, payload)
+            self._take_live(seq, payload)
             return Action.APPLIED
         if seq == self._last + 1:
-            if self._dup_window is not None and seq > self._dup_window[1]:
-                self._dup_window = None  # the SUB queue is FIFO: no more duplicates can follow
-            self._apply(seq, payload)
+            self._take_live(seq, payload)
             return Action.APPLIED
         self.gaps += 1
         if self._has_replay:
-            return self._request_replay(self._last + 1, seq, payload)
+            return self._request_replay(self._last, seq, payload)
         self._purge(f"gap {self._last + 1}..{seq - 1} and no replay socket")
-        self._apply(seq, payload)
+        self._take_live(seq, payload)
         return Action.APPLIED
 
     def on_replay(self, batches: list[tuple[int, bytes]] | None) -> None:
-        """Apply a replay's batches (in seq order); ``None`` = failed or timed out."""
+        """Apply a replay's answer (``(seq, payload)`` pairs); ``None`` = failed or timed out."""
         if self._pending is None or self.replay_from is None:
             raise RuntimeError("on_replay without an outstanding replay")
-        start, (pending_seq, pending_payload) = self.replay_from, self._pending
+        start, (seq, payload) = self.replay_from, self._pending
         self._pending = None
         self.replay_from = None
-        first_ever = self._last is None
-        batches = [(s, p) for s, p in (batches or ()) if s >= start]
-        if not batches or batches[0][0] != start:
-            self.replay_failures += 1
-            got = "nothing" if not batches else f"from {batches[0][0]}"
-            self._purge(f"replay from {start} returned {got}")
-            first_ever = False  # the purge decided coverage
-            # Continue from whatever we did get, as a fresh start (no second purge for the same gap).
-            self._last = (batches[0][0] if batches else pending_seq) - 1
-        for seq, payload in batches:
-            self.replayed_batches += 1
-            self._feed_in_order(seq, payload)
-        self._feed_in_order(pending_seq, pending_payload)
-        if first_ever:
-            self._set_covered(True)
+        if batches is None:
+            self._unproven(start, {}, seq, payload, "timed out")
+            return
+        got = {s: p for s, p in sorted(batches, key=lambda b: b[0]) if s >= start}
+        history = 0 in got  # the answering process's batches from its first (start is 0)
         if self._last is not None:
-            self._dup_window = (start, self._last)
+            theirs = got.get(self._last)
+            if theirs is not None and theirs == self._last_payload:
+                self._take_replay(got, seq, payload, adopt=False)
+                return
+            if theirs is None and not (history and max(got) < self._last):
+                self._unproven(start, got, seq, payload, f"has not our seq {self._last}")
+                return
+            self._restart(f"the replay from {start} does not continue our seq {self._last}")
+            if not history:
+                return  # its batches before `start` are unknown: its next live batch replays from 0
+        elif not history:
+            self._unproven(start, got, seq, payload, "has not seq 0")
+            return
+        self._take_replay(got, seq, payload, adopt=True)
 
     def tick(self) -> None:
         """Re-check the rebuild timer (called by the consumer when the stream is idle)."""
@@ -590,9 +628,16 @@ class EngineStream:
             purges=self.purges,
             restarts=self.restarts,
             errors=self.errors,
+            unverified=self.unverified,
         )
 
     # -- internals --
+
+    def _is_duplicate(self, seq: int, payload: bytes) -> bool:
+        digest = self._replayed.pop(seq, None)
+        if digest is None or (self._last_live is not None and seq <= self._last_live):
+            return False
+        return digest == hash(payload)
 
     def _request_replay(self, start: int, seq: int, payload: bytes) -> Action:
         self.replays += 1
@@ -600,17 +645,58 @@ class EngineStream:
         self._pending = (seq, payload)
         return Action.REPLAY
 
+    def _take_live(self, seq: int, payload: bytes) -> None:
+        self._replayed.clear()  # every replayed seq is behind this one: none can still come live
+        self._last_live = seq
+        self._apply(seq, payload)
+
+    def _take_replay(self, got: dict[int, bytes], seq: int, payload: bytes, *, adopt: bool) -> None:
+        """Apply ``got`` past our position; ``adopt``: it is the process's history from 0."""
+        purges = self.purges
+        for s, p in got.items():
+            self.replayed_batches += 1
+            self._feed_in_order(s, p)
+        self._verify_after = -math.inf  # the replay socket answers
+        if got.get(seq) == payload:
+            self._last_live = seq
+            self._verify = False
+        else:
+            # The live batch was not this process's: the live stream still carries another's.
+            self._verify = True
+            if adopt:
+                self._last_live = None
+        if adopt and self.purges == purges:
+            self._set_covered(True)
+        newest_live = -1 if self._last_live is None else self._last_live
+        self._replayed = {s: hash(p) for s, p in got.items() if s > newest_live}
+
+    def _unproven(self, start: int, got: dict[int, bytes], seq: int, payload: bytes, why: str) -> None:
+        """A replay that proves nothing: purge, then go on from what it gave, or from the live batch
+        (not applied: nothing confirmed it)."""
+        self.replay_failures += 1
+        self._purge(f"replay from {start} {why} (got {len(got)} batches)")
+        if got:
+            self._last = next(iter(got)) - 1
+            self._take_replay(got, seq, payload, adopt=False)
+            return
+        self._last, self._last_payload, self._last_live = seq, payload, seq
+        self._replayed.clear()
+        if self._verify:
+            # A check after a disconnect got no answer (the engine may still be starting): the
+            # batches that follow stay unconfirmed, dropped rather than applied, and the next check
+            # waits a while, so that a replay socket that never answers cannot stall the stream.
+            self._verify_after = self._clock() + self._verify_retry_s
+
     def _feed_in_order(self, seq: int, payload: bytes) -> None:
         if self._last is not None and seq <= self._last:
-            return  # already applied (the pending batch is usually inside the replay)
+            return  # already applied
         if self._last is not None and seq != self._last + 1:
             self.gaps += 1
             self._purge(f"gap {self._last + 1}..{seq - 1} inside a replay")
         self._apply(seq, payload)
 
     def _apply(self, seq: int, payload: bytes) -> None:
-        self._last = seq
-        self._clear_pending_restart = False
+        self._last, self._last_payload = seq, payload
         try:
             batch = decode_batch(payload)
         except MalformedEvent as exc:
@@ -627,21 +713,31 @@ class EngineStream:
             self.events += 1
             if isinstance(event, Stored):
                 self._sink.stored(self.engine, event.block_hashes, event.parent)
+                self._dirty = True
             elif isinstance(event, Removed):
                 self._sink.removed(self.engine, event.block_hashes)
             else:
                 self._sink.cleared(self.engine)
         self._maybe_rebuild()
 
+    def _restart(self, why: str) -> None:
+        self.restarts += 1
+        logger.info("KV events from %s: %s, engine restarted; clearing", self.engine, why)
+        if self._dirty:
+            self._clear()
+        self._last = self._last_live = None
+        self._last_payload = b""
+        self._replayed.clear()
+
     def _clear(self) -> None:
         self._sink.cleared(self.engine)
+        self._dirty = False
 
     def _purge(self, why: str) -> None:
         self.purges += 1
         logger.warning("KV events from %s: %s; purging the engine's index entries", self.engine, why)
-        if not self._clear_pending_restart:
+        if self._dirty:
             self._clear()
-        self._clear_pending_restart = False
         self._purged_at = self._clock()
         self._set_covered(False)
 
@@ -732,6 +828,7 @@ class KVEventConsumer:
             self._sink,
             has_replay=replay_endpoint is not None,
             rebuild_after_s=self._rebuild_after_s,
+            verify_retry_s=self._replay_timeout_s,
             clock=self._clock,
         )
         engine = _Engine(name, endpoint, replay_endpoint, stream)
@@ -833,7 +930,8 @@ class KVEventConsumer:
     async def _fetch_replay(self, engine: _Engine, start: int) -> list[tuple[int, bytes]] | None:
         """Replay from ``start`` through a fresh DEALER (a REQ socket could read only the first of
         the engine's replies, one per batch); fresh per replay so that late replies to a timed-out
-        request cannot mix in."""
+        request cannot mix in. ``None`` unless read to its end marker: a cut-off answer ends early,
+        which would read as a process that has not got that far."""
         assert engine.replay_endpoint is not None
         dealer = self._socket(zmq.DEALER)
         batches: list[tuple[int, bytes]] = []
@@ -841,7 +939,7 @@ class KVEventConsumer:
             dealer.connect(engine.replay_endpoint)
             await dealer.send_multipart([b"", seq_bytes(start)])
             async with asyncio.timeout(self._replay_timeout_s):
-                while len(batches) < self._max_replay_batches:
+                while True:
                     parsed = parse_replay_frames(await dealer.recv_multipart())
                     if parsed is None:
                         engine.stream.on_malformed_frame()
@@ -849,6 +947,14 @@ class KVEventConsumer:
                     seq, payload = parsed
                     if seq == -1 or not payload:
                         break
+                    if len(batches) == self._max_replay_batches:
+                        logger.warning(
+                            "KV events from %s: replay from %d has more than %d batches; dropped",
+                            engine.name,
+                            start,
+                            self._max_replay_batches,
+                        )
+                        return None
                     batches.append((seq, payload))
         except TimeoutError:
             logger.warning(

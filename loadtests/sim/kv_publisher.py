@@ -4,7 +4,8 @@ It does what ``vllm/distributed/kv_events.py``'s ``ZmqEventPublisher`` does on t
 socket that binds and sends ``[topic, seq8, payload]``, a ROUTER replay socket serving the last
 ``buffer_steps`` batches, and the ``-1`` end marker. Differences on purpose: ``publish`` sends
 inline instead of through a publisher thread and queue (the caller is on the event loop), and
-``drop_next`` lets tests create sequence gaps. Independent of the simulator.
+``drop_next`` and ``hold_replays`` let tests create sequence gaps and catch a replay half-way.
+Independent of the simulator.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class KVEventPublisher:
         self._replay_task: asyncio.Task[None] | None = None
         self._endpoint: str | None = None
         self._replay_endpoint: str | None = None
+        self._hold: int | None = None
+        self._released = asyncio.Event()
+        self.replay_held = asyncio.Event()  # set while a replay waits for ``release_replays``
 
     @property
     def endpoint(self) -> str:
@@ -110,6 +114,18 @@ class KVEventPublisher:
     def drop_next(self, n: int) -> None:
         """Fault injection: do not send the next ``n`` batches on PUB (they are still buffered)."""
         self._drop += n
+
+    def hold_replays(self, after: int = 0) -> None:
+        """Fault injection: answer replay requests with at most ``after`` batches, then wait (no end
+        marker) until ``release_replays``; ``close()`` meanwhile is an engine dying mid-replay."""
+        self._hold = after
+        self._released.clear()
+
+    def release_replays(self) -> None:
+        """Answer the held replay to its end, with what the buffer holds by then (as vLLM, which
+        serves a replay from its buffer at that moment), and the next ones at once."""
+        self._hold = None
+        self._released.set()
 
     def publish(
         self, events: list[BlockStored | BlockRemoved | AllBlocksCleared], ts: float | None = None
@@ -159,7 +175,21 @@ class KVEventPublisher:
                 logger.debug("ignoring a malformed replay request (%d frames)", len(frames))
                 continue
             identity, start = frames[0], int.from_bytes(frames[2], "big")
-            # Snapshot: publish() may rotate the deque while we await sends.
-            for seq, payload in [b for b in self._buffer if b[0] >= start]:
-                await router.send_multipart([identity, b"", self._topic, seq_bytes(seq), payload])
+            hold = self._hold
+            if hold is not None:
+                start = await self._send_buffered(router, identity, start, hold)
+                self.replay_held.set()
+                await self._released.wait()
+                self.replay_held.clear()
+            await self._send_buffered(router, identity, start)
             await router.send_multipart([identity, b"", b"", END_SEQ, b""])
+
+    async def _send_buffered(
+        self, router: zmq.asyncio.Socket, identity: bytes, start: int, limit: int | None = None
+    ) -> int:
+        """Send up to ``limit`` buffered batches from seq ``start``; returns the next seq to send."""
+        # Snapshot: publish() may rotate the deque while we await sends.
+        for seq, payload in [b for b in self._buffer if b[0] >= start][:limit]:
+            await router.send_multipart([identity, b"", self._topic, seq_bytes(seq), payload])
+            start = seq + 1
+        return start
