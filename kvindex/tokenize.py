@@ -2,13 +2,15 @@
 
 The text must be what the engine tokenizes (for chat requests: after the chat template), and
 ``add_special_tokens`` must match how the engine's API tokenizes it (vLLM's completions API adds
-them, e.g. a BOS), or every key differs from the engine's from block 0 on.
+them, e.g. a BOS), or every key differs from the engine's from block 0 on. A prompt the client
+gave as token ids is hashed as it is (``token_block_keys``): vLLM neither tokenizes it nor adds
+special tokens.
 
 Caching: an LRU maps a *digest of the text* (16-byte BLAKE2b of its UTF-8) to its read-only key
 array. A digest rather than the text itself because prompts can be hundreds of kilobytes: keying by
 text would keep up to ``cache_size`` whole prompts alive (memory, and prompt text lingering in the
 heap), while the digest costs ~1 µs per kB, small next to tokenizing, and a 128-bit collision is
-not a practical concern.
+not a practical concern. Token ids share the LRU under a digest of their own kind.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from kvindex.vllm_hash import VllmBlockHasher
+
+_P = TypeVar("_P", str, Sequence[int])
 
 
 class PromptTokenizer:
@@ -75,13 +81,22 @@ class PromptTokenizer:
         return self._tokenizer.encode_batch_fast([text], add_special_tokens=self.add_special_tokens)[0].ids
 
     def _compute(self, text: str) -> np.ndarray:
-        keys = self.hasher.keys(self.token_ids(text))
+        return self._hash_ids(self.token_ids(text))
+
+    def _hash_ids(self, ids: Sequence[int]) -> np.ndarray:
+        keys = self.hasher.keys(ids)
         keys.flags.writeable = False  # shared by every cache hit: callers must not mutate it
         return keys
 
     @staticmethod
     def _digest(text: str) -> bytes:
         return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    @staticmethod
+    def _ids_digest(ids: Sequence[int]) -> bytes:
+        # Another personalisation: ids and a text with the same bytes are different prompts.
+        data = np.asarray(ids, dtype="<u4").tobytes()
+        return hashlib.blake2b(data, digest_size=16, person=b"token ids").digest()
 
     def _lookup(self, digest: bytes) -> np.ndarray | None:
         keys = self._cache.get(digest)
@@ -107,12 +122,7 @@ class PromptTokenizer:
 
     def block_keys_sync(self, text: str) -> np.ndarray:
         """Read-only uint64 block keys of ``text`` (cached), computed on the calling thread."""
-        digest = self._digest(text)
-        keys = self._lookup(digest)
-        if keys is None:
-            keys = self._compute(text)
-            self._store(digest, keys)
-        return keys
+        return self._cached_sync(self._digest(text), self._compute, text)
 
     async def block_keys(self, text: str) -> np.ndarray:
         """Read-only uint64 block keys of ``text`` (cached).
@@ -120,15 +130,35 @@ class PromptTokenizer:
         Prompts of at most ``offload_chars`` characters are computed inline (a thread hop would cost
         more than the work); longer ones in the executor, so the event loop keeps serving.
         """
-        if len(text) <= self.offload_chars:
-            return self.block_keys_sync(text)
-        digest = self._digest(text)
+        return await self._cached(self._digest(text), self._compute, text, len(text))
+
+    def token_block_keys_sync(self, ids: Sequence[int]) -> np.ndarray:
+        """Read-only uint64 block keys of a prompt given as token ids (each below 2**32; cached)."""
+        return self._cached_sync(self._ids_digest(ids), self._hash_ids, ids)
+
+    async def token_block_keys(self, ids: Sequence[int]) -> np.ndarray:
+        """``token_block_keys_sync``, in the executor beyond ``offload_chars`` ids: hashing one id
+        costs about what tokenizing and hashing one character does."""
+        return await self._cached(self._ids_digest(ids), self._hash_ids, ids, len(ids))
+
+    def _cached_sync(self, digest: bytes, compute: Callable[[_P], np.ndarray], prompt: _P) -> np.ndarray:
+        keys = self._lookup(digest)
+        if keys is None:
+            keys = compute(prompt)
+            self._store(digest, keys)
+        return keys
+
+    async def _cached(
+        self, digest: bytes, compute: Callable[[_P], np.ndarray], prompt: _P, work: int
+    ) -> np.ndarray:
+        if work <= self.offload_chars:
+            return self._cached_sync(digest, compute, prompt)
         keys = self._lookup(digest)
         if keys is not None:
             return keys
         future = self._pending.get(digest)
         if future is None:
-            future = asyncio.get_running_loop().run_in_executor(self._executor, self._compute, text)
+            future = asyncio.get_running_loop().run_in_executor(self._executor, compute, prompt)
             self._pending[digest] = future
             future.add_done_callback(lambda fut: self._settle(digest, fut))
         # shield: one cancelled waiter must not cancel the shared computation for the others.

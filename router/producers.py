@@ -22,7 +22,8 @@ class PreciseKeys:
     Chat requests are rendered with the model's chat template first and tokenized without added
     special tokens (the template writes BOS itself), as vLLM does. Without a template, chat
     requests get no precise keys: our own rendering would not match the engine's tokens, and the
-    approximate index answers for them instead.
+    approximate index answers for them instead. A prompt given as token ids is hashed as it is
+    (for a batch, the ids its prompts share: ``router.request.token_prompt``), as vLLM takes it.
     """
 
     name = "precise_keys"
@@ -49,6 +50,8 @@ class PreciseKeys:
     async def _keys(self, request: RouteRequest) -> np.ndarray | None:
         messages = request.body.get("messages")
         if messages is None:
+            if request.prompt_ids is not None:
+                return await self.tokenizer.token_block_keys(request.prompt_ids)
             return await self.tokenizer.block_keys(request.prompt) if request.prompt else None
         if self.chat_template is None or self.chat_tokenizer is None:
             return None

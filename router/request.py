@@ -9,12 +9,13 @@ from __future__ import annotations
 import reprlib
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
 
-from kvindex.hashing import estimate_tokens, text_block_keys
+from kvindex.hashing import MAX_TOKEN_ID, estimate_tokens, text_block_keys, token_block_keys
 from router.rejections import BadRequest, BodyTooLarge, UnknownModel
 from router.rewrite import ModelRewrites
 from router.types import RequestLimits, RouteRequest
@@ -65,11 +66,54 @@ def priority_of(headers: Mapping[str, str]) -> int:
     return 0
 
 
+@dataclass(frozen=True, slots=True)
+class TokenPrompt:
+    """A completions ``prompt`` given as token ids, which the engine takes as they are."""
+
+    ids: list[int]  # what to route on: the prompt, or the ids every prompt of a batch starts with
+    tokens: int  # prompt tokens the engine computes: every prompt's, for a batch
+
+
+def token_prompt(body: dict[str, Any]) -> TokenPrompt | None:
+    """The completions ``prompt`` as token ids (an array of ids, or a batch: an array of such
+    arrays), or None when it is not given as ids.
+
+    A batch is routed on the ids all its prompts start with: the engine runs each prompt as a
+    request of its own, so the blocks of that shared prefix are the ones every prompt reuses
+    where they are cached; routing on the first prompt alone could favour an engine that helps
+    only that one.
+    """
+    if "messages" in body:
+        return None
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if _token_ids(prompt):
+        return TokenPrompt(prompt, len(prompt))
+    if not all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
+        return None
+    return TokenPrompt(_common_prefix(prompt), sum(map(len, prompt)))
+
+
+def _token_ids(values: list[Any]) -> bool:
+    # type(), not isinstance(): JSON true is a bool, never a token id.
+    return all(type(v) is int for v in values) and min(values) >= 0 and max(values) <= MAX_TOKEN_ID
+
+
+def _common_prefix(prompts: list[list[int]]) -> list[int]:
+    first = prompts[0]
+    n = min(map(len, prompts))
+    for other in prompts[1:]:
+        n = next((i for i in range(n) if first[i] != other[i]), n)
+    return first[:n]
+
+
 def prompt_text(body: dict[str, Any]) -> str:
     """The prompt as one string: a completions ``prompt`` or the rendered chat ``messages``.
 
     The rendering is ours, not the model's chat template: approximate locality only needs equal
-    conversations to give equal prefixes. The simulated engine renders the same way.
+    conversations to give equal prefixes. The simulated engine renders the same way. A prompt of
+    token ids has no text (``token_prompt``).
     """
     if "messages" in body:
         messages = body["messages"]
@@ -87,9 +131,10 @@ def prompt_text(body: dict[str, Any]) -> str:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return " ".join(map(str, prompt))
-    raise BadRequest("'prompt' must be a string, a one-string array or an array of token ids")
+    raise BadRequest(
+        "'prompt' must be a string, a one-string array, an array of token ids (integers from 0 to "
+        f"{MAX_TOKEN_ID}) or an array of such arrays"
+    )
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -164,24 +209,36 @@ def parse_request(
     if served is not None and model != served and (rewrites is None or model not in rewrites.targets):
         asked = f"model {_shown(model)}" + (f" (rewritten from {_shown(requested)})" if requested else "")
         raise UnknownModel(f"{asked} is not served here; this pool serves {served!r}")
-    text = prompt_text(body)
-    prompt_tokens = estimate_tokens(text, limits.chars_per_token)
+    ids = token_prompt(body)
+    if ids is None:
+        text = prompt_text(body)
+        prompt_tokens = estimate_tokens(text, limits.chars_per_token)
+        counted = f"about {prompt_tokens}"
+    else:
+        text, prompt_tokens = "", ids.tokens  # counted, not estimated
+        counted = str(prompt_tokens)
     if prompt_tokens > limits.max_prompt_tokens:
-        raise BodyTooLarge(f"prompt is about {prompt_tokens} tokens; the limit is {limits.max_prompt_tokens}")
+        raise BodyTooLarge(f"prompt is {counted} tokens; the limit is {limits.max_prompt_tokens}")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
-    block_chars = max(1, round(limits.block_tokens * limits.chars_per_token))
+    if ids is None:
+        block_keys = text_block_keys(text, max(1, round(limits.block_tokens * limits.chars_per_token)))
+    else:
+        # No tokenizer needed: blocks of exactly block_tokens ids, as in vLLM's own index.
+        block_keys = token_block_keys(ids.ids, limits.block_tokens)
     return RouteRequest(
         model=model,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens_of(body, limits.default_max_tokens),
-        block_keys=text_block_keys(text, block_chars),
+        block_keys=block_keys,
         body=body,
         request_id=headers.get("x-request-id") or uuid.uuid4().hex,
         stream=stream,
         priority=priority_of(headers),
         prompt=text,
+        prompt_ids=None if ids is None else ids.ids,
+        exact_tokens=ids is not None,
         requested_model=requested,
         rewrite_rule=rule,
     )

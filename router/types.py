@@ -25,6 +25,9 @@ class RouteRequest:
     priority: int = 0
     subset: frozenset[str] | None = None
     prompt: str = ""  # the rendered prompt text (precise mode tokenizes it); never logged
+    # A completions prompt given as token ids: the ids to route on (for a batch, the ids every one
+    # of its prompts starts with), hashed as they are in precise mode. ``prompt`` is then empty.
+    prompt_ids: list[int] | None = None
     precise_keys: np.ndarray | None = None  # vLLM-exact block hashes, when the index is precise
     # False for a request without a body (a GET): one pod answers it, never a prefill -> decode pair.
     prefill_leg: bool = True

@@ -38,7 +38,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvindex.hashing import estimate_tokens, text_block_keys
+from kvindex.hashing import MAX_TOKEN_ID, estimate_tokens, text_block_keys, token_block_keys
 from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
 from loadtests.sim.kv_publisher import KVEventPublisher
 
@@ -358,10 +358,12 @@ class SimEngine:
     def prompt_blocks(self, body: Mapping[str, Any]) -> tuple[int, list[int]]:
         """(prompt tokens, full-block cache keys) this engine would give a completions body (chat
         when it has ``messages``), exactly as it tokenizes a request; raises ``InvalidRequest``."""
-        text = self._chat_text(dict(body)) if "messages" in body else _completion_text(dict(body))
-        token_ids, block_keys = self._tokenize(text)
-        tokens = len(token_ids) if token_ids is not None else estimate_tokens(text, self.spec.chars_per_token)
-        return tokens, block_keys
+        prompt = self._chat_text(dict(body)) if "messages" in body else _completion_prompt(dict(body))
+        token_ids, block_keys = self._tokenize(prompt)
+        if token_ids is not None:
+            return len(token_ids), block_keys
+        assert isinstance(prompt, str)  # token ids are never estimated
+        return estimate_tokens(prompt, self.spec.chars_per_token), block_keys
 
     def cached_prefix_tokens(self, block_keys: Sequence[int], prompt_tokens: int) -> int:
         """Prompt tokens this engine would not recompute if the prompt were admitted now (its
@@ -835,8 +837,13 @@ class SimEngine:
         if call.req.state != "done":
             self._drop(call.req)
 
-    def _tokenize(self, text: str) -> tuple[list[int] | None, list[int]]:
-        """(token ids or None, full-block keys): vLLM-exact in precise mode, else the text estimate."""
+    def _tokenize(self, text: str | list[int]) -> tuple[list[int] | None, list[int]]:
+        """(token ids or None, full-block keys): vLLM-exact in precise mode, else the text estimate.
+        A prompt of token ids is taken as it is, as vLLM does: no tokenizer, no special tokens."""
+        if isinstance(text, list):
+            if self._hasher is not None:
+                return text, self._hasher.keys(text).tolist()
+            return text, token_block_keys(text, self.spec.block_tokens).tolist()
         if self._tokenizer is None or self._hasher is None:
             return None, text_block_keys(text, self._block_chars).tolist()
         # With special tokens, as vLLM's completions API tokenizes (e.g. a BOS). Chat prompts are the
@@ -844,8 +851,10 @@ class SimEngine:
         ids = self._tokenizer.encode(text, add_special_tokens=True).ids
         return ids, self._hasher.keys(ids).tolist()
 
-    def _parse(self, body: dict[str, Any], chat: bool) -> tuple[str, int, bool, bool, dict[str, Any] | None]:
-        text = self._chat_text(body) if chat else _completion_text(body)
+    def _parse(
+        self, body: dict[str, Any], chat: bool
+    ) -> tuple[str | list[int], int, bool, bool, dict[str, Any] | None]:
+        text = self._chat_text(body) if chat else _completion_prompt(body)
         fields = ("max_completion_tokens", "max_tokens")
         max_tokens = next((body[f] for f in fields if body.get(f) is not None), DEFAULT_MAX_TOKENS)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -1523,14 +1532,15 @@ async def run_sim(specs: Sequence[EngineSpec], link_cost: LinkCost | None = None
         await asyncio.Event().wait()
 
 
-def _completion_text(body: dict[str, Any]) -> str:
+def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    """The completions prompt: its text, or its token ids (not batches: one prompt per request)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return " ".join(map(str, prompt))
+    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+        return prompt
     raise InvalidRequest("'prompt' must be a string, a one-string array or an array of token ids")
 
 

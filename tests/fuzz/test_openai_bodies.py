@@ -72,6 +72,7 @@ prompts = (
     st.text(max_size=300)
     | st.lists(st.text(max_size=20), max_size=3)
     | st.lists(st.integers(min_value=-(1 << 64), max_value=1 << 64) | st.booleans(), max_size=20)
+    | st.lists(st.lists(st.integers(min_value=-2, max_value=1 << 33), max_size=40), max_size=3)  # batches
     | json_values
 )
 
@@ -225,8 +226,12 @@ def check_request(request: RouteRequest, limits: RequestLimits) -> None:
     assert type(request.max_tokens) is int and request.max_tokens >= 1
     assert type(request.stream) is bool and type(request.priority) is int
     assert "kv_transfer_params" not in request.body
-    block_chars = max(1, round(limits.block_tokens * limits.chars_per_token))
-    assert len(request.block_keys) == len(request.prompt) // block_chars
+    if request.prompt_ids is not None:  # a prompt of token ids: blocks of block_tokens ids
+        assert not request.prompt and request.exact_tokens
+        assert len(request.block_keys) == len(request.prompt_ids) // limits.block_tokens
+    else:
+        block_chars = max(1, round(limits.block_tokens * limits.chars_per_token))
+        assert len(request.block_keys) == len(request.prompt) // block_chars
     orjson.dumps(request.body)  # the proxy re-encodes it (usage request, both P/D legs)
 
 

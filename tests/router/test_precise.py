@@ -107,6 +107,36 @@ async def test_routes_from_reported_blocks_and_forgets_an_engine_that_restarted(
             assert reason.split(":")[1].strip().startswith("0/")
 
 
+async def test_a_prompt_of_token_ids_finds_the_blocks_a_text_prompt_left(tmp_path: Path) -> None:
+    """vLLM takes a prompt of token ids as it is: the blocks the same tokens left as text are hits."""
+    tokenizer, specs = await _precise_gateway(tmp_path, ["e0", "e1", "e2"])
+    async with SimCluster(specs) as cluster, router_for(_sections(cluster, tokenizer)) as (app, base):
+        await _until_covered(app, cluster)
+        async with aiohttp.ClientSession() as http:
+
+            async def ask(prompt: str | list[int]) -> tuple[str, str]:
+                body = {"model": "sim-model", "prompt": prompt, "max_tokens": 4}
+                async with http.post(f"{base}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    return resp.headers["x-pd-router-decode"], resp.headers["x-pd-router-reason"]
+
+            first, _ = await ask(PROMPT)
+            keys = app.precise_keys.tokenizer.block_keys_sync(PROMPT)
+            slot = np.array([app.pool.endpoints[first].slot])
+            await eventually(
+                lambda: app.precise_index.match(keys, slot)[0] == len(keys), 10, "the engine's events"
+            )
+            # The text's tokens (as the engine tokenized them, BOS included) but the last block, then
+            # an ending of its own.
+            ids = app.precise_keys.tokenizer.token_ids(PROMPT)
+            shared = 16 * (len(keys) - 1)
+            prompt = [*ids[:shared], *reversed(ids[shared:]), *ids[:40]]
+            decode, reason = await ask(prompt)
+            assert f": {shared}/{len(prompt)} prompt tokens cached" in reason, reason
+            assert decode == first
+            assert cluster.engines[first].stats.cached_tokens_hit >= shared  # and the engine agrees
+
+
 async def test_evicted_blocks_leave_the_index(tmp_path: Path) -> None:
     tokenizer, specs = await _precise_gateway(tmp_path, ["e0"], num_gpu_blocks=40)
     async with SimCluster(specs) as cluster, router_for(_sections(cluster, tokenizer)) as (app, base):
@@ -184,6 +214,35 @@ async def test_the_router_hashes_chat_requests_through_the_template_and_only_the
     rendered = ChatTemplate(template_path).render(CHAT * 8)
     assert route.precise_keys is not None and len(route.precise_keys) > 2
     assert np.array_equal(route.precise_keys, app.precise_keys.chat_tokenizer.block_keys_sync(rendered))
+
+
+async def test_token_ids_are_hashed_as_they_are_and_a_batch_on_the_ids_its_prompts_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = str(train_tiny_tokenizer(tmp_path / "tokenizer.json"))
+    config = {
+        "model": "m",
+        "endpoints": [{"address": "127.0.0.1:9"}],
+        "index": {"precise": {"tokenizer": tokenizer}},
+    }
+    app = App(parse_config(config))
+    limits = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0)
+
+    def untokenized(text: str) -> list[int]:
+        raise AssertionError("a prompt of token ids went through the tokenizer")
+
+    monkeypatch.setattr(app.precise_keys.tokenizer, "token_ids", untokenized)
+    hasher = app.precise_keys.tokenizer.hasher
+    ids = list(range(7, 90))  # five full blocks and three over
+    for prompt, routed_on in (
+        (ids, ids),
+        ([ids, [*ids[:50], 1, 2], [*ids[:70], 3]], ids[:50]),  # three full blocks shared
+    ):
+        route = parse_request(json.dumps({"model": "m", "prompt": prompt}).encode(), limits)
+        await app.flow.prepare(route)
+        assert route.precise_keys is not None
+        assert np.array_equal(route.precise_keys, hasher.keys(routed_on))
+    assert len(route.precise_keys) == 3
 
 
 async def test_the_gate_waits_for_a_complete_kv_event_stream(tmp_path: Path) -> None:
