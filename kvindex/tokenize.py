@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -29,6 +29,13 @@ from tokenizers import Tokenizer
 from kvindex.vllm_hash import VllmBlockHasher
 
 _P = TypeVar("_P", str, Sequence[int])
+
+
+class Tokenized(NamedTuple):
+    """A prompt as the engine sees it: its block keys (read-only) and its exact token count."""
+
+    keys: np.ndarray
+    tokens: int
 
 
 class PromptTokenizer:
@@ -66,9 +73,9 @@ class PromptTokenizer:
         self.add_special_tokens = add_special_tokens
         self.cache_size = cache_size
         self.offload_chars = offload_chars
-        self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._cache: OrderedDict[bytes, Tokenized] = OrderedDict()
         # In-flight offloaded texts, so a burst of the same long prompt tokenizes it once.
-        self._pending: dict[bytes, asyncio.Future[np.ndarray]] = {}
+        self._pending: dict[bytes, asyncio.Future[Tokenized]] = {}
         # Threads start lazily on the first submit, so an instance that never offloads costs nothing.
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pd-tokenize")
         self.hits = 0
@@ -80,13 +87,13 @@ class PromptTokenizer:
         # GIL while encoding, which is what lets executor threads run beside the event loop.
         return self._tokenizer.encode_batch_fast([text], add_special_tokens=self.add_special_tokens)[0].ids
 
-    def _compute(self, text: str) -> np.ndarray:
+    def _compute(self, text: str) -> Tokenized:
         return self._hash_ids(self.token_ids(text))
 
-    def _hash_ids(self, ids: Sequence[int]) -> np.ndarray:
+    def _hash_ids(self, ids: Sequence[int]) -> Tokenized:
         keys = self.hasher.keys(ids)
         keys.flags.writeable = False  # shared by every cache hit: callers must not mutate it
-        return keys
+        return Tokenized(keys, len(ids))
 
     @staticmethod
     def _digest(text: str) -> bytes:
@@ -98,19 +105,19 @@ class PromptTokenizer:
         data = np.asarray(ids, dtype="<u4").tobytes()
         return hashlib.blake2b(data, digest_size=16, person=b"token ids").digest()
 
-    def _lookup(self, digest: bytes) -> np.ndarray | None:
-        keys = self._cache.get(digest)
-        if keys is None:
+    def _lookup(self, digest: bytes) -> Tokenized | None:
+        found = self._cache.get(digest)
+        if found is None:
             self.misses += 1
             return None
         self._cache.move_to_end(digest)
         self.hits += 1
-        return keys
+        return found
 
-    def _store(self, digest: bytes, keys: np.ndarray) -> None:
+    def _store(self, digest: bytes, tokenized: Tokenized) -> None:
         if self.cache_size == 0:
             return
-        self._cache[digest] = keys
+        self._cache[digest] = tokenized
         self._cache.move_to_end(digest)
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -122,10 +129,14 @@ class PromptTokenizer:
 
     def block_keys_sync(self, text: str) -> np.ndarray:
         """Read-only uint64 block keys of ``text`` (cached), computed on the calling thread."""
-        return self._cached_sync(self._digest(text), self._compute, text)
+        return self._cached_sync(self._digest(text), self._compute, text).keys
 
     async def block_keys(self, text: str) -> np.ndarray:
-        """Read-only uint64 block keys of ``text`` (cached).
+        """Read-only uint64 block keys of ``text`` (cached): ``tokenize(text).keys``."""
+        return (await self.tokenize(text)).keys
+
+    async def tokenize(self, text: str) -> Tokenized:
+        """The block keys and exact token count of ``text`` (cached).
 
         Prompts of at most ``offload_chars`` characters are computed inline (a thread hop would cost
         more than the work); longer ones in the executor, so the event loop keeps serving.
@@ -134,28 +145,32 @@ class PromptTokenizer:
 
     def token_block_keys_sync(self, ids: Sequence[int]) -> np.ndarray:
         """Read-only uint64 block keys of a prompt given as token ids (each below 2**32; cached)."""
-        return self._cached_sync(self._ids_digest(ids), self._hash_ids, ids)
+        return self._cached_sync(self._ids_digest(ids), self._hash_ids, ids).keys
 
     async def token_block_keys(self, ids: Sequence[int]) -> np.ndarray:
-        """``token_block_keys_sync``, in the executor beyond ``offload_chars`` ids: hashing one id
-        costs about what tokenizing and hashing one character does."""
+        """Read-only uint64 block keys of a prompt given as token ids: ``tokenize_ids(ids).keys``."""
+        return (await self.tokenize_ids(ids)).keys
+
+    async def tokenize_ids(self, ids: Sequence[int]) -> Tokenized:
+        """``token_block_keys_sync`` with the count, in the executor beyond ``offload_chars`` ids:
+        hashing one id costs about what tokenizing and hashing one character does."""
         return await self._cached(self._ids_digest(ids), self._hash_ids, ids, len(ids))
 
-    def _cached_sync(self, digest: bytes, compute: Callable[[_P], np.ndarray], prompt: _P) -> np.ndarray:
-        keys = self._lookup(digest)
-        if keys is None:
-            keys = compute(prompt)
-            self._store(digest, keys)
-        return keys
+    def _cached_sync(self, digest: bytes, compute: Callable[[_P], Tokenized], prompt: _P) -> Tokenized:
+        found = self._lookup(digest)
+        if found is None:
+            found = compute(prompt)
+            self._store(digest, found)
+        return found
 
     async def _cached(
-        self, digest: bytes, compute: Callable[[_P], np.ndarray], prompt: _P, work: int
-    ) -> np.ndarray:
+        self, digest: bytes, compute: Callable[[_P], Tokenized], prompt: _P, work: int
+    ) -> Tokenized:
         if work <= self.offload_chars:
             return self._cached_sync(digest, compute, prompt)
-        keys = self._lookup(digest)
-        if keys is not None:
-            return keys
+        found = self._lookup(digest)
+        if found is not None:
+            return found
         future = self._pending.get(digest)
         if future is None:
             future = asyncio.get_running_loop().run_in_executor(self._executor, compute, prompt)
@@ -164,7 +179,7 @@ class PromptTokenizer:
         # shield: one cancelled waiter must not cancel the shared computation for the others.
         return await asyncio.shield(future)
 
-    def _settle(self, digest: bytes, future: asyncio.Future[np.ndarray]) -> None:
+    def _settle(self, digest: bytes, future: asyncio.Future[Tokenized]) -> None:
         # Runs on the loop whether or not anyone still awaits, so the result is cached either way.
         self._pending.pop(digest, None)
         if not future.cancelled() and future.exception() is None:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 from jinja2.exceptions import TemplateError
 
 from kvindex.chat_template import ChatTemplate
 from kvindex.redis_index import SharedPrefixIndex
-from kvindex.tokenize import PromptTokenizer
+from kvindex.tokenize import PromptTokenizer, Tokenized
 from router.pool import Pool
 from router.types import RouteRequest
 
@@ -39,7 +38,13 @@ class PreciseKeys:
         self.chat_tokenizer = chat_tokenizer
 
     async def produce(self, request: RouteRequest) -> None:
-        request.precise_keys = await self._keys(request)
+        tokenized = await self._tokenize(request)
+        if tokenized is None:
+            return
+        request.precise_keys = tokenized.keys
+        # The engine's own tokenizer counted them: an exact count, never rescaled by calibration.
+        request.prompt_tokens = tokenized.tokens
+        request.exact_tokens = True
 
     def close(self) -> None:
         """Stop the tokenizers' worker threads."""
@@ -47,12 +52,15 @@ class PreciseKeys:
         if self.chat_tokenizer is not None:
             self.chat_tokenizer.close()
 
-    async def _keys(self, request: RouteRequest) -> np.ndarray | None:
+    async def _tokenize(self, request: RouteRequest) -> Tokenized | None:
         messages = request.body.get("messages")
         if messages is None:
             if request.prompt_ids is not None:
-                return await self.tokenizer.token_block_keys(request.prompt_ids)
-            return await self.tokenizer.block_keys(request.prompt) if request.prompt else None
+                # A batch is routed on its shared ids; its count is every prompt's (from parse).
+                return (await self.tokenizer.tokenize_ids(request.prompt_ids))._replace(
+                    tokens=request.prompt_tokens
+                )
+            return await self.tokenizer.tokenize(request.prompt) if request.prompt else None
         if self.chat_template is None or self.chat_tokenizer is None:
             return None
         try:
@@ -60,7 +68,7 @@ class PreciseKeys:
         except TemplateError as exc:
             log.debug("chat template failed for request %s: %s", request.request_id, exc)
             return None
-        return await self.chat_tokenizer.block_keys(text)
+        return await self.chat_tokenizer.tokenize(text)
 
 
 class SharedLookup:

@@ -214,6 +214,27 @@ async def test_the_router_hashes_chat_requests_through_the_template_and_only_the
     rendered = ChatTemplate(template_path).render(CHAT * 8)
     assert route.precise_keys is not None and len(route.precise_keys) > 2
     assert np.array_equal(route.precise_keys, app.precise_keys.chat_tokenizer.block_keys_sync(rendered))
+    # The engine's tokenizer counted the rendered prompt: that count, not a character estimate.
+    assert route.prompt_tokens == len(app.precise_keys.chat_tokenizer.token_ids(rendered))
+    assert route.exact_tokens
+
+
+async def test_a_tokenized_prompts_count_is_the_tokenizers_not_a_character_estimate(tmp_path: Path) -> None:
+    tokenizer = str(train_tiny_tokenizer(tmp_path / "tokenizer.json"))
+    config = {
+        "model": "m",
+        "endpoints": [{"address": "127.0.0.1:9"}],
+        "index": {"precise": {"tokenizer": tokenizer}},
+    }
+    app = App(parse_config(config))
+    limits = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0)
+    text = "the quick brown fox jumps over the lazy dog " * 40
+    route = parse_request(json.dumps({"model": "m", "prompt": text}).encode(), limits)
+    estimate = route.prompt_tokens
+    await app.flow.prepare(route)
+    exact = len(app.precise_keys.tokenizer.token_ids(text))
+    assert exact != estimate  # the tiny tokenizer's words are not 4 characters each
+    assert (route.prompt_tokens, route.exact_tokens) == (exact, True)
 
 
 async def test_token_ids_are_hashed_as_they_are_and_a_batch_on_the_ids_its_prompts_share(
