@@ -30,7 +30,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
@@ -79,7 +79,6 @@ class ExtProcSettings:
     # Without response processing the stream closes once routed; the reservation then lapses
     # after the predicted duration of the request (capped), since no end-of-response will come.
     max_unobserved_s: float = 600.0
-    warned_modes: set[int] = field(default_factory=set)  # body modes already warned about
 
 
 class ExtProcStream:
@@ -90,10 +89,13 @@ class ExtProcStream:
         flow: RequestFlow,
         settings: ExtProcSettings,
         later: Callable[[float, Callable[[], None]], object] | None = None,
+        warned_modes: set[int] | None = None,
     ) -> None:
+        """``warned_modes``: the listener's body modes already warned about, shared by its streams."""
         self.flow = flow
         self.settings = settings
         self.later = later
+        self.warned_modes = set() if warned_modes is None else warned_modes
         self.flight: Flight | None = None
         self.mode: int | None = None
         self.response_mode: int = _Mode.NONE
@@ -187,7 +189,7 @@ class ExtProcStream:
             self.flight.headers_only(self.subset)
             return self._route()
         if self.mode in _HEADER_ROUTED_MODES:
-            _warn_header_routing(self.mode, self.settings.warned_modes)
+            _warn_header_routing(self.mode, self.warned_modes)
             self.routed_on_headers = True
             self.flight.headers_only(self.subset)
             return self._route()
@@ -288,8 +290,8 @@ class ExtProcStream:
         self.flight.outcome = ROUTED
         decision = self.flight.hand_over()
         assert decision is not None
-        b = decision.breakdown
-        expected = b.get("ttft_s", 0.0) + self.flight.request.max_tokens * b.get("tpot_s", 0.0)
+        prediction = decision.prediction
+        expected = prediction.ttft_s + self.flight.request.max_tokens * prediction.tpot_s
         reservation = decision.reservation
         if self.later is None:
             reservation.release()
@@ -570,6 +572,7 @@ class ExtProcListener:
             conformance=config.conformance,
             pd_pairs=config.pd_pairs,
         )
+        self.warned_modes: set[int] = set()  # a configuration choice: warned once per listener
         self.port: int | None = None
         self.health_port: int | None = None
         self._servers: list[tuple[H2GrpcServer, float | None]] = []
@@ -585,7 +588,7 @@ class ExtProcListener:
         loop = asyncio.get_running_loop()
 
         def process(call: Call) -> CallHandler:
-            return ExtProcCall(call, ExtProcStream(flow, self.settings, loop.call_later))
+            return ExtProcCall(call, ExtProcStream(flow, self.settings, loop.call_later, self.warned_modes))
 
         # A whole buffered body arrives as one message: the cap sits above the body limit, so an
         # oversized body is our 413, not a gRPC error.

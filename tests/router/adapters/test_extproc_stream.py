@@ -470,3 +470,17 @@ def test_the_response_is_answered_in_its_own_body_mode_not_the_requests() -> Non
     )
     assert echo.response_body.response.body_mutation.streamed_response.body == b"x"
     assert pool.outstanding == 0  # the end of the streamed response released it
+
+
+def test_a_header_routed_body_mode_is_warned_about_once_per_listener(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    warned: set[int] = set()  # the listener's: every stream it serves shares it
+    first, _ = make_stream()
+    for _ in range(3):
+        stream = ExtProcStream(first.flow, first.settings, None, warned)
+        stream.on_message(headers(mode=Mode.STREAMED))
+    other_listener = ExtProcStream(first.flow, first.settings, None, set())
+    other_listener.on_message(headers(mode=Mode.STREAMED))
+    warnings = [r for r in caplog.records if "routed on their headers only" in r.getMessage()]
+    assert len(warnings) == 2 and warned == {Mode.STREAMED}
