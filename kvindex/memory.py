@@ -77,11 +77,6 @@ class MemoryPrefixIndex:
         """Number of (slot, block) entries held."""
         return self._entries
 
-    def slot_blocks(self, slot: int) -> int:
-        """Number of blocks currently recorded for ``slot``."""
-        lru = self._lru.get(slot)
-        return 0 if lru is None else len(lru)
-
     def match(self, block_keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Longest consecutive cached prefix (in blocks) per slot of ``slots``; see ``PrefixIndex``."""
         k = slots.shape[0]

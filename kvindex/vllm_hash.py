@@ -29,7 +29,6 @@ from enum import StrEnum
 import cbor2
 import numpy as np
 
-_U64 = (1 << 64) - 1
 # vLLM 0.33 hashes this string when PYTHONHASHSEED is unset (sha256 and sha256_cbor only).
 _DEFAULT_NONE_SEED = "vllm-none-hash"
 _DIGEST_BYTES = 32
@@ -164,13 +163,9 @@ def _cbor_chain(
     return digests
 
 
-def event_int(digest: bytes) -> int:
-    """The 64-bit form vLLM publishes in KV events: the last 8 bytes, big-endian, unsigned."""
-    return int.from_bytes(digest, "big") & _U64
-
-
 def event_ints(digests: Sequence[bytes]) -> np.ndarray:
-    """``event_int`` of every digest, as a uint64 array (one join + one frombuffer, no int loop)."""
+    """The 64-bit form vLLM publishes in KV events of every digest: its last 8 bytes, big-endian,
+    unsigned; as a uint64 array (one join + one frombuffer, no int loop)."""
     if not digests:
         return np.empty(0, dtype=np.uint64)
     tails = b"".join(d[_DIGEST_BYTES - 8 :] for d in digests)
