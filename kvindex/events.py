@@ -814,7 +814,6 @@ class KVEventConsumer:
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
         self._ctx: zmq.asyncio.Context | None = None
-        self._retiring: set[asyncio.Task[None]] = set()
 
     @property
     def running(self) -> bool:
@@ -836,16 +835,6 @@ class KVEventConsumer:
         if self._ctx is not None:
             self._spawn(engine)
 
-    def remove_engine(self, name: str) -> None:
-        """Stop following ``name`` (its socket closes as its task ends). The sink is not told: the
-        router removes the endpoint itself."""
-        engine = self._engines.pop(name, None)
-        if engine is not None and engine.task is not None:
-            # stop() awaits it: the context cannot terminate while its socket is still open.
-            self._retiring.add(engine.task)
-            engine.task.add_done_callback(self._retiring.discard)
-            engine.task.cancel()
-
     def stats(self) -> dict[str, EngineStats]:
         return {name: engine.stream.stats() for name, engine in self._engines.items()}
 
@@ -860,7 +849,7 @@ class KVEventConsumer:
         ctx, self._ctx = self._ctx, None
         if ctx is None:
             return
-        tasks = [*(e.task for e in self._engines.values() if e.task is not None), *self._retiring]
+        tasks = [e.task for e in self._engines.values() if e.task is not None]
         for engine in self._engines.values():
             engine.task = None
         await asyncio.gather(*(stop_task(task) for task in tasks))
