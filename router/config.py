@@ -412,7 +412,8 @@ class GateConfig(_Strict):
     checks: list[GateCheck] | None = Field(
         None,
         description="run in this order; default: ranks, revision, kv_capacity for a static file, and "
-        "ranks, revision, model, kv_capacity, canary, canary_pair on Kubernetes (kv_events: precise mode)",
+        "ranks, revision, model, kv_capacity, canary, canary_pair on Kubernetes; kv_events (precise "
+        "mode) runs only when listed",
     )
     check_timeout_s: Positive = Field(10.0, description="a check that takes longer fails the gate")
     canary_max_tokens: Annotated[int, Field(ge=1, le=2)] = Field(
