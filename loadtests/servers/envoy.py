@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import socket
 import string
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +41,18 @@ def render(mode: str, **values: Any) -> dict[str, Any]:
 
 
 def in_front_of_picker(
-    mode: str, extproc_port: int, *, fallback: str | None = None, listen: int = 0
+    mode: str,
+    extproc_port: int,
+    *,
+    fallback: str | None = None,
+    listen: int = 0,
+    replicas: Sequence[int] = (),
 ) -> tuple[dict[str, Any], int, int]:
     """An example config on loopback in front of a picker on ``extproc_port``: (config, listen
     port, admin port). ``fallback`` (``ip:port``) is where Envoy sends requests when the picker
-    fails open; by default a port nobody listens on, so failing open never passes for routing."""
+    fails open; by default a port nobody listens on, so failing open never passes for routing.
+    ``replicas``: the ext_proc ports of further picker replicas on 127.0.0.1, each a host of the
+    ``ext_proc`` cluster as the example's comment says to add them."""
     listen, admin = listen or free_port(), free_port()
     host, _, port = (fallback or f"127.0.0.1:{free_port()}").rpartition(":")
     config = render(
@@ -56,14 +64,22 @@ def in_front_of_picker(
         FALLBACK_HOST=host,
         FALLBACK_PORT=port,
     )
+    hosts = extproc_cluster(config)["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    for replica in replicas:
+        hosts.append(copy.deepcopy(hosts[0]))
+        hosts[-1]["endpoint"]["address"]["socket_address"]["port_value"] = replica
     return config, listen, admin
+
+
+def extproc_cluster(config: dict[str, Any]) -> dict[str, Any]:
+    """The config's ``ext_proc`` cluster (the picker replicas), to read or change in place."""
+    return next(c for c in config["static_resources"]["clusters"] if c["name"] == "ext_proc")
 
 
 def with_cleartext_to_picker(config: dict[str, Any]) -> dict[str, Any]:
     """The example config connecting to the picker in cleartext (h2c), for a picker with TLS off
     (the examples speak TLS to it, as gateways in front of the reference picker do)."""
-    cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "ext_proc")
-    del cluster["transport_socket"]
+    del extproc_cluster(config)["transport_socket"]
     return config
 
 
@@ -82,27 +98,52 @@ async def wait_ok(url: str, deadline_s: float) -> None:
             await asyncio.sleep(0.05)
 
 
-async def wait_ready(admin: str, deadline_s: float) -> None:
-    """Poll Envoy's admin until it is LIVE and the ext_proc cluster passed its health check."""
+async def host_stats(admin: str, cluster: str = "ext_proc") -> dict[str, dict[str, str]]:
+    """Envoy's per-host view of ``cluster`` from its admin ``/clusters``: ``ip:port`` -> field ->
+    value (``health_flags``, ``rq_active``, ``rq_success``, ``rq_total``, ...)."""
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    async with aiohttp.ClientSession(timeout=timeout) as http, http.get(f"{admin}/clusters") as resp:
+        text = await resp.text()
+    hosts: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        parts = line.split("::")  # cluster::ip:port::field::value; cluster-wide lines name no port
+        if len(parts) == 4 and parts[0] == cluster and ":" in parts[1]:
+            hosts.setdefault(parts[1], {})[parts[2]] = parts[3]
+    return hosts
+
+
+async def wait_ready(admin: str, deadline_s: float, *, pickers_healthy: bool = True) -> None:
+    """Poll Envoy's admin until it is LIVE and (unless ``pickers_healthy`` is false) every host of
+    the ext_proc cluster passed its health check."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
         while True:
-            with contextlib.suppress(aiohttp.ClientError):
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with http.get(f"{admin}/ready") as resp:
                     live = resp.status == 200
-                async with http.get(f"{admin}/clusters") as resp:
-                    clusters = await resp.text()
-                healthy = "ext_proc::" in clusters and "failed_active_hc" not in clusters
-                if live and healthy and "ext_proc::127.0.0.1" in clusters:
+                if live and (not pickers_healthy or all_healthy(await host_stats(admin))):
                     return
             if loop.time() > deadline:
                 raise AssertionError(f"Envoy not ready within {deadline_s}s")
             await asyncio.sleep(0.05)
 
 
+def healthy(host: dict[str, str]) -> bool:
+    """Whether Envoy sends this host traffic: no failed health check, no outlier ejection."""
+    return host.get("health_flags") == "healthy"
+
+
+def all_healthy(hosts: dict[str, dict[str, str]]) -> bool:
+    return bool(hosts) and all(healthy(host) for host in hosts.values())
+
+
 @contextlib.asynccontextmanager
-async def run_envoy(config: dict[str, Any], workdir: Path, admin_port: int) -> AsyncIterator[None]:
+async def run_envoy(
+    config: dict[str, Any], workdir: Path, admin_port: int, *, pickers_healthy: bool = True
+) -> AsyncIterator[None]:
+    """Envoy with ``config`` as a child process, until the context exits: ready when it is LIVE and
+    (unless ``pickers_healthy`` is false) every picker replica passed its health check."""
     path = workdir / "envoy.yaml"
     path.write_text(yaml.safe_dump(config))
     log = (workdir / "envoy.log").open("wb")
@@ -111,7 +152,7 @@ async def run_envoy(config: dict[str, Any], workdir: Path, admin_port: int) -> A
         envoy_binary(), *args, stdout=log, stderr=asyncio.subprocess.STDOUT
     )
     try:
-        await wait_ready(f"http://127.0.0.1:{admin_port}", 30.0)
+        await wait_ready(f"http://127.0.0.1:{admin_port}", 30.0, pickers_healthy=pickers_healthy)
         yield
     finally:
         if proc.returncode is None:
