@@ -24,19 +24,30 @@ fresh cluster with a fresh clock.
         --variant flex=picker.prefill_may_decode=true
     python -m loadtests.bench.quality --json out.json           # the numbers, for a baseline
     python -m loadtests.bench.quality --router-tree /tmp/old    # pd-router of another checkout
+    python -m loadtests.bench.quality --matrix                  # pool sizes × loads × request mixes
 
 ``--router-tree PATH`` runs the router (``router``, ``scorers``, ``kvindex``) of another checkout
 with this checkout's simulator and scenarios, in a subprocess whose import path puts PATH's
-packages first. Trees with ``router.flow`` (the ``RequestFlow`` proxy) and older trees with
-``router.proxy.Proxy(config, pool, picker, exchange, metrics, ready, prepare)`` both run; settings
-the older configuration does not know are dropped (and listed), and only pd-router and its
-variants run there (the baselines are this checkout's: compare with its numbers).
+packages first (an editable install's finder is removed, so nothing of this checkout fills the
+gaps; only ``kvindex.hashing``, which the simulator keys its cache with, is this checkout's, after
+checking it keys text as the tree's does). Trees with ``router.flow`` (the ``RequestFlow`` proxy)
+and older trees with ``router.proxy.Proxy(config, pool, picker, exchange, metrics, ready,
+prepare)`` both run; settings the older configuration does not know are dropped (and listed), and
+only pd-router and its variants run there (the baselines are this checkout's: compare with its
+numbers, or the digests in ``--json``: equal digests, request-for-request identical runs).
+
+``--matrix`` generates scenarios (``scenarios.matrix_scenario``): pools of 4–64 prefill-decode pods
+(or split half prefill, half decode), Poisson load at 0.5–1.5× a nominal capacity (every shared
+prefix cached where it is computed, decode batches full), request mixes ``chat`` (long shared
+system prompt, short answers), ``rag`` (long shared documents, very short answers) and ``long``
+(short prompts, long answers); one line per cell with each policy's ratios to least-loaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -60,7 +71,16 @@ from loadtests.sim.local_net import LocalClient, LocalSession
 from loadtests.sim.virtual_clock import run_virtual
 from loadtests.workloads.client import Result, StreamTally, Summary
 from loadtests.workloads.generate import Workload
-from loadtests.workloads.scenarios import POLICIES, SCENARIOS, Scenario, config_data, goodput, scaled_links
+from loadtests.workloads.scenarios import (
+    MIXES,
+    POLICIES,
+    SCENARIOS,
+    Scenario,
+    config_data,
+    goodput,
+    matrix_scenario,
+    scaled_links,
+)
 
 MS = 1000.0
 HOP_S = 0.001  # the proxy's loopback hop to an engine (routing.HOP_S: what the reference assumes)
@@ -108,7 +128,7 @@ class PolicyRun:
     calls: dict[str, int] = field(default_factory=dict)  # what the router sent the engines, by route
     observed: dict[str, int] = field(default_factory=dict)  # answers the performance model compared
 
-    def stats(self, scn: Scenario, tm: TimeModel) -> dict[str, float]:
+    def stats(self, scn: Scenario, tm: TimeModel) -> dict[str, Any]:
         s = self.summary
         return {
             "requests": len(s.results),
@@ -121,6 +141,7 @@ class PolicyRun:
             "goodput": goodput(s, scn.goodput_ttft_s / tm.speed, scn.goodput_tpot_s / tm.speed),
             "hit_rate": s.hit_rate,
             "prefill_tokens_computed": self.prefill_tokens_computed,
+            "digest": self.digest(),
         }
 
     def per_request(self) -> list[tuple[str, bool, float, float, str, str]]:
@@ -128,6 +149,10 @@ class PolicyRun:
         return sorted(
             (r.request_id, r.ok, r.ttft_s, r.tpot_s, r.decode, r.prefill) for r in self.summary.results
         )
+
+    def digest(self) -> str:
+        """A fingerprint of ``per_request`` (exact floats): equal digests, identical runs."""
+        return hashlib.sha256(repr(self.per_request()).encode()).hexdigest()[:16]
 
 
 # -- the router under test ---------------------------------------------------------------------
@@ -438,17 +463,35 @@ def _router_tree_env(tree: Path, work: Path) -> Path:
     return work
 
 
-def _pin_tree(tree: Path) -> None:
-    """Import ``router``, ``scorers`` and ``kvindex`` from ``tree`` only: an editable install's
-    finder would otherwise supply the modules ``tree`` lacks from this checkout."""
-    sys.meta_path[:] = [
-        f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
-    ]
-    for name in ("router", "scorers", "kvindex"):
-        module = importlib.import_module(name)
-        where = Path(module.__file__ or "").resolve()
-        if tree.resolve() not in where.parents:
-            raise SystemExit(f"--router-tree: {name} was imported from {where}, not from {tree}")
+# The subprocess of --router-tree: its imports pinned before anything imports the simulator.
+_TREE_BOOT = """
+import importlib, importlib.util, sys
+from pathlib import Path
+
+import numpy as np
+
+tree, here = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
+# An editable install's finder would supply the modules the tree lacks from this checkout.
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+for name in ("router", "scorers", "kvindex"):
+    where = Path(importlib.import_module(name).__file__).resolve()
+    if tree not in where.parents:
+        sys.exit(f"--router-tree: {name} was imported from {where}, not from {tree}")
+# The simulator keys its prefix cache with this checkout's kvindex.hashing; the tree's router gets
+# the same module, which must hash text exactly as the tree's own (it has only grown since e304d75).
+theirs = importlib.import_module("kvindex.hashing")
+spec = importlib.util.spec_from_file_location("kvindex.hashing", here / "kvindex" / "hashing.py")
+ours = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ours)
+sample = "the router and the simulator hash this prompt alike; " * 40
+if not np.array_equal(theirs.text_block_keys(sample, 64), ours.text_block_keys(sample, 64)):
+    sys.exit("--router-tree: the tree's kvindex.hashing keys text differently from this checkout's")
+sys.modules["kvindex.hashing"] = ours
+importlib.import_module("kvindex").hashing = ours
+from loadtests.bench.quality import main
+
+sys.exit(main(sys.argv[3:]))
+"""
 
 
 def _run_in_tree(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -457,10 +500,11 @@ def _run_in_tree(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if "--router-tree" in argv:  # "--router-tree PATH" as two words
         i = list(argv).index("--router-tree")
         forwarded = [*argv[:i], *argv[i + 2 :]]
+    here = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="quality-tree-") as work:
         cwd = _router_tree_env(tree, Path(work))
         env = {**os.environ, "PYTHONPATH": str(cwd)}
-        cmd = [sys.executable, "-m", "loadtests.bench.quality", "--in-tree", str(tree), *forwarded]
+        cmd = [sys.executable, "-c", _TREE_BOOT, str(tree), str(here), "--in-tree", str(tree), *forwarded]
         return subprocess.call(cmd, cwd=cwd, env=env)
 
 
@@ -474,9 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS, help=f"default: {DEFAULT_SCENARIOS}")
     parser.add_argument(
         "--policies",
-        default=",".join([*BASELINES, JOINT]),
-        help=f"comma-separated, of {', '.join(POLICIES)} (default: %(default)s; the reference is added "
-        "unless --no-reference)",
+        default="",
+        help=f"comma-separated, of {', '.join(POLICIES)} (default: {','.join([*BASELINES, JOINT])} and "
+        "the reference unless --no-reference; with --matrix: least-loaded,pd-router)",
     )
     parser.add_argument(
         "--variant",
@@ -497,6 +541,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run the router of this checkout (router/, scorers/, kvindex/) with this harness",
     )
     parser.add_argument("--in-tree", default="", help=argparse.SUPPRESS)  # set by --router-tree
+    matrix = parser.add_argument_group("the matrix (instead of --scenarios; the reference is not run)")
+    matrix.add_argument("--matrix", action="store_true", help="run generated scenarios over the grid below")
+    matrix.add_argument(
+        "--matrix-pools",
+        default="4,16",
+        help="pool sizes (default: %(default)s; 64 pods: ~1 CPU minute a run)",
+    )
+    matrix.add_argument(
+        "--matrix-loads", default="0.5,0.8,1.0,1.2,1.5", help="× the nominal capacity (default: %(default)s)"
+    )
+    matrix.add_argument(
+        "--matrix-mixes", default=",".join(MIXES), help="request mixes, of %(default)s (default: all)"
+    )
+    matrix.add_argument(
+        "--matrix-shapes", default="pd", help="pd (prefill-decode pods) and/or split (half P, half D)"
+    )
+    matrix.add_argument("--matrix-seconds", type=float, default=8.0, help="seconds of arrivals per cell")
     args = parser.parse_args(argv)
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
@@ -507,9 +568,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if args.router_tree:
         return _run_in_tree(args, argv)
-    if args.in_tree:
-        _pin_tree(Path(args.in_tree))
-    names = [p for p in args.policies.split(",") if p]
+    default = ["least-loaded", JOINT] if args.matrix else [*BASELINES, JOINT]
+    names = [p for p in args.policies.split(",") if p] or default
     legacy = not _flow_api()
     if legacy:
         skipped = [n for n in names if n != JOINT]
@@ -518,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"router of {args.in_tree or 'this path'}: before RequestFlow; runs pd-router and variants "
             f"only (skipped: {', '.join(skipped) or 'none'})\n"
         )
-    elif not args.no_reference and REFERENCE not in names:
+    elif not args.no_reference and not args.matrix and REFERENCE not in names:
         names.append(REFERENCE)
     try:
         policies = [policy(n) for n in names] + [policy(n, sets) for n, sets in variants.items()]
@@ -527,6 +587,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     tm = TimeModel()
     command = shlex.join(["python", "-m", "loadtests.bench.quality", *argv])
     out: dict[str, Any] = {"command": command, "seed": args.seed, "hop_ms": args.hop_ms, "scenarios": {}}
+    if args.matrix:
+        try:
+            cells = _matrix(args)
+        except (KeyError, ValueError) as exc:
+            parser.error(f"--matrix: {exc}")
+        return _run_matrix(cells, policies, args, tm, out)
     for key in args.scenarios:
         scn = SCENARIOS[key]
         n, rate = args.requests or scn.requests, args.rate or scn.rate
@@ -551,7 +617,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _round(stats: dict[str, float]) -> dict[str, float]:
+def _matrix(args: argparse.Namespace) -> list[Scenario]:
+    def floats(raw: str) -> list[float]:
+        return [float(x) for x in raw.split(",") if x]
+
+    return [
+        matrix_scenario(shape, int(pods), MIXES[mix], load, args.matrix_seconds)
+        for shape in args.matrix_shapes.split(",")
+        for pods in floats(args.matrix_pools)
+        for mix in args.matrix_mixes.split(",")
+        for load in floats(args.matrix_loads)
+    ]
+
+
+def _run_matrix(
+    cells: Sequence[Scenario], policies: Sequence[Policy], args: argparse.Namespace, tm: TimeModel, out: dict
+) -> int:
+    """One line per cell: each policy's TTFT p50/p90 and goodput, and its ratios to least-loaded."""
+    names = [p.name for p in policies]
+    head = f"  {'cell':<22} {'req':>6} {'req/s':>7}"
+    for name in names:
+        head += f" | {name[:18]:>18} p50 {'p90':>7} {'good':>5} {'p50/LL':>6} {'p90/LL':>6}"
+    sys.stdout.write(
+        f"\nMatrix: TTFT ms and goodput per policy; load × nominal capacity (every shared prefix cached "
+        f"where it is computed, every decode batch full); {args.matrix_seconds:g} s of arrivals per "
+        f"cell\n\n{head}\n  {'-' * (len(head) - 2)}\n"
+    )
+    for scn in cells:
+        workload = scn.workload(scn.requests, scn.rate, args.seed)
+        runs = {
+            pol.name: run_policy(scn, pol, seed=args.seed, hop_s=args.hop_ms / MS, tm=tm, workload=workload)
+            for pol in policies
+        }
+        stats = {name: run.stats(scn, tm) for name, run in runs.items()}
+        ll = stats.get("least-loaded", {})
+        line = f"  {scn.key:<22} {scn.requests:>6} {scn.rate:>7.1f}"
+        for name in names:
+            s = stats[name]
+            line += (
+                f" | {_fmt(s['ttft_p50_ms']):>22} {_fmt(s['ttft_p90_ms']):>7} {s['goodput']:>5.0%} "
+                f"{_ratio(s['ttft_p50_ms'], ll.get('ttft_p50_ms', math.nan)):>6} "
+                f"{_ratio(s['ttft_p90_ms'], ll.get('ttft_p90_ms', math.nan)):>6}"
+            )
+        cpu = sum(run.cpu_s for run in runs.values())
+        sys.stdout.write(f"{line}   ({cpu:.0f} CPU s)\n")
+        sys.stdout.flush()
+        out["scenarios"][scn.key] = {
+            "requests": scn.requests,
+            "rate": scn.rate,
+            "policies": {name: _round(s) for name, s in stats.items()},
+        }
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def _round(stats: dict[str, Any]) -> dict[str, Any]:
     return {k: (round(v, 3) if isinstance(v, float) and math.isfinite(v) else v) for k, v in stats.items()}
 
 

@@ -330,3 +330,93 @@ def goodput(summary: Summary, ttft_s: float, tpot_s: float) -> float:
         return float("nan")
     good = sum(1 for r in summary.ok if r.ttft_s <= ttft_s and (r.tpot_s != r.tpot_s or r.tpot_s <= tpot_s))
     return good / len(summary.results)
+
+
+# -- the matrix: generated scenarios over pool sizes, loads and request mixes -------------------
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A request shape: ``prompt_tokens`` of prompt, the first ``shared_tokens`` of it one of
+    ``prefixes_per_pod`` × pods shared prefixes, ``max_tokens``..``max_tokens_high`` out."""
+
+    name: str
+    prompt_tokens: int
+    shared_tokens: int
+    max_tokens: int
+    max_tokens_high: int
+    prefixes_per_pod: int = 4
+
+
+MIXES: dict[str, Mix] = {
+    "chat": Mix("chat", 1536, 1024, 32, 96),  # a long shared system prompt, short answers
+    "rag": Mix("rag", 3072, 2048, 8, 24, prefixes_per_pod=2),  # long shared documents, short answers
+    "long": Mix("long", 768, 256, 192, 384),  # short prompts, long answers: decode-bound
+}
+MATRIX_BLOCKS = 2048  # 32k KV tokens per pod
+
+
+def nominal_capacity(tm: TimeModel, mix: Mix, shape: str, pods: int) -> float:
+    """Requests/s the pool serves with every shared prefix cached where it is computed and every
+    decode batch full (``max_running``): the yardstick the matrix's loads are multiples of, not a
+    bound. ``shape``: ``pd`` (every pod prefill-decode) or ``split`` (half prefill, half decode)."""
+    answer = (mix.max_tokens + mix.max_tokens_high) / 2.0
+    context = mix.prompt_tokens + answer / 2.0
+    prefill_s = (mix.prompt_tokens - mix.shared_tokens) * tm.prefill_s_per_token
+    batch = tm.max_running
+    step = tm.step_base_s + batch * (tm.decode_s_per_seq + tm.kv_s_per_token * context)
+    decode_s = answer * step / batch
+    if shape == "split":
+        half = max(1, pods // 2)
+        return tm.speed * min(half / prefill_s, (pods - half) / decode_s)
+    return tm.speed * pods / (prefill_s + decode_s)
+
+
+def matrix_scenario(shape: str, pods: int, mix: Mix, load: float, seconds: float) -> Scenario:
+    """A generated scenario: ``pods`` pods of ``shape`` (see ``nominal_capacity``) in one rack, ``mix``
+    requests arriving (Poisson) at ``load`` × the nominal capacity for about ``seconds``."""
+    if shape not in ("pd", "split"):
+        raise ValueError(f"shape must be pd or split, got {shape!r}")
+    rate = load * nominal_capacity(TimeModel(), mix, shape, pods)
+    requests = max(1, round(rate * seconds))
+    n_prefixes = mix.prefixes_per_pod * pods
+
+    def specs(tm: TimeModel) -> list[EngineSpec]:
+        if shape == "pd":
+            roles = ["prefill-decode"] * pods
+        else:
+            roles = ["prefill"] * max(1, pods // 2) + ["decode"] * (pods - max(1, pods // 2))
+        return [
+            EngineSpec(f"{role}-{i}", role, link="rack-a", num_gpu_blocks=MATRIX_BLOCKS, time=tm)
+            for i, role in enumerate(roles)
+        ]
+
+    def workload(n: int, rate: float, seed: int) -> Workload:
+        phase = Phase(
+            1.5 * n / rate + 1.0,
+            rate,
+            prompt_tokens=mix.prompt_tokens,
+            shared_tokens=mix.shared_tokens,
+            n_prefixes=n_prefixes,
+            max_tokens=mix.max_tokens,
+            max_tokens_high=mix.max_tokens_high,
+        )
+        wl = phased([phase], seed=seed, name=f"matrix-{mix.name}")
+        wl.items = wl.items[:n]
+        return wl
+
+    kind = "prefill-decode" if shape == "pd" else "P/D split"
+    return Scenario(
+        f"{shape}{pods}-{mix.name}-{load:g}",
+        f"{pods} × {kind}, {mix.name}, {load:g}× nominal capacity",
+        specs,
+        workload,
+        ["least-loaded", "pd-router"],
+        rate=rate,
+        requests=requests,
+        links={"same": {"latency_ms": 0.05, "bandwidth_gbytes_per_s": 25.0}},
+        params=(
+            f"{mix.prompt_tokens} tok prompts ({mix.shared_tokens} shared, {n_prefixes} prefixes), "
+            f"{mix.max_tokens}–{mix.max_tokens_high} out; nominal capacity {rate / load:.1f} req/s"
+        ),
+    )

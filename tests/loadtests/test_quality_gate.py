@@ -29,7 +29,7 @@ import pytest
 
 from loadtests.bench.quality import PolicyRun, policy, run_policy
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from loadtests.workloads.scenarios import SCENARIOS
+from loadtests.workloads.scenarios import MIXES, SCENARIOS, matrix_scenario
 
 REPO = Path(__file__).resolve().parents[2]
 BASELINE = REPO / "loadtests" / "bench" / "quality_baseline.json"
@@ -57,32 +57,68 @@ def small_run() -> PolicyRun:
     return run_policy(SCENARIOS["b"], policy("pd-router"), requests=80)
 
 
-def test_two_runs_give_identical_per_request_results() -> None:
-    first, second = small_run(), small_run()
-    results = first.per_request()
+@pytest.fixture(scope="module")
+def small() -> PolicyRun:
+    return small_run()
+
+
+def test_two_runs_give_identical_per_request_results(small: PolicyRun) -> None:
+    results = small.per_request()
     assert len(results) == 80 and all(ok for _, ok, *_ in results)
     # Nothing trivial: the requests spread over several pods and took different times.
     assert len({decode for *_, decode, _ in results}) > 1
     assert len({ttft for _, _, ttft, *_ in results}) > 40
-    assert second.per_request() == results
-    assert second.sim_s == first.sim_s
+    again = small_run()
+    assert again.per_request() == results
+    assert again.sim_s == small.sim_s
+    assert again.digest() == small.digest()
 
 
-def test_another_process_with_another_hash_seed_gives_the_same_results() -> None:
-    script = (
-        "import json, sys\n"
-        "from loadtests.bench.quality import policy, run_policy\n"
-        "from loadtests.workloads.scenarios import SCENARIOS\n"
-        "run = run_policy(SCENARIOS['b'], policy('pd-router'), requests=80)\n"
-        "json.dump(run.per_request(), sys.stdout)\n"
-    )
+def test_the_router_tree_subprocess_with_another_hash_seed_gives_the_same_results(
+    small: PolicyRun, tmp_path: Path
+) -> None:
+    """``--router-tree`` (here this very checkout) runs in a fresh process whose imports come from
+    the tree, with another ``PYTHONHASHSEED``: the same requests get the same results."""
+    out = tmp_path / "tree.json"
+    command = [
+        sys.executable,
+        "-m",
+        "loadtests.bench.quality",
+        "--router-tree",
+        str(REPO),
+        "--scenarios",
+        "b",
+        "--requests",
+        "80",
+        "--policies",
+        "pd-router",
+        "--no-reference",
+        "--json",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONHASHSEED": "4242"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    there = [tuple(row) for row in json.loads(done.stdout)]
-    assert there == small_run().per_request()
+    there = json.loads(out.read_text())["scenarios"]["b"]["policies"]["pd-router"]
+    assert there["digest"] == small.digest()
+    assert there["ttft_p90_ms"] == round(small.summary.pct("ttft_s", 0.9) * 1000, 3)
+
+
+def test_matrix_cells_scale_with_the_pool_and_the_load() -> None:
+    chat = MIXES["chat"]
+    small_pool, big_pool = (matrix_scenario("pd", pods, chat, 1.0, 8.0) for pods in (4, 16))
+    assert big_pool.rate == pytest.approx(4 * small_pool.rate)
+    assert matrix_scenario("pd", 4, chat, 0.5, 8.0).rate == pytest.approx(small_pool.rate / 2)
+    assert [s.role for s in matrix_scenario("split", 4, chat, 1.0, 8.0).specs(TimeModel())] == [
+        "prefill",
+        "prefill",
+        "decode",
+        "decode",
+    ]
+    items = small_pool.workload(small_pool.requests, small_pool.rate, 0).items
+    assert len(items) == small_pool.requests == round(8.0 * small_pool.rate)
+    assert all(chat.max_tokens <= i.body["max_tokens"] <= chat.max_tokens_high for i in items)
+    assert items[-1].at_s == pytest.approx(8.0, rel=0.25)  # Poisson at the rate: about 8 s of arrivals
 
 
 def test_a_virtual_run_takes_the_production_paths(gate_runs: dict[str, dict[str, PolicyRun]]) -> None:
