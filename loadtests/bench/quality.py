@@ -20,7 +20,7 @@ fresh cluster with a fresh clock.
 
     python -m loadtests.bench.quality                          # b, d, e: RR, LL, pd-router, reference
     python -m loadtests.bench.quality --scenarios abcde --no-reference
-    python -m loadtests.bench.quality --variant learn-off=signals.learn=false \\
+    python -m loadtests.bench.quality --variant learn-on=signals.learn=true \\
         --variant flex=picker.prefill_may_decode=true
     python -m loadtests.bench.quality --json out.json           # the numbers, for a baseline
     python -m loadtests.bench.quality --router-tree /tmp/old    # pd-router of another checkout
@@ -211,9 +211,11 @@ async def _flow_router(
     reference: bool,
 ) -> AsyncIterator[RouterUnderTest]:
     from router.adapters.openai import Proxy
-    from router.config import parse_config
+    from router.config import PoolConfig, parse_config
     from router.http.exchange import TwoLegExchange
 
+    data = json.loads(json.dumps(data))
+    pruned = tuple(prune_unknown(data, PoolConfig))  # an older tree may not know every section
     config = parse_config(data, [*VIRTUAL_OVERRIDES, *overrides])
     async with app_module.App(config, seed=seed) as app:
         if reference:
@@ -223,7 +225,7 @@ async def _flow_router(
         cfg = config.proxy
         exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)  # type: ignore[arg-type]
         proxy = Proxy(app.flow, exchange, lambda: app.ready, debug_headers=True)
-        yield RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", app=app)
+        yield RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", pruned, app)
 
 
 @contextlib.asynccontextmanager
