@@ -197,12 +197,14 @@ class PickerConfig(_Strict):
     allow_local_prefill: bool = Field(
         True,
         description="a decode pod may compute the prompt itself when that is cheaper; false: always a "
-        "P/D pair while a prefill pod is a candidate",
+        "P/D pair while a prefill pod is a candidate (so prefill pods never serve whole requests "
+        "either, whatever prefill_may_decode says)",
     )
     prefill_may_decode: bool = Field(
-        False,
-        description="prefill pods may serve whole requests when that is cheaper (role-flexible P/D; "
-        "needs engines that can decode, e.g. vLLM's NIXL connector in kv_both mode)",
+        True,
+        description="prefill pods may serve whole requests when that is cheaper (role-flexible P/D: "
+        "a vLLM prefill pod answers a request without kv_transfer_params like any engine); false "
+        "for prefill engines that cannot decode",
     )
     policy: PolicyName = Field(
         "joint", description="how the pair is chosen; the others are baselines, for comparison"
@@ -536,9 +538,10 @@ class SignalsConfig(_Strict):
         description="how often the model is refitted, replicas recommended and engine speeds applied",
     )
     learn: bool = Field(
-        True,
+        False,
         description="route with what answers teach, each part as its learn_* switch says (off: "
-        "every part off; observed and exported only)",
+        "every part off; observed and exported only). Off by default: on the routing benchmarks "
+        "it did not beat the configured engine model (docs/benchmarks.md)",
     )
     learn_perf_model: bool = Field(
         True,

@@ -775,6 +775,9 @@ def render_markdown(report: Report, images: dict[str, str] | str, folder: str) -
         "run slows the routing runs (the policies alike, though not equally) and the overhead "
         "cells; the CPU row above says how much there was.",
         "",
+        "Routing quality in virtual time (deterministic, and what the defaults rest on) is in "
+        "[quality.md](quality.md).",
+        "",
         "Command (from the repository root):",
         "",
         # tests/test_docs_commands.py runs every unmarked shell block of the docs: this one is long.

@@ -12,8 +12,8 @@ Scenarios:
   d  4 × prefill-decode pods, bursty multi-turn chat (session starts in bursts of 1.5× and 2× the
      base rate)
   e  2 prefill + 2 decode, long outputs: decode-bound (decode pods busy, prefill pods half idle);
-     adds pd-router-flex, the joint picker with ``picker.prefill_may_decode`` (prefill pods may
-     serve whole requests)
+     adds pd-router-rigid, the joint picker without ``picker.prefill_may_decode`` (the default
+     lets prefill pods serve whole requests)
 
 Every scenario also runs ``reference``: a full-information pair picker that reads the simulator's
 exact state (cache contents, queues, running batches, free KV, transfers in flight) and plays each
@@ -35,9 +35,9 @@ loaded a run was (the issue's condition: round-robin's p50 TTFT ≥ 3 × the col
     python -m loadtests.bench.routing --scenarios de       # only the new ones
     python -m loadtests.bench.routing --scenarios a --rate 30 --requests 1200
     python -m loadtests.bench.routing --scenarios a --sweep 20,30,40   # round-robin load sweep
-    python -m loadtests.bench.routing --scenarios e --sweep 12,16 --policies pd-router,pd-router-flex
+    python -m loadtests.bench.routing --scenarios e --sweep 12,16 --policies pd-router,pd-router-rigid
     python -m loadtests.bench.routing --misconfigure 3   # engines 3× slower than configured:
-                                                         # pd-router learning vs pd-router-static
+                                                         # pd-router-learning vs pd-router-static
 
 Everything listens on 127.0.0.1. Every run is bounded by its request count and ``--run-timeout``.
 """
@@ -97,7 +97,7 @@ def make_config(
     policy: str | dict[str, Any] = "joint",
     *,
     misconfigure: float = 1.0,
-    learn: bool = True,
+    learn: bool | None = None,
 ) -> PoolConfig:
     """The validated ``config_data`` of ``cluster``'s engines (see there for the arguments)."""
     endpoints = [
@@ -106,7 +106,8 @@ def make_config(
     return parse_config(config_data(endpoints, tm, links, policy, misconfigure=misconfigure, learn=learn))
 
 
-LEARNS = frozenset({"pd-router", "pd-router-flex"})  # the runs whose prediction errors are reported
+# The runs whose prediction errors are reported.
+LEARNS = frozenset({"pd-router", "pd-router-flex", "pd-router-rigid", "pd-router-learning"})
 
 
 # -- the full-information reference ----------------------------------------------------------------
@@ -494,7 +495,7 @@ async def run_policy(
             links,
             POLICIES[policy],
             misconfigure=misconfigure,
-            learn=policy != "pd-router-static",
+            learn={"pd-router-learning": True, "pd-router-static": False}.get(policy),
         )
         async with App(config, seed=seed) as app:
             reference = install_reference(app, cluster) if policy == "reference" else None
@@ -741,11 +742,11 @@ def _verdict(scn: Scenario, runs: list[Run], cold: float, tm: TimeModel) -> list
             f"-> {'PASS' if max(r90, r99) <= 1.3 else 'FAIL'}"
         )
         out.append(f"  target goodput(pd-router) ≥ 99%: {good:.1%} -> {'PASS' if good >= 0.99 else 'FAIL'}")
-    flex = by.get("pd-router-flex")
-    if scn.key == "e" and flex is not None:
-        rigid, g = goodput(pd, *slo), goodput(flex, *slo)
+    rigid_run = by.get("pd-router-rigid")
+    if scn.key == "e" and rigid_run is not None:
+        rigid, g = goodput(rigid_run, *slo), goodput(pd, *slo)
         out.append(
-            f"  target goodput(pd-router-flex) ≥ 90% where the role-rigid pd-router is < 50%: "
+            f"  target goodput(pd-router, role-flexible) ≥ 90% where the role-rigid one is < 50%: "
             f"{g:.1%} vs {rigid:.1%} -> {'PASS' if g >= 0.90 and rigid < 0.50 else 'FAIL'}"
         )
     return out
@@ -791,7 +792,8 @@ async def main_async(args: argparse.Namespace) -> int:
         else:
             policies = ["round-robin"] if args.sweep else list(scn.policies)
         if args.misconfigure != 1.0 and "pd-router" in policies and not args.sweep:
-            policies.insert(policies.index("pd-router") + 1, "pd-router-static")
+            policies.insert(policies.index("pd-router") + 1, "pd-router-learning")
+            policies.insert(policies.index("pd-router-learning") + 1, "pd-router-static")
         started = time.perf_counter()
         unloaded = await unloaded_ttft(scn, tm, args.seed)
         for rate in rates:
@@ -851,7 +853,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=1.0,
         help="configure the engines as this × faster than they are (3: three times slower than "
-        "written); adds pd-router-static, the same router without the online performance model",
+        "written); adds pd-router-learning (signals.learn on) and pd-router-static (off)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-timeout", type=float, default=120.0, help="per-request client timeout, s")

@@ -957,16 +957,19 @@ class SimEngine:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": call.response_id, "object": obj, "created": created, "model": self.spec.model}
-        if chat:
-            first = {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            yield _sse({**base, "choices": [first]})
         sent = 0
         while (token := await self._next_token(req)) is not None:
+            if chat and sent == 0:
+                # As vLLM's chat stream: the role chunk goes out with the first engine output, i.e.
+                # once the prompt is computed, so a client's first byte is not earlier than its
+                # first token (the proxy reads the first byte as the end of the prefill).
+                first = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                yield _sse({**base, "choices": [first]})
             sent += 1
             finish = "length" if sent >= req.max_tokens else None
             if chat:

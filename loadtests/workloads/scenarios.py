@@ -224,7 +224,7 @@ SCENARIOS: dict[str, Scenario] = {
         "(e) 2 prefill + 2 decode, long outputs (decode-bound)",
         _one_rack_pd,
         _long_outputs,
-        ["round-robin", "least-loaded", "pd-router", "pd-router-flex", "reference"],
+        ["round-robin", "least-loaded", "pd-router", "pd-router-rigid", "reference"],
         rate=22.0,
         requests=300,
         links={"same": C_LINKS["same"]},
@@ -265,14 +265,14 @@ def config_data(
     policy: str | dict[str, Any] = "joint",
     *,
     misconfigure: float = 1.0,
-    learn: bool = True,
+    learn: bool | None = None,
 ) -> dict[str, Any]:
     """The router's configuration (before validation) for a simulated cluster.
 
     ``endpoints``: ``(name, address, role, link)`` per engine; ``policy``: ``picker.policy``, or
     the whole ``picker`` section; ``misconfigure``: the configured engine claims this × the
     simulator's real speed (3 = the engines are three times slower than the operator wrote);
-    ``learn``: the online model may correct it."""
+    ``learn``: ``signals.learn`` (None: the router's default, as a user runs it)."""
     speed = tm.speed
     data: dict[str, Any] = {
         "model": "sim-model",
@@ -281,13 +281,15 @@ def config_data(
             for name, address, role, link in endpoints
         ],
         "engine": claimed_engine(engine_model_for(tm, KV_BYTES_PER_TOKEN), misconfigure),
-        "signals": {"learn": learn, "tick_ms": max(50.0, 1000.0 / speed)},
+        "signals": {"tick_ms": max(50.0, 1000.0 / speed)},
         # SLOs scale with simulated time so the TTFT-vs-TPOT balance of the cost does not change.
         "slo": {"ttft_ms": 500.0 / speed, "tpot_ms": 50.0 / speed},
         "scrape": {"interval_ms": max(50.0, 200.0 / speed), "stale_after_ms": 5000},
         "proxy": {"port": 0, "debug_headers": True},
         "picker": {"policy": policy} if isinstance(policy, str) else dict(policy),
     }
+    if learn is not None:
+        data["signals"]["learn"] = learn
     if links:
         data["links"] = links
     return data
@@ -313,9 +315,13 @@ POLICIES: dict[str, dict[str, Any]] = {
     "least-loaded": {"policy": "least-loaded"},
     "independent": {"policy": "independent"},
     "pd-router": {"policy": "joint"},
-    # Role-flexible P/D: prefill pods may serve whole requests (vLLM's NIXL kv_both).
+    # Role-flexible P/D (the default: prefill pods may serve whole requests), spelled out, and
+    # without it: rigid P/D, as before it was the default.
     "pd-router-flex": {"policy": "joint", "prefill_may_decode": True},
-    "pd-router-static": {"policy": "joint"},  # the same without the online model (only with --misconfigure)
+    "pd-router-rigid": {"policy": "joint", "prefill_may_decode": False},
+    # With --misconfigure: the online model's corrections on, and off (the default).
+    "pd-router-learning": {"policy": "joint"},
+    "pd-router-static": {"policy": "joint"},
     "reference": {"policy": "joint"},
 }
 

@@ -157,7 +157,7 @@ async def test_a_ten_times_slower_engine_is_learned_and_gets_little_traffic() ->
     specs = [EngineSpec("fast", "prefill-decode", time=FAST), EngineSpec("slow", "prefill-decode", time=slow)]
     async with SimCluster(specs) as cluster:
         endpoints = [{"address": cluster.address(s.name), "name": s.name} for s in specs]
-        sections = {"endpoints": endpoints, "scrape": SCRAPE, "signals": {"tick_ms": 50}}
+        sections = {"endpoints": endpoints, "scrape": SCRAPE, "signals": {"tick_ms": 50, "learn": True}}
         async with router_for(sections) as (app, base), aiohttp.ClientSession() as http:
             slowness = app.pool.slowness
             fast, slow = (app.pool.endpoints[n].slot for n in ("fast", "slow"))

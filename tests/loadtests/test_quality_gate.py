@@ -128,10 +128,13 @@ def test_a_virtual_run_takes_the_production_paths(gate_runs: dict[str, dict[str,
     rounds = run.calls["GET /metrics"] / engines
     assert 0.8 * run.sim_s / 0.2 <= rounds <= 1.2 * run.sim_s / 0.2 + 2
     # Most requests went through the two-leg exchange (a prefill leg, then a decode leg), the
-    # rest to one decode pod computing the prompt itself: one POST per leg.
+    # rest to one pod computing the prompt itself (a decode pod, or a prefill pod serving the whole
+    # request while the decode pods are the bottleneck): one POST per leg.
     pairs = [r for r in run.summary.ok if r.prefill]
     assert {r.prefill for r in pairs} == {"prefill-0", "prefill-1"}
-    assert len(pairs) > 0.8 * len(run.summary.ok)
+    assert len(pairs) > 0.5 * len(run.summary.ok)
+    whole = {r.decode for r in run.summary.ok if not r.prefill}
+    assert whole & {"prefill-0", "prefill-1"}  # role-flexible P/D, the default
     assert run.calls["POST /v1/completions"] == len(run.summary.results) + len(pairs)
     # The performance model compared every answered request's TTFT and TPOT with its prediction.
     assert run.observed["ttft"] == run.observed["tpot"] == len(run.summary.ok)
@@ -139,9 +142,7 @@ def test_a_virtual_run_takes_the_production_paths(gate_runs: dict[str, dict[str,
 
 # The gate. What the code does today (issue 19) is marked with its numbers; remove a mark when
 # its case passes (strict: an unexpected pass fails the suite, so it cannot be forgotten).
-ISSUE_19 = {
-    ("e", 0.5): "issue 19: on (e) pd-router's TTFT p50 is 98.3 ms vs least-loaded's 95.1 ms (1.03×)",
-}
+ISSUE_19: dict[tuple[str, float], str] = {}
 
 
 @pytest.mark.parametrize(
@@ -166,6 +167,9 @@ def test_pd_router_is_not_worse_than_least_loaded(
     assert pd <= ll, (
         f"({key}) TTFT p{round(q * 100)}: pd-router {pd * 1000:.1f} ms, least-loaded {ll * 1000:.1f} ms"
     )
+    scn, tm = SCENARIOS[key], TimeModel()
+    pd_good = runs["pd-router"].stats(scn, tm)["goodput"]
+    assert pd_good >= runs["least-loaded"].stats(scn, tm)["goodput"], f"({key}) goodput {pd_good:.1%}"
 
 
 def test_the_numbers_are_the_committed_baseline(gate_runs: dict[str, dict[str, PolicyRun]]) -> None:

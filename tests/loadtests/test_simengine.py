@@ -160,6 +160,27 @@ async def test_chat_streaming_uses_deltas_and_no_usage_by_default(
     assert all("usage" not in c for c in chunks)
 
 
+async def test_a_chat_streams_first_byte_comes_once_its_prompt_is_computed(
+    cluster: SimCluster, session: aiohttp.ClientSession
+) -> None:
+    """As vLLM: the role chunk goes out with the first token, not on arrival (the router reads a
+    stream's first byte as the end of its prefill)."""
+    engine = cluster.engines["pd0"]
+    served = engine.stats.generation_tokens
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "y" * 40_000}],
+        "max_tokens": 2,
+        "stream": True,
+    }
+    url = f"http://{cluster.address('pd0')}/v1/chat/completions"
+    async with session.post(url, data=orjson.dumps(body)) as resp:
+        first = await resp.content.readuntil(b"\n\n")
+        assert orjson.loads(first[len(b"data: ") : -2])["choices"][0]["delta"]["role"] == "assistant"
+        assert engine.stats.generation_tokens > served  # its 10k-token prompt was computed already
+        await resp.read()
+
+
 async def test_stream_chunks_arrive_before_the_end(
     cluster: SimCluster, session: aiohttp.ClientSession
 ) -> None:

@@ -56,7 +56,8 @@ def test_no_prefill_leg_when_the_decode_pod_already_holds_most_of_the_prompt() -
 
 def test_long_uncached_prompt_uses_a_prefill_pod_when_decode_pods_are_busy() -> None:
     metrics = {"d0": Metrics(running=40), "d1": Metrics(running=40)}
-    decision = picker_for(PD_TWO_RACKS, metrics).pick(make_request(8000), now=NOW)
+    rigid = {"prefill_may_decode": False}  # prefill pods that never decode: a pair, or nothing
+    decision = picker_for(PD_TWO_RACKS, metrics, picker=rigid).pick(make_request(8000), now=NOW)
     assert decision.prefill is not None
     assert decision.kind == "pd-pair"
 
@@ -89,7 +90,7 @@ def test_a_full_decode_pod_is_avoided_and_a_request_no_pod_could_ever_hold_is_a_
         "d0": Metrics(kv_usage=0.99, num_gpu_blocks=100),
         "d1": Metrics(kv_usage=0.1, num_gpu_blocks=100),
     }
-    picker = picker_for(PD_TWO_RACKS, metrics)
+    picker = picker_for(PD_TWO_RACKS, metrics, picker={"prefill_may_decode": False})  # only d0, d1 decode
     assert picker.pick(make_request(500), now=NOW).decode.id == "d1"
     # Not a 503 with Retry-After: no retry will ever fit it.
     with pytest.raises(BadRequest) as never:

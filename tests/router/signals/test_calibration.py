@@ -61,9 +61,12 @@ def test_one_engine_with_odd_usage_does_not_move_the_ratio_of_the_others() -> No
     assert pool_ratio([4 / 6, 0.7]) == pytest.approx((4 / 6 * 0.7) ** 0.5)  # agreeing: their median
 
 
+LEARNING = {"signals": {"learn": True}}  # off by default
+
+
 def learning_flow(producers: tuple[Producer, ...] = (), **signals: Any) -> RequestFlow:
     """The flow the service builds, learning from answers, over two idle pods ``E0`` and ``E1``."""
-    config = make_config(SINGLE_PODS[:2], signals=signals)
+    config = make_config(SINGLE_PODS[:2], signals={"learn": True, **signals})
     pool = make_pool(config)
     pool.stale_after_s = 1e9  # unit tests run on wall-clock time
     picker = make_picker(config, pool)
@@ -162,7 +165,7 @@ def test_evicted_blocks_only_when_the_engine_had_far_less() -> None:
 
 async def test_token_estimate_calibrates_on_a_pool_whose_tokenizer_is_coarser() -> None:
     specs = [EngineSpec("e0", "prefill-decode", chars_per_token=6.0)]  # the config says 4
-    async with router_on_sim(specs) as (_cluster, app, base), aiohttp.ClientSession() as http:
+    async with router_on_sim(specs, LEARNING) as (_cluster, app, base), aiohttp.ClientSession() as http:
         rng = random.Random(1)
         for i in range(12):
             text = "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(800, 4000)))
@@ -182,7 +185,7 @@ async def test_token_estimate_calibrates_on_a_pool_whose_tokenizer_is_coarser() 
 
 async def test_an_engine_that_evicted_makes_the_index_keep_less_for_it() -> None:
     specs = [EngineSpec("e0", "prefill-decode")]
-    async with router_on_sim(specs) as (cluster, app, base), aiohttp.ClientSession() as http:
+    async with router_on_sim(specs, LEARNING) as (cluster, app, base), aiohttp.ClientSession() as http:
 
         async def send(prompt: str) -> dict:
             body = {"model": "sim-model", "prompt": prompt, "max_tokens": 2}
@@ -215,7 +218,7 @@ async def test_an_engine_that_evicted_makes_the_index_keep_less_for_it() -> None
 
 async def test_streamed_answers_carry_the_usage_the_router_asked_for_and_the_client_did_not() -> None:
     specs = [EngineSpec("e0", "prefill-decode")]
-    async with router_on_sim(specs) as (cluster, app, base), aiohttp.ClientSession() as http:
+    async with router_on_sim(specs, LEARNING) as (cluster, app, base), aiohttp.ClientSession() as http:
         body = {"model": "sim-model", "prompt": "hello " * 100, "max_tokens": 5, "stream": True}
         async with http.post(f"{base}/v1/completions", json=body) as resp:
             events = await sse_events(resp)

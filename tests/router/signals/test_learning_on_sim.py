@@ -29,7 +29,7 @@ async def test_streamed_answers_teach_the_model_and_reprice_the_picker() -> None
     configured = {**true, "prefill_tokens_per_s": 3 * true["prefill_tokens_per_s"]}
     sections = {
         "engine": configured,
-        "signals": {"tick_ms": 50, "min_samples": 12},
+        "signals": {"tick_ms": 50, "min_samples": 12, "learn": True},
         "picker": {"allow_local_prefill": False},
     }
     rng = random.Random(3)
