@@ -7,8 +7,9 @@ compare policies exactly instead of within noise:
   results;
 * the virtual run exercises the production paths it claims to: the scrape loop at its interval,
   pairs through the prefill → decode exchange, learning from the answers;
-* the gate: pd-router with its defaults is not worse than least-loaded at TTFT p50 and p90 on
-  scenarios (b), (d) and (e) at their benchmark sizes;
+* the gate: pd-router with its defaults is not worse than least-loaded at TTFT p50 and p90, nor
+  in goodput, on scenarios (b), (d) and (e) at their benchmark sizes, on seeds 0, 1 and 2 (a seed
+  is one draw: one alone can pass or fail by luck);
 * the numbers are within ``TOLERANCE`` of ``loadtests/bench/quality_baseline.json``.
 
 A gate that fails on the current code is marked ``xfail(strict=True)`` with the measured numbers
@@ -38,19 +39,32 @@ BASELINE = REPO / "loadtests" / "bench" / "quality_baseline.json"
 TOLERANCE = 0.10
 GOODPUT_TOLERANCE = 0.03  # absolute share of requests
 GATE = ("b", "d", "e")
+OTHER_SEEDS = (1, 2)
 COMPARED = ("least-loaded", "pd-router")
 REGENERATE = "python -m loadtests.bench.quality --json loadtests/bench/quality_baseline.json"
 
 
-@pytest.fixture(scope="module")
-def gate_runs() -> dict[str, dict[str, PolicyRun]]:
-    """Least-loaded and pd-router on each gate scenario at its benchmark size, once per module."""
+def runs_of(seed: int) -> dict[str, dict[str, PolicyRun]]:
+    """Least-loaded and pd-router on each gate scenario at its benchmark size, with this seed."""
     out: dict[str, dict[str, PolicyRun]] = {}
     for key in GATE:
         scn = SCENARIOS[key]
-        workload = scn.workload(scn.requests, scn.rate, 0)
-        out[key] = {name: run_policy(scn, policy(name), workload=workload) for name in COMPARED}
+        workload = scn.workload(scn.requests, scn.rate, seed)
+        out[key] = {name: run_policy(scn, policy(name), seed=seed, workload=workload) for name in COMPARED}
     return out
+
+
+@pytest.fixture(scope="module")
+def gate_runs() -> dict[str, dict[str, PolicyRun]]:
+    """Seed 0: the one the baseline file holds."""
+    return runs_of(0)
+
+
+@pytest.fixture(scope="module")
+def other_seeds() -> dict[int, dict[str, dict[str, PolicyRun]]]:
+    """A seed is one draw of arrivals and scrape jitter, and on a busy pool another draw moves a
+    percentile a lot: the gate holds on several."""
+    return {seed: runs_of(seed) for seed in OTHER_SEEDS}
 
 
 def small_run() -> PolicyRun:
@@ -158,18 +172,24 @@ ISSUE_19: dict[tuple[str, float], str] = {}
     ],
 )
 def test_pd_router_is_not_worse_than_least_loaded(
-    gate_runs: dict[str, dict[str, PolicyRun]], key: str, q: float
+    gate_runs: dict[str, dict[str, PolicyRun]],
+    other_seeds: dict[int, dict[str, dict[str, PolicyRun]]],
+    key: str,
+    q: float,
 ) -> None:
-    runs = gate_runs[key]
-    pd = runs["pd-router"].summary.pct("ttft_s", q)
-    ll = runs["least-loaded"].summary.pct("ttft_s", q)
-    assert len(runs["pd-router"].summary.ok) == len(runs["pd-router"].summary.results)
-    assert pd <= ll, (
-        f"({key}) TTFT p{round(q * 100)}: pd-router {pd * 1000:.1f} ms, least-loaded {ll * 1000:.1f} ms"
-    )
     scn, tm = SCENARIOS[key], TimeModel()
-    pd_good = runs["pd-router"].stats(scn, tm)["goodput"]
-    assert pd_good >= runs["least-loaded"].stats(scn, tm)["goodput"], f"({key}) goodput {pd_good:.1%}"
+    for seed, by_key in {0: gate_runs, **other_seeds}.items():
+        runs = by_key[key]
+        pd = runs["pd-router"].summary.pct("ttft_s", q)
+        ll = runs["least-loaded"].summary.pct("ttft_s", q)
+        assert len(runs["pd-router"].summary.ok) == len(runs["pd-router"].summary.results)
+        assert pd <= ll, (
+            f"({key}, seed {seed}) TTFT p{round(q * 100)}: pd-router {pd * 1000:.1f} ms, "
+            f"least-loaded {ll * 1000:.1f} ms"
+        )
+        pd_good = runs["pd-router"].stats(scn, tm)["goodput"]
+        ll_good = runs["least-loaded"].stats(scn, tm)["goodput"]
+        assert pd_good >= ll_good, f"({key}, seed {seed}) goodput {pd_good:.1%} < {ll_good:.1%}"
 
 
 def test_the_numbers_are_the_committed_baseline(gate_runs: dict[str, dict[str, PolicyRun]]) -> None:
