@@ -350,4 +350,6 @@ def _reason(
         )
     if decode.role == "prefill-decode":
         return f"{who}single pod {decode.id}: {cached}; {ttft}"
+    if decode.role == "prefill":  # role-flexible P/D: the prefill pod serves it whole
+        return f"{who}whole request on prefill pod {decode.id}: {cached}, cheaper than any pair; {ttft}"
     return f"{who}no prefill leg on {decode.id}: {cached}, cheaper than any pair; {ttft}"

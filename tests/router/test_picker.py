@@ -309,3 +309,11 @@ def test_without_local_prefill_a_decode_pod_no_pair_can_reach_still_computes_its
     picker = picker_for(PD_TWO_RACKS, picker={"allow_local_prefill": False})
     decision = picker.pick(make_request(2000, pairs_need_sidecar=True), now=NOW)
     assert decision.prefill is None and decision.kind == "local-prefill"
+
+
+def test_with_busy_decode_pods_a_prefill_pod_serves_the_whole_request_and_says_so() -> None:
+    # Role-flexible P/D (the default): decode pods deep in their batches, prefill pods idle.
+    metrics = {"d0": Metrics(running=60), "d1": Metrics(running=60)}
+    decision = picker_for(PD_TWO_RACKS, metrics).pick(make_request(2000), now=NOW)
+    assert decision.prefill is None and decision.decode.role == "prefill"
+    assert decision.reason.startswith(f"whole request on prefill pod {decision.decode.id}: ")
