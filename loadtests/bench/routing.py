@@ -5,15 +5,9 @@ For every scenario, every policy gets exactly the same requests at exactly the s
 one policy after another in this process. The router is given the simulator's speed model
 (``engine_model_for``) and the same link table the simulator uses, so predictions are fair.
 
-Scenarios:
-  a  4 × prefill-decode pods, shared-prefix workload (many long system prompts, short questions)
-  b  4 × prefill-decode pods, multi-turn chat (every turn resends the conversation)
-  c  2 prefill + 2 decode on two racks (fast links inside a rack, slow across), long shared prefixes
-  d  4 × prefill-decode pods, bursty multi-turn chat (session starts in bursts of 1.5× and 2× the
-     base rate)
-  e  2 prefill + 2 decode, long outputs: decode-bound (decode pods busy, prefill pods half idle);
-     adds pd-router-rigid, the joint picker without ``picker.prefill_may_decode`` (the default
-     lets prefill pods serve whole requests)
+The scenarios (a–e) are ``loadtests.workloads.scenarios``; (e) also runs pd-router-rigid, the
+joint picker without ``picker.prefill_may_decode`` (the default lets prefill pods serve whole
+requests).
 
 Every scenario also runs ``reference``: a full-information pair picker that reads the simulator's
 exact state (cache contents, queues, running batches, free KV, transfers in flight) and plays each

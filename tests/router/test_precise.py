@@ -219,17 +219,23 @@ async def test_the_router_hashes_chat_requests_through_the_template_and_only_the
     assert route.exact_tokens
 
 
-async def test_a_tokenized_prompts_count_is_the_tokenizers_not_a_character_estimate(tmp_path: Path) -> None:
+LIMITS = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0)
+
+
+def precise_app(tmp_path: Path) -> App:
+    """An ``App`` in precise mode with a tiny tokenizer trained here (never started: its flow's
+    producers are what these tests call)."""
     tokenizer = str(train_tiny_tokenizer(tmp_path / "tokenizer.json"))
-    config = {
-        "model": "m",
-        "endpoints": [{"address": "127.0.0.1:9"}],
-        "index": {"precise": {"tokenizer": tokenizer}},
-    }
-    app = App(parse_config(config))
-    limits = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0)
+    endpoints = [{"address": "127.0.0.1:9"}]
+    return App(
+        parse_config({"model": "m", "endpoints": endpoints, "index": {"precise": {"tokenizer": tokenizer}}})
+    )
+
+
+async def test_a_tokenized_prompts_count_is_the_tokenizers_not_a_character_estimate(tmp_path: Path) -> None:
+    app = precise_app(tmp_path)
     text = "the quick brown fox jumps over the lazy dog " * 40
-    route = parse_request(json.dumps({"model": "m", "prompt": text}).encode(), limits)
+    route = parse_request(json.dumps({"model": "m", "prompt": text}).encode(), LIMITS)
     estimate = route.prompt_tokens
     await app.flow.prepare(route)
     exact = len(app.precise_keys.tokenizer.token_ids(text))
@@ -240,14 +246,7 @@ async def test_a_tokenized_prompts_count_is_the_tokenizers_not_a_character_estim
 async def test_token_ids_are_hashed_as_they_are_and_a_batch_on_the_ids_its_prompts_share(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tokenizer = str(train_tiny_tokenizer(tmp_path / "tokenizer.json"))
-    config = {
-        "model": "m",
-        "endpoints": [{"address": "127.0.0.1:9"}],
-        "index": {"precise": {"tokenizer": tokenizer}},
-    }
-    app = App(parse_config(config))
-    limits = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0)
+    app = precise_app(tmp_path)
 
     def untokenized(text: str) -> list[int]:
         raise AssertionError("a prompt of token ids went through the tokenizer")
@@ -259,7 +258,7 @@ async def test_token_ids_are_hashed_as_they_are_and_a_batch_on_the_ids_its_promp
         (ids, ids),
         ([ids, [*ids[:50], 1, 2], [*ids[:70], 3]], ids[:50]),  # three full blocks shared
     ):
-        route = parse_request(json.dumps({"model": "m", "prompt": prompt}).encode(), limits)
+        route = parse_request(json.dumps({"model": "m", "prompt": prompt}).encode(), LIMITS)
         await app.flow.prepare(route)
         assert route.precise_keys is not None
         assert np.array_equal(route.precise_keys, hasher.keys(routed_on))
