@@ -23,7 +23,7 @@ from router.flow_control import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker, RouteDecision
 from router.pool import Endpoint
-from router.rejections import Answer, Rejection, Saturated, answer
+from router.rejections import UPSTREAM_DISCONNECTED, Answer, Rejection, Saturated, answer
 from router.request import headers_only_request, parse_request
 from router.response import ResponseMeter, Usage, usage_of
 from router.rewrite import ModelRewrites
@@ -42,9 +42,6 @@ CLIENT_GONE = "client_gone"  # the proxy's client disconnected mid-request
 CANCELLED = "cancelled"  # the client or the gateway went away before the response ended
 NO_ROUTE = "no_route"  # the stream ended before a request was complete enough to route
 ROUTED = "routed"  # ext_proc without response processing: the router never sees the response
-# The engine died while its answer streamed: the client got part of it and an SSE error event
-# with this code (``router/http/exchange.py``).
-UPSTREAM_DISCONNECTED = "upstream_disconnected"
 
 
 def response_outcome(status: int, *, gateway_reply: bool = False) -> str:

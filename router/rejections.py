@@ -12,6 +12,10 @@ from dataclasses import dataclass
 
 import orjson
 
+# Not a rejection: the engine cut its answer after the client had part of it. The code of the SSE
+# error event the stream ends with (``router/http/exchange.py``) and the request's outcome label.
+UPSTREAM_DISCONNECTED = "upstream_disconnected"
+
 
 class Rejection(Exception):
     """A request we will not route (or could not serve); ``answer()`` gives its response."""

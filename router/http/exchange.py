@@ -17,6 +17,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.rejections import UPSTREAM_DISCONNECTED
+
 log = logging.getLogger(__name__)
 
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
@@ -27,9 +29,6 @@ PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
-
-
-UPSTREAM_DISCONNECTED = "upstream_disconnected"  # the SSE error event's code for a stream cut mid-way
 
 
 class UpstreamError(Exception):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from statistics import median
 
 MIN_RATIO, MAX_RATIO = 0.25, 4.0  # reported / estimated beyond these is not a tokenizer's count
 OUTLIER = 1.5  # an engine's ratio this many times off the pool's median is ignored
@@ -81,13 +82,13 @@ class TokenCalibration:
         if len(reports) < self.min_samples:
             return
         joined = engine not in self._logs
-        self._logs[engine] = math.log(_median(sorted(reports)))
+        self._logs[engine] = math.log(median(reports))
         self._stale += 1
         # The median across n engines is recomputed every n updates (and when one joins), so
         # what it costs per answer stays small however large the pool.
         if joined or self._stale >= len(self._logs):
             self._stale = 0
-            self._ratio = math.exp(_agreeing_median(sorted(self._logs.values())))
+            self._ratio = math.exp(_agreeing_median(list(self._logs.values())))
 
     def scale(self, estimated: int) -> int:
         return max(1, round(estimated * self.ratio)) if estimated else 0
@@ -98,21 +99,15 @@ def pool_ratio(engine_ratios: list[float]) -> float:
     that leaves none (two engines far apart), the one nearest the configured estimate (1.0)."""
     if not engine_ratios:
         return 1.0
-    return math.exp(_agreeing_median(sorted(math.log(r) for r in engine_ratios)))
+    return math.exp(_agreeing_median([math.log(r) for r in engine_ratios]))
 
 
 def _agreeing_median(logs: list[float]) -> float:
-    """``pool_ratio`` in logs (sorted): ratios apart by a factor are equally far either way."""
-    center = _median(logs)
+    """``pool_ratio`` in logs: ratios apart by a factor are equally far either way."""
+    center = median(logs)
     bound = math.log(OUTLIER)
     agreeing = [x for x in logs if abs(x - center) <= bound]
-    return _median(agreeing) if agreeing else min(logs, key=abs)
-
-
-def _median(ordered: list[float]) -> float:
-    n = len(ordered)
-    middle = n // 2
-    return ordered[middle] if n % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return median(agreeing) if agreeing else min(logs, key=abs)
 
 
 def evicted_blocks(

@@ -44,12 +44,13 @@ DECODE_TERMS = ("base_seconds", "seconds_per_seq", "seconds_per_kv_token")
 
 @dataclass(frozen=True, slots=True)
 class LearnSettings:
-    # Each learned correction on its own (``signals.learn_*``); off: observed and exported, never
-    # applied. ``perf_model``: route with the fitted speeds instead of the configured ones.
-    perf_model: bool = True
-    token_ratio: bool = True  # scale character estimates of prompt tokens (``calibration.py``)
-    cached_evidence: bool = True  # shrink the index where engines report fewer cached tokens
-    engine_speed: bool = True  # a per-engine slowness factor against the pool's model (``engines.py``)
+    # Each learned correction on its own (``signals.learn_*``); off, as the configuration's
+    # default: observed and exported, never applied. ``perf_model``: route with the fitted speeds
+    # instead of the configured ones.
+    perf_model: bool = False
+    token_ratio: bool = False  # scale character estimates of prompt tokens (``calibration.py``)
+    cached_evidence: bool = False  # shrink the index where engines report fewer cached tokens
+    engine_speed: bool = False  # a per-engine slowness factor against the pool's model (``engines.py``)
     min_samples: int = 16  # real samples before a role's fit replaces its prior
     per_bucket: int = 64  # samples kept per size bucket
     prior_samples: float = 0.1  # how many samples the configured model counts as

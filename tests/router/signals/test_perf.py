@@ -24,7 +24,7 @@ CONFIGURED = EngineModel(
 
 
 def test_prefill_fit_recovers_a_pool_three_times_slower_than_configured() -> None:
-    model = PerformanceModel(CONFIGURED)
+    model = PerformanceModel(CONFIGURED, LearnSettings(perf_model=True))  # routes with the fit
     rng = np.random.default_rng(1)
     true_base, true_per_token = 0.006, 3.0 / 20000.0
     for _ in range(200):
@@ -38,7 +38,7 @@ def test_prefill_fit_recovers_a_pool_three_times_slower_than_configured() -> Non
 
 
 def test_decode_fit_recovers_batch_and_kv_coefficients() -> None:
-    model = PerformanceModel(CONFIGURED)
+    model = PerformanceModel(CONFIGURED, LearnSettings(perf_model=True))
     rng = np.random.default_rng(2)
     true = np.array([0.003, 0.0005, 4e-7])
     for _ in range(300):
@@ -83,7 +83,7 @@ def test_noisy_decode_samples_still_learn_that_the_engines_are_three_times_slowe
 
 
 def test_the_prior_holds_until_enough_samples_and_when_learning_is_off() -> None:
-    model = PerformanceModel(CONFIGURED, LearnSettings(min_samples=16))
+    model = PerformanceModel(CONFIGURED, LearnSettings(perf_model=True, min_samples=16))
     for work in range(10):
         model.observe_prefill(100.0 + 500 * work, 1.0)
     assert not model.refit() and not model.prefill.fitted
