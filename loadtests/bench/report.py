@@ -85,7 +85,7 @@ COLOURS = {
     "least-loaded": "#e69f00",
     "independent": "#cc79a7",
     "pd-router": "#0072b2",
-    "pd-router-flex": "#56b4e9",
+    "pd-router-rigid": "#56b4e9",
     "pd-router-static": "#a6761d",
     "reference": "#000000",
 }
@@ -488,7 +488,7 @@ def headline(report: Report) -> list[str]:
         bases = [by[name] for name in BASELINES if name in by]
         best = min(bases, key=lambda s: s.pct("ttft_s", 0.5)) if bases else None
         ref = by.get("reference")
-        flex = by.get("pd-router-flex")
+        rigid = by.get("pd-router-rigid")
         j50 = joint.pct("ttft_s", 0.5)
         row = [
             sr.scenario.title,
@@ -497,7 +497,7 @@ def headline(report: Report) -> list[str]:
             _x(_ratio(j50, best.pct("ttft_s", 0.5))) if best else "–",
             _x(_ratio(joint.pct("ttft_s", 0.99), ref.pct("ttft_s", 0.99))) if ref else "–",
             _pct(_goodput(sr, joint, tm))
-            + (f" (flex {_pct(_goodput(sr, flex, tm))})" if flex is not None else ""),
+            + (f" (rigid {_pct(_goodput(sr, rigid, tm))})" if rigid is not None else ""),
             _pct(_goodput(sr, best, tm)) if best else "–",
             _pct(hits[JOINT]) + (f" vs {_pct(hits[best.name])}" if best else ""),
         ]
@@ -808,8 +808,10 @@ def _routing_section(report: Report, images: dict[str, str] | str, folder: str) 
         "prefill/decode picker; `round-robin`, `least-loaded` and `independent` (prefill and decode "
         "pods chosen separately) are its baselines; `reference` is a full-information picker that "
         "reads the simulator's exact state and plays each engine forward — the bound to measure "
-        "against, not a deployable policy; `pd-router-flex` lets prefill pods serve whole requests; "
-        "`pd-router-static` is pd-router without its online performance model. Goodput is the share "
+        "against, not a deployable policy; `pd-router-rigid` is pd-router without role-flexible "
+        "P/D (prefill pods never serve whole requests); `pd-router-learning` and "
+        "`pd-router-static` are pd-router with and without its learned corrections. Goodput is "
+        "the share "
         f"of requests with TTFT ≤ {routing.GOODPUT_TTFT_S * MS / tm.speed:g} ms and TPOT ≤ "
         f"{routing.GOODPUT_TPOT_S * MS / tm.speed:g} ms. Cache hit rate is the share of the answered "
         "prompt tokens that no engine had to compute (the simulated engines' counters; the routing "
@@ -837,7 +839,7 @@ def _routing_section(report: Report, images: dict[str, str] | str, folder: str) 
             "decode pod (same rack or across racks); **single pod** — one prefill-decode pod does "
             "both; **local prefill** — a decode pod computes the prompt itself (no prefill leg, "
             "usually because it already holds the prefix); **whole on prefill pod** — a prefill pod "
-            "serves the whole request (`pd-router-flex`).",
+            "serves the whole request (role-flexible P/D, pd-router's default).",
             "",
         ]
     for sr in report.scenarios:

@@ -101,7 +101,7 @@ def make_config(
 
 
 # The runs whose prediction errors are reported.
-LEARNS = frozenset({"pd-router", "pd-router-flex", "pd-router-rigid", "pd-router-learning"})
+LEARNS = frozenset({"pd-router", "pd-router-rigid", "pd-router-learning"})
 
 
 # -- the full-information reference ----------------------------------------------------------------

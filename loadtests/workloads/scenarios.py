@@ -315,9 +315,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "least-loaded": {"policy": "least-loaded"},
     "independent": {"policy": "independent"},
     "pd-router": {"policy": "joint"},
-    # Role-flexible P/D (the default: prefill pods may serve whole requests), spelled out, and
-    # without it: rigid P/D, as before it was the default.
-    "pd-router-flex": {"policy": "joint", "prefill_may_decode": True},
+    # Without role-flexible P/D (the default lets prefill pods serve whole requests).
     "pd-router-rigid": {"policy": "joint", "prefill_may_decode": False},
     # With --misconfigure: the online model's corrections on, and off (the default).
     "pd-router-learning": {"policy": "joint"},

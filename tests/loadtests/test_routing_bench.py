@@ -128,9 +128,9 @@ def test_forecast_skips_decode_only_stretches_exactly() -> None:
 
 def test_smoke_decode_bound_scenario(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--scenarios", "e", "--requests", "20", "--speed", "4"]
-    assert routing.main([*argv, "--policies", "pd-router,pd-router-flex,reference"]) == 0
+    assert routing.main([*argv, "--policies", "pd-router,pd-router-rigid,reference"]) == 0
     out = capsys.readouterr().out
-    for policy in ("pd-router", "pd-router-flex", "reference"):
+    for policy in ("pd-router", "pd-router-rigid", "reference"):
         assert re.search(rf"^  {policy} +20/20 ", out, re.M), out
     assert "goodput" in out and "p99/ref" in out
     assert re.search(r"pd-router: observed / predicted TTFT p10 [\d.>]+, p50 [\d.>]+, p90", out), out
