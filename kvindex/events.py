@@ -33,6 +33,7 @@ import enum
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Generic, Protocol, TypeVar
@@ -923,7 +924,10 @@ class KVEventConsumer:
         which would read as a process that has not got that far."""
         assert engine.replay_endpoint is not None
         dealer = self._socket(zmq.DEALER)
-        batches: list[tuple[int, bytes]] = []
+        # The most recent batches only: an answer longer than the bound keeps its tail, which is
+        # what the engine's cache is now (a stream that refused it would ask again forever).
+        batches: deque[tuple[int, bytes]] = deque(maxlen=self._max_replay_batches)
+        read = 0
         try:
             dealer.connect(engine.replay_endpoint)
             await dealer.send_multipart([b"", seq_bytes(start)])
@@ -936,14 +940,7 @@ class KVEventConsumer:
                     seq, payload = parsed
                     if seq == -1 or not payload:
                         break
-                    if len(batches) == self._max_replay_batches:
-                        logger.warning(
-                            "KV events from %s: replay from %d has more than %d batches; dropped",
-                            engine.name,
-                            start,
-                            self._max_replay_batches,
-                        )
-                        return None
+                    read += 1
                     batches.append((seq, payload))
         except TimeoutError:
             logger.warning(
@@ -955,5 +952,12 @@ class KVEventConsumer:
             return None
         finally:
             dealer.close(linger=0)
-        batches.sort(key=lambda b: b[0])
-        return batches
+        if read > len(batches):
+            logger.warning(
+                "KV events from %s: replay from %d had %d batches; kept the last %d",
+                engine.name,
+                start,
+                read,
+                len(batches),
+            )
+        return sorted(batches, key=lambda b: b[0])

@@ -518,6 +518,7 @@ _KV_EVENT_COUNTERS = (
     "replay_failures",
     "purges",
     "restarts",
+    "unverified",
 )
 
 

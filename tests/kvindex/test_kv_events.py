@@ -748,3 +748,24 @@ async def test_end_to_end_malformed_frames_are_counted_and_survived(publisher: K
         assert consumer.stats()["e1"].malformed == 3 and consumer.stats()["e1"].restarts == 0
     finally:
         await consumer.stop()
+
+
+async def test_a_replay_longer_than_the_bound_keeps_its_tail_and_the_stream_goes_on(
+    publisher: KVEventPublisher,
+) -> None:
+    """An engine whose replay buffer is deeper than ``max_replay_batches``: the answer to "from 0"
+    is cut to its most recent batches, which the stream takes, instead of a failed replay asked
+    again and again while every live batch is dropped."""
+    for block in range(40):  # history the consumer never saw, all in the engine's replay buffer
+        publisher.publish([stored(1000 + block)])
+    sink = RecordingSink()
+    consumer = KVEventConsumer(
+        sink, replay_timeout_s=1.0, max_replay_batches=8, topic_prefix=b"kv@", tick_s=0.05
+    )
+    consumer.add_engine("e0", publisher.endpoint, publisher.replay_endpoint)
+    await consumer.start()
+    try:
+        await join(publisher, sink, "e0", probe=1)  # live batches reach the index
+        assert 1039 in sink.blocks["e0"] and 1000 not in sink.blocks["e0"]  # the tail, not the head
+    finally:
+        await consumer.stop()
