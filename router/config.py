@@ -224,7 +224,9 @@ class LimitsConfig(_Strict):
         4 * 1024 * 1024, description="a larger request body is refused (413)"
     )
     max_prompt_tokens: Annotated[int, Field(gt=0)] = Field(
-        131072, description="a prompt estimated longer is refused (413)"
+        131072,
+        description="a prompt estimated (or counted) longer is refused (413); for a batch of "
+        "token-id prompts, all of them together",
     )
     default_max_tokens: Annotated[int, Field(gt=0)] = Field(
         256,

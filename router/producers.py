@@ -38,6 +38,10 @@ class PreciseKeys:
         self.chat_tokenizer = chat_tokenizer
 
     async def produce(self, request: RouteRequest) -> None:
+        if request.prompt_ids is not None:
+            # Counted exactly at the parse (a batch: every prompt); a batch routes on shared ids.
+            request.precise_keys = (await self.tokenizer.tokenize_ids(request.prompt_ids)).keys
+            return
         tokenized = await self._tokenize(request)
         if tokenized is None:
             return
@@ -55,11 +59,6 @@ class PreciseKeys:
     async def _tokenize(self, request: RouteRequest) -> Tokenized | None:
         messages = request.body.get("messages")
         if messages is None:
-            if request.prompt_ids is not None:
-                # A batch is routed on its shared ids; its count is every prompt's (from parse).
-                return (await self.tokenizer.tokenize_ids(request.prompt_ids))._replace(
-                    tokens=request.prompt_tokens
-                )
             return await self.tokenizer.tokenize(request.prompt) if request.prompt else None
         if self.chat_template is None or self.chat_tokenizer is None:
             return None

@@ -72,6 +72,7 @@ class TokenPrompt:
 
     ids: list[int]  # what to route on: the prompt, or the ids every prompt of a batch starts with
     tokens: int  # prompt tokens the engine computes: every prompt's, for a batch
+    prompts: int = 1  # a batch's prompts: each gets its own completion of up to max_tokens
 
 
 def token_prompt(body: dict[str, Any]) -> TokenPrompt | None:
@@ -92,7 +93,7 @@ def token_prompt(body: dict[str, Any]) -> TokenPrompt | None:
         return TokenPrompt(prompt, len(prompt))
     if not all(isinstance(p, list) and p and _token_ids(p) for p in prompt):
         return None
-    return TokenPrompt(_common_prefix(prompt), sum(map(len, prompt)))
+    return TokenPrompt(_common_prefix(prompt), sum(map(len, prompt)), len(prompt))
 
 
 def _token_ids(values: list[Any]) -> bool:
@@ -230,7 +231,8 @@ def parse_request(
     return RouteRequest(
         model=model,
         prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens_of(body, limits.default_max_tokens),
+        # A batch's completions all run on the pod chosen: its KV and decode work are all of them.
+        max_tokens=max_tokens_of(body, limits.default_max_tokens) * (1 if ids is None else ids.prompts),
         block_keys=block_keys,
         body=body,
         request_id=headers.get("x-request-id") or uuid.uuid4().hex,

@@ -74,6 +74,7 @@ def test_a_batch_of_token_id_prompts_is_routed_on_the_ids_they_all_start_with() 
     route = parsed(batch)
     assert route.prompt_ids == IDS[:40]
     assert route.prompt_tokens == 100 + 43 + 51  # the engine computes every prompt
+    assert route.max_tokens == 3 * parsed(IDS).max_tokens  # and answers each: KV and decode work
     assert np.array_equal(route.block_keys, token_block_keys(IDS[:32], 16))  # two full blocks shared
     assert parsed([[1, 2], [3, 4]]).prompt_ids == [] and len(parsed([[1, 2], [3, 4]]).block_keys) == 0
 
