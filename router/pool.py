@@ -160,9 +160,14 @@ class Pool:
         self.admitted[slot] = admitted
         self.can_prefill[slot] = endpoint.can_prefill
         self.can_decode[slot] = endpoint.can_decode
-        self.sidecar[slot] = config.sidecar
         self.link_index[slot] = self.links.setdefault(endpoint.link, len(self.links))
+        self.refresh(endpoint, config)
         return endpoint
+
+    def refresh(self, endpoint: Endpoint, config: EndpointConfig) -> None:
+        """What may change on a running endpoint without making it another one (an annotation
+        that comes and goes on its pod)."""
+        self.sidecar[endpoint.slot] = config.sidecar
 
     def remove(self, endpoint_id: str) -> Endpoint:
         endpoint = self.endpoints.pop(endpoint_id)

@@ -192,8 +192,8 @@ class GroupController:
             if current is None:
                 self._leaving.pop(endpoint_id, None)
                 pool.add(config, admitted=False)
-            else:  # an annotation can come and go on a running pod: no new endpoint for that
-                pool.sidecar[current.slot] = config.sidecar
+            else:
+                pool.refresh(current, config)
         record.endpoint_ids = list(wanted)
 
     def _leave(self, endpoint_id: str, deadline: float) -> None:

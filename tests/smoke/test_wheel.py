@@ -36,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -358,28 +359,25 @@ def test_docs_name_python_m_entry_points() -> None:
 
 
 def test_every_python_m_entry_point_in_the_docs_answers_help(installed: Installed) -> None:
-    modules = modules_named_in_docs()
-    # All at once: each is an interpreter start plus heavy imports, and they do not interact.
-    procs = {
-        module: subprocess.Popen(
-            [str(installed.python), "-m", module, "--help"],
-            cwd=installed.cwd,
-            env=installed.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for module in modules
-    }
-    failed = {}
-    for module, proc in procs.items():
+    def answers_help(module: str) -> str | None:
+        """None, or why ``python -m module --help`` did not answer with a usage."""
         try:
-            out, err = proc.communicate(timeout=COMMAND_S)
+            done = subprocess.run(
+                [str(installed.python), "-m", module, "--help"],
+                cwd=installed.cwd,
+                env=installed.env,
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_S,
+            )
         except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-            failed[module] = f"no answer to --help within {COMMAND_S:.0f} s"
-            continue
-        if proc.returncode != 0 or "usage:" not in out:
-            failed[module] = f"exit {proc.returncode}: {err.strip()[-800:]}"
+            return f"no answer to --help within {COMMAND_S:.0f} s"
+        if done.returncode != 0 or "usage:" not in done.stdout:
+            return f"exit {done.returncode}: {done.stderr.strip()[-800:]}"
+        return None
+
+    # A few at a time: each is an interpreter start plus heavy imports, on a machine of 2 cores.
+    modules = modules_named_in_docs()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        failed = {m: why for m, why in zip(modules, pool.map(answers_help, modules), strict=True) if why}
     assert not failed, "\n".join(f"python -m {m} --help: {why}" for m, why in failed.items())
