@@ -72,6 +72,7 @@ from loadtests.sim.virtual_clock import run_virtual
 from loadtests.workloads.client import Result, StreamTally, Summary
 from loadtests.workloads.generate import Workload
 from loadtests.workloads.scenarios import (
+    HOP_S,
     MIXES,
     POLICIES,
     SCENARIOS,
@@ -83,7 +84,6 @@ from loadtests.workloads.scenarios import (
 )
 
 MS = 1000.0
-HOP_S = 0.001  # the proxy's loopback hop to an engine (routing.HOP_S: what the reference assumes)
 DEFAULT_SCENARIOS = "bde"
 BASELINES = ("round-robin", "least-loaded")
 JOINT = "pd-router"
@@ -121,10 +121,8 @@ class PolicyRun:
     summary: Summary
     cpu_s: float  # CPU seconds of the whole run (process time, not virtual)
     sim_s: float  # virtual seconds from the first arrival to the last answer
-    busy: dict[str, float] = field(default_factory=dict)  # role -> mean share of the run stepping
     prefill_tokens_computed: int = 0
     pruned: tuple[str, ...] = ()  # settings the router under test does not know (older trees)
-    api: str = ""
     calls: dict[str, int] = field(default_factory=dict)  # what the router sent the engines, by route
     observed: dict[str, int] = field(default_factory=dict)  # answers the performance model compared
 
@@ -351,15 +349,10 @@ async def _run(
         ) as router:
             summary = await _drive(router, workload, pol.name)
             observed = router.observed()
-        busy: dict[str, list[float]] = {}
-        for engine in cluster.engines.values():
-            share = engine.stats.busy_s / summary.wall_s if summary.wall_s else 0.0
-            busy.setdefault(engine.spec.role, []).append(share)
         computed = sum(engine.stats.prefill_tokens_computed for engine in cluster.engines.values())
-    run = PolicyRun(scn.key, pol.name, summary, 0.0, summary.wall_s, api=router.api, pruned=router.pruned)
+    run = PolicyRun(scn.key, pol.name, summary, 0.0, summary.wall_s, pruned=router.pruned)
     run.calls = dict(session.calls)
     run.observed = observed
-    run.busy = {role: sum(v) / len(v) for role, v in busy.items()}
     run.prefill_tokens_computed = computed
     return run
 

@@ -62,6 +62,7 @@ from loadtests.workloads.scenarios import (  # noqa: F401 (report, scaling and s
     B_TURNS,
     GOODPUT_TPOT_S,
     GOODPUT_TTFT_S,
+    HOP_S,
     KV_BYTES_PER_TOKEN,
     POLICIES,
     SCENARIOS,
@@ -106,10 +107,6 @@ LEARNS = frozenset({"pd-router", "pd-router-rigid", "pd-router-learning"})
 
 # -- the full-information reference ----------------------------------------------------------------
 
-# The proxy's own time between two hops of one request (pick -> engine, prefill answer -> decode
-# leg): loopback HTTP in this process, measured p50 0.8–1 ms from the pick to the engine's arrival
-# (p90 ~4 ms on a busy loop).
-HOP_S = 0.001
 _MAX_STEPS = 100_000
 
 

@@ -146,14 +146,17 @@ class LocalSession:
         data: bytes | str | None = None,
         json: Any = None,
         headers: Mapping[str, str] | None = None,
+        timeout: aiohttp.ClientTimeout | None = None,
         **_: Any,
     ) -> _Pending:
-        """``timeout`` and the other ``aiohttp`` options are accepted and ignored: nothing here
-        waits on a network."""
+        """``timeout.total`` bounds the wait for the answer to begin (in virtual time, raising
+        ``TimeoutError`` as aiohttp does); the body's reading is bounded by the run's virtual-time
+        limit (``run_virtual``). Other ``aiohttp`` options are accepted and ignored."""
         if json is not None:
             data = orjson.dumps(json)
         body = data.encode() if isinstance(data, str) else (data or b"")
-        return _Pending(lambda: self._open(method.upper(), url, dict(headers or {}), body))
+        total = None if timeout is None else timeout.total
+        return _Pending(lambda: self._open(method.upper(), url, dict(headers or {}), body, total))
 
     def get(self, url: str, **kwargs: Any) -> _Pending:
         return self.request("GET", url, **kwargs)
@@ -161,7 +164,13 @@ class LocalSession:
     def post(self, url: str, **kwargs: Any) -> _Pending:
         return self.request("POST", url, **kwargs)
 
-    async def _open(self, method: str, url: str, headers: dict[str, str], body: bytes) -> LocalResponse:
+    async def _open(
+        self, method: str, url: str, headers: dict[str, str], body: bytes, total: float | None
+    ) -> LocalResponse:
+        async with asyncio.timeout(total):
+            return await self._begin(method, url, headers, body)
+
+    async def _begin(self, method: str, url: str, headers: dict[str, str], body: bytes) -> LocalResponse:
         parts = urlsplit(url)
         self.calls[f"{method} {parts.path}"] += 1
         engine = self._engine(parts.netloc)

@@ -42,17 +42,27 @@ EPOCH_S = 1_767_225_600.0
 CLOCK_MODULES = ("router", "scorers", "kvindex", "loadtests")
 
 
+# How much virtual time a run may take at most: a task that waits forever while periodic loops
+# (scrapes, ticks) keep the clock moving never deadlocks, so it must run out of time instead.
+MAX_VIRTUAL_S = 3600.0
+
+
 class VirtualDeadlock(RuntimeError):
     """Nothing is ready and nothing is scheduled: every task waits for something that cannot come."""
 
 
+class VirtualTimeLimit(RuntimeError):
+    """The run took more virtual time than it was given (``run_virtual``'s ``max_virtual_s``)."""
+
+
 class VirtualClock:
-    """Seconds since an arbitrary start; moves only when the loop sleeps."""
+    """Seconds since an arbitrary start; moves only when the loop sleeps, up to ``limit``."""
 
-    __slots__ = ("now",)
+    __slots__ = ("limit", "now")
 
-    def __init__(self, start: float = START_S) -> None:
+    def __init__(self, start: float = START_S, max_virtual_s: float = MAX_VIRTUAL_S) -> None:
         self.now = start
+        self.limit = start + max_virtual_s
 
     def __call__(self) -> float:
         return self.now
@@ -80,6 +90,10 @@ class _Selector(selectors.SelectSelector):
             )
         if timeout > 0:
             self.clock.now += timeout
+            if self.clock.now > self.clock.limit:
+                raise VirtualTimeLimit(
+                    f"virtual clock: the run is past its {self.clock.limit - START_S:g} s of virtual time"
+                )
         return []
 
 
@@ -109,10 +123,9 @@ class VirtualEventLoop(asyncio.SelectorEventLoop):  # type: ignore[misc,valid-ty
         raise RuntimeError("virtual clock: no executors")
 
 
-def _swap_defaults(replacements: dict[int, Callable[[], Any]]) -> list[tuple[Any, str, Any]]:
-    """Replace default arguments that are one of the real clocks (by identity) in every function
-    of the modules under ``CLOCK_MODULES``; returns what to put back."""
-    undo: list[tuple[Any, str, Any]] = []
+def _swap_defaults(replacements: dict[int, Callable[[], Any]]) -> None:
+    """Replace default arguments that are one of ``replacements``' keys (a clock, by identity) in
+    every function of the modules under ``CLOCK_MODULES``."""
 
     def fix(fn: Any) -> None:
         code_fn = getattr(fn, "__func__", fn)  # classmethod / staticmethod
@@ -120,11 +133,9 @@ def _swap_defaults(replacements: dict[int, Callable[[], Any]]) -> list[tuple[Any
             return
         defaults = code_fn.__defaults__
         if defaults and any(id(d) in replacements for d in defaults):
-            undo.append((code_fn, "__defaults__", defaults))
             code_fn.__defaults__ = tuple(replacements.get(id(d), d) for d in defaults)
         kw = code_fn.__kwdefaults__
         if kw and any(id(d) in replacements for d in kw.values()):
-            undo.append((code_fn, "__kwdefaults__", kw))
             code_fn.__kwdefaults__ = {k: replacements.get(id(v), v) for k, v in kw.items()}
 
     for name, module in list(sys.modules.items()):
@@ -138,7 +149,6 @@ def _swap_defaults(replacements: dict[int, Callable[[], Any]]) -> list[tuple[Any
                     fix(attr)
             else:
                 fix(value)
-    return undo
 
 
 @contextlib.contextmanager
@@ -155,16 +165,17 @@ def virtual_time(clock: VirtualClock, *, seed: int = 0) -> Iterator[VirtualClock
         "perf_counter_ns": time.perf_counter_ns,
         "time_ns": time.time_ns,
     }
+    # One object per clock, so a default captured during the run can be mapped back to its own.
     fake: dict[str, Callable[[], Any]] = {
         "monotonic": clock,
-        "perf_counter": clock,
+        "perf_counter": clock.__call__,
         "time": clock.wall,
         "monotonic_ns": clock.ns,
         "perf_counter_ns": clock.ns,
         "time_ns": lambda: int(clock.wall() * 1e9),
     }
     state = random.getstate()
-    undo = _swap_defaults({id(real[name]): fake[name] for name in real})
+    _swap_defaults({id(real[name]): fake[name] for name in real})
     for name, fn in fake.items():
         setattr(time, name, fn)
     random.seed(seed)
@@ -173,15 +184,22 @@ def virtual_time(clock: VirtualClock, *, seed: int = 0) -> Iterator[VirtualClock
     finally:
         for name, fn in real.items():
             setattr(time, name, fn)
-        for fn, attr, value in reversed(undo):
-            setattr(fn, attr, value)
+        # Back to the real clocks, also in modules imported during the run (they captured the
+        # virtual ones): else every later run would read this run's frozen clock.
+        _swap_defaults({id(fake[name]): real[name] for name in real})
         random.setstate(state)
 
 
-def run_virtual(main: Coroutine[Any, Any, T] | Callable[[], Awaitable[T]], *, seed: int = 0) -> T:
-    """Run ``main`` to completion on a fresh ``VirtualEventLoop`` in virtual time; the loop is closed
-    after (its async generators finalised, as ``asyncio.run`` does)."""
-    clock = VirtualClock()
+def run_virtual(
+    main: Coroutine[Any, Any, T] | Callable[[], Awaitable[T]],
+    *,
+    seed: int = 0,
+    max_virtual_s: float = MAX_VIRTUAL_S,
+) -> T:
+    """Run ``main`` to completion on a fresh ``VirtualEventLoop`` in virtual time, at most
+    ``max_virtual_s`` of it (else ``VirtualTimeLimit``); the loop is closed after (its async
+    generators finalised, as ``asyncio.run`` does)."""
+    clock = VirtualClock(max_virtual_s=max_virtual_s)
     loop = VirtualEventLoop(clock)
     asyncio.set_event_loop(loop)
     try:
