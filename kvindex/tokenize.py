@@ -3,7 +3,7 @@
 The text must be what the engine tokenizes (for chat requests: after the chat template), and
 ``add_special_tokens`` must match how the engine's API tokenizes it (vLLM's completions API adds
 them, e.g. a BOS), or every key differs from the engine's from block 0 on. A prompt the client
-gave as token ids is hashed as it is (``token_block_keys``): vLLM neither tokenizes it nor adds
+gave as token ids is hashed as it is (``tokenize_ids``): vLLM neither tokenizes it nor adds
 special tokens.
 
 Caching: an LRU maps a *digest of the text* (16-byte BLAKE2b of its UTF-8) to its read-only key
@@ -143,17 +143,10 @@ class PromptTokenizer:
         """
         return await self._cached(self._digest(text), self._compute, text, len(text))
 
-    def token_block_keys_sync(self, ids: Sequence[int]) -> np.ndarray:
-        """Read-only uint64 block keys of a prompt given as token ids (each below 2**32; cached)."""
-        return self._cached_sync(self._ids_digest(ids), self._hash_ids, ids).keys
-
-    async def token_block_keys(self, ids: Sequence[int]) -> np.ndarray:
-        """Read-only uint64 block keys of a prompt given as token ids: ``tokenize_ids(ids).keys``."""
-        return (await self.tokenize_ids(ids)).keys
-
     async def tokenize_ids(self, ids: Sequence[int]) -> Tokenized:
-        """``token_block_keys_sync`` with the count, in the executor beyond ``offload_chars`` ids:
-        hashing one id costs about what tokenizing and hashing one character does."""
+        """The block keys (read-only, cached) and count of a prompt given as token ids (each below
+        2**32), hashed as they are; in the executor beyond ``offload_chars`` ids: hashing one id
+        costs about what tokenizing and hashing one character does."""
         return await self._cached(self._ids_digest(ids), self._hash_ids, ids, len(ids))
 
     def _cached_sync(self, digest: bytes, compute: Callable[[_P], Tokenized], prompt: _P) -> Tokenized:

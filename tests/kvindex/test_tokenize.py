@@ -189,13 +189,13 @@ async def test_token_ids_are_hashed_as_they_are_cached_and_offloaded_when_long(
     tok: RecordingTokenizer,
 ) -> None:
     ids = tok.token_ids("The router routes the prompt quickly.")
-    keys = tok.token_block_keys_sync(ids)
+    keys = (await tok.tokenize_ids(ids)).keys
     assert np.array_equal(keys, HASHER.keys(ids)) and not keys.flags.writeable
     assert tok.encode_threads == [threading.get_ident()]  # the one encode above: ids need none
     hits = tok.hits
-    assert tok.token_block_keys_sync(list(ids)) is keys and tok.hits == hits + 1
+    assert (await tok.tokenize_ids(list(ids))).keys is keys and tok.hits == hits + 1
 
     many = list(range(300))  # over offload_chars (200): hashed in the executor
-    offloaded = await tok.token_block_keys(many)
-    assert np.array_equal(offloaded, HASHER.keys(many))
-    assert await tok.token_block_keys(many) is offloaded  # cached once settled
+    offloaded = await tok.tokenize_ids(many)
+    assert np.array_equal(offloaded.keys, HASHER.keys(many)) and offloaded.tokens == 300
+    assert await tok.tokenize_ids(many) is offloaded  # cached once settled
