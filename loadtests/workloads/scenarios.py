@@ -115,8 +115,9 @@ def _shared(prefixes: int, prefix_tokens: int, suffix: int, max_tokens: int) -> 
     return make
 
 
-def _chat(n: int, rate: float, seed: int) -> Workload:
-    wl = multi_turn(
+def _chat(n: int, rate: float, seed: int, phases: list[Phase] | None = None) -> Workload:
+    """(b)'s conversations; with ``phases``, sessions start at their rates, turns at ``rate``."""
+    return multi_turn(
         max(1, n // B_TURNS),
         turns=B_TURNS,
         system_tokens=B_SYSTEM,
@@ -124,8 +125,8 @@ def _chat(n: int, rate: float, seed: int) -> Workload:
         answer_tokens=B_ANSWER,
         rate=rate,
         seed=seed,
+        phases=phases,
     )
-    return wl
 
 
 def _bursts(rate: float) -> list[Phase]:
@@ -137,16 +138,7 @@ def _bursts(rate: float) -> list[Phase]:
 
 
 def _bursty_chat(n: int, rate: float, seed: int) -> Workload:
-    return multi_turn(
-        max(1, n // B_TURNS),
-        turns=B_TURNS,
-        system_tokens=B_SYSTEM,
-        user_tokens=B_USER,
-        answer_tokens=B_ANSWER,
-        rate=D_TURN_PACE,
-        seed=seed,
-        phases=_bursts(rate),
-    )
+    return _chat(n, D_TURN_PACE, seed, _bursts(rate))
 
 
 def _long_outputs(n: int, rate: float, seed: int) -> Workload:
