@@ -36,6 +36,7 @@ from router.compose import (
     flow_settings_from,
     gate_settings_from,
     learn_settings_from,
+    link_costs_from,
     model_rewrites_from,
     picker_from,
     scaling_settings_from,
@@ -65,6 +66,7 @@ from router.observe.metrics import (
 from router.observe.scrape import ANSWERED, ScrapeError, Scraper
 from router.producers import PreciseKeys, SharedLookup
 from router.signals.engines import EngineSpeeds
+from router.signals.links import LinkLearner
 from router.signals.perf import PerformanceModel
 from router.signals.pool import SignalsCollector
 from router.signals.scaling import PoolSignals
@@ -121,7 +123,11 @@ class App:
             producers.append(self.precise_keys)
         if self.shared is not None:
             producers.append(SharedLookup(self.shared, self.pool))
-        self.picker = picker_from(config, self.pool, self.index, precise=self.precise_index, seed=seed)
+        # Link bandwidths from answered pairs: always observed and exported, applied per signals.learn_links.
+        self.links = LinkLearner(link_costs_from(config), apply=config.signals.learns("links"))
+        self.picker = picker_from(
+            config, self.pool, self.index, precise=self.precise_index, seed=seed, links=self.links
+        )
         self.metrics = RouterMetrics(self.pool, pool_name)
         limits = config.limits
         self.metrics.registry.register(
@@ -134,6 +140,7 @@ class App:
             )
         )
         self.metrics.registry.register(PickerCollector(self.picker))
+        self.metrics.registry.register(self.links)
         # The performance model learns from every answer; each accepted fit re-prices the picker.
         self.control_metrics = ControlMetrics(self.metrics.registry)
         self.scaling = PoolSignals(
@@ -166,6 +173,7 @@ class App:
             self.flow_control,
             self.engine_speeds,
             model_rewrites_from(config, seed),
+            self.links,
         )
         self.health = HealthState()
         self.ready = False

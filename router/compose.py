@@ -21,7 +21,7 @@ from router.signals.perf import LearnSettings
 from router.signals.scaling import ScalingSettings
 from scorers.base import EngineModel, Objectives
 from scorers.cost import CostModel, WeightedTerm
-from scorers.link import LinkCosts
+from scorers.link import LinkCosts, LinkOverlay
 from scorers.pair_pickers import POLICIES
 from scorers.registry import load_term
 
@@ -76,9 +76,17 @@ def pool_from(config: PoolConfig) -> Pool:
     return pool
 
 
+def link_costs_from(config: PoolConfig) -> LinkCosts:
+    links = config.links
+    return LinkCosts(
+        same=links.same.cost(),
+        default=links.default.cost(),
+        pairs=tuple((p.between, p.cost()) for p in links.pairs),
+    )
+
+
 def cost_model_from(config: PoolConfig) -> CostModel:
     engine = config.engine
-    links = config.links
     return CostModel(
         objectives=Objectives(
             ttft_slo_s=config.slo.ttft_ms / 1000.0,
@@ -95,11 +103,7 @@ def cost_model_from(config: PoolConfig) -> CostModel:
             decode_s_per_kv_token=engine.decode_ms_per_1k_kv_tokens / 1e6,
             kv_bytes_per_token=engine.kv_bytes_per_token,
         ),
-        links=LinkCosts(
-            same=links.same.cost(),
-            default=links.default.cost(),
-            pairs=tuple((p.between, p.cost()) for p in links.pairs),
-        ),
+        links=link_costs_from(config),
         terms=tuple(WeightedTerm(load_term(name), w) for name, w in config.term_weights().items()),
         link_weight=config.weight("link"),
         allow_local_prefill=config.picker.allow_local_prefill,
@@ -119,6 +123,7 @@ def picker_from(
     precise: PrefixIndex | None = None,
     seed: int | None = None,
     defer: Callable[..., object] | None = None,
+    links: LinkOverlay | None = None,
 ) -> Picker:
     return Picker(
         pool,
@@ -134,6 +139,7 @@ def picker_from(
         filters=(SubsetHint(pool),),
         precise=precise,
         defer=defer,
+        links=links,
     )
 
 

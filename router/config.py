@@ -563,6 +563,11 @@ class SignalsConfig(_Strict):
         description="an engine reporting far fewer cached prompt tokens than the index said it "
         "held makes the index keep less for it",
     )
+    learn_links: bool = Field(
+        True,
+        description="price KV transfers with the bandwidth each pair of link labels showed in "
+        "answered P/D pairs (the links section's numbers are the priors)",
+    )
     min_samples: Annotated[int, Field(ge=2)] = Field(
         16, description="observed answers per role before a fit replaces the configured engine model"
     )
@@ -611,7 +616,9 @@ class SignalsConfig(_Strict):
                 raise ValueError(f"min_replicas.{role} is above max_replicas.{role}")
         return self
 
-    def learns(self, part: Literal["perf_model", "engine_speed", "token_ratio", "cached_evidence"]) -> bool:
+    def learns(
+        self, part: Literal["perf_model", "engine_speed", "token_ratio", "cached_evidence", "links"]
+    ) -> bool:
         """Whether learned ``part`` is applied: ``learn`` and its own ``learn_<part>``."""
         return self.learn and bool(getattr(self, f"learn_{part}"))
 

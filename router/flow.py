@@ -29,6 +29,7 @@ from router.response import ResponseMeter, Usage, usage_of
 from router.rewrite import ModelRewrites
 from router.signals.calibration import evicted_blocks
 from router.signals.engines import EngineSpeeds
+from router.signals.links import LinkLearner
 from router.signals.scaling import PoolSignals
 from router.types import RequestLimits, RouteRequest
 
@@ -68,10 +69,12 @@ class RequestFlow:
         control: FlowControl | None = None,
         speeds: EngineSpeeds | None = None,
         rewrites: ModelRewrites | None = None,
+        links: LinkLearner | None = None,
     ) -> None:
         """``signals``: where arrivals and observed latencies go (demand, the performance model);
         ``control``: flow control, which holds requests while the pool is saturated;
-        ``rewrites``: model-name rewrites (the gateway's rewrite header works without rules)."""
+        ``rewrites``: model-name rewrites (the gateway's rewrite header works without rules);
+        ``links``: what answered P/D pairs show of each link's bandwidth."""
         self.picker = picker
         self.metrics = metrics
         self.limits = limits
@@ -80,6 +83,7 @@ class RequestFlow:
         self.signals = signals
         self.control = control
         self.speeds = speeds
+        self.links = links
         self.rewrites = rewrites if rewrites is not None else ModelRewrites([])
 
     @property
@@ -336,6 +340,15 @@ class Flight:
                 speeds.observe((decision.prefill or decision.decode).id, computed_in, base + per_token * work)
         if first is not None:
             perf.observe_ttft(now, first - self.picked_at, predicted.ttft_s)
+            links = self.flow.links
+            if links is not None and decision.prefill is not None and self.prefill_leg_s is not None:
+                decode_leg = first - self.picked_at - self.prefill_leg_s
+                links.observe(
+                    decision.prefill.link,
+                    decision.decode.link,
+                    predicted.transfer_bytes,
+                    decode_leg - predicted.after_transfer_s,
+                )
         tpot = None if meter is None else meter.tpot()
         if tpot is not None:
             decode_only = decision.decode.role == "decode"

@@ -23,7 +23,7 @@ from router.rejections import BadRequest, NoCapacity, Saturated, Shed
 from router.types import RouteRequest
 from scorers.base import RequestCtx
 from scorers.cost import CostModel, PairCosts, derive, pair_costs
-from scorers.link import LinkTable
+from scorers.link import LinkOverlay, LinkTable
 from scorers.pair_pickers import PairChoice, PairPicker
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class Prediction:
     batch: float  # the decode pod's batch, this request included
     kv_tokens: float  # the decode pod's KV tokens in use, this request's included
     slowness_d: float  # the decode pod's learned slowness factor (already in ``tpot_s``)
+    transfer_bytes: float = 0.0  # a pair's KV bytes to the decode pod (0: no prefill leg)
+    after_transfer_s: float = 0.0  # a pair's decode leg after the transfer (0: no prefill leg)
 
     @classmethod
     def of(cls, b: dict[str, float]) -> Prediction:
@@ -67,6 +69,8 @@ class Prediction:
             batch=b["batch"],
             kv_tokens=b["kv_tokens"],
             slowness_d=b["slowness_d"],
+            transfer_bytes=b["transfer_bytes"],
+            after_transfer_s=b["after_transfer_s"],
         )
 
 
@@ -136,8 +140,10 @@ class Picker:
         filters: Sequence[CandidateFilter] = (),
         precise: PrefixIndex | None = None,
         defer: Callable[..., object] | None = None,
+        links: LinkOverlay | None = None,
     ) -> None:
-        """``index``: approximate (our own picks, text blocks); ``precise``: fed by KV events.
+        """``index``: approximate (our own picks, text blocks); ``precise``: fed by KV events;
+        ``links``: link costs laid over the configured ones (learned from answers).
 
         ``defer`` runs work that may follow a pick (recording the optimistic index entries); by
         default right after the pick returns when on an event loop (off its latency), else at once.
@@ -150,15 +156,19 @@ class Picker:
         self.settings = settings
         self.filters = tuple(filters)
         self.defer: Callable[..., object] = defer or _after_pick
+        self.links = links
         self._links: LinkTable | None = None
-        self._links_version = -1
+        self._links_version = (-1, -1)
         self.affinity_misses = 0  # picks that did not go to the best cache holder
 
     def _link_table(self) -> LinkTable:
-        # Rebuilt only when discovery adds a link label.
-        if self._links is None or self._links_version != len(self.pool.links):
-            self._links = self.cost_model.links.table(self.pool.links)
-            self._links_version = len(self.pool.links)
+        # Rebuilt only when discovery adds a link label or a learned bandwidth moves.
+        links = self.links
+        version = (len(self.pool.links), -1 if links is None else links.version)
+        if self._links is None or self._links_version != version:
+            costs = self.cost_model.links if links is None else links.costs(self.cost_model.links)
+            self._links = costs.table(self.pool.links)
+            self._links_version = version
         return self._links
 
     def costs(self, request: RouteRequest, now: float | None = None) -> PairCosts:

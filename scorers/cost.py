@@ -112,6 +112,7 @@ class PairCosts:
     pairable: np.ndarray  # (kd,) bool: a pair may end on this column (``pair_costs``' pairs_into)
     prefill_class: np.ndarray  # (kp,) row - 1 of each prefill pod's link class
     transfer_s: np.ndarray  # (L, kd)
+    transfer_bytes: np.ndarray  # (kd,) KV bytes a pair sends to each decode pod
     after_transfer_s: np.ndarray  # (kd,) from the KV's arrival on D to the first token
     route_s: np.ndarray  # (k,) weighted prefill-side terms, with this pod doing the prefill
     column_s: np.ndarray  # (k,) weighted decode-side terms, with this pod decoding
@@ -152,6 +153,9 @@ class PairCosts:
             "ttft_s": ttft,
             "tpot_s": float(self.view.tpot_s[d]),
             "transfer_s": transfer,
+            # What a pair's decode leg adds to the transfer: learning links reads both.
+            "transfer_bytes": 0.0 if prefill < 0 else float(self.transfer_bytes[col]),
+            "after_transfer_s": 0.0 if prefill < 0 else float(self.after_transfer_s[col]),
             "cached_tokens": self.view.ctx.prompt_tokens - uncached,
             "uncached_tokens": uncached,
             # What the performance model learns against (``router/signals/perf.py``).
@@ -275,6 +279,7 @@ def pair_costs(
         pairable=~no_pairs,
         prefill_class=p_class,
         transfer_s=transfer,
+        transfer_bytes=decode_bytes,
         after_transfer_s=after_transfer,
         route_s=route,
         column_s=column,

@@ -10,6 +10,7 @@ picker reduce the P×D problem exactly to (link classes)×D. Units: seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -53,6 +54,14 @@ class LinkCosts:
 
     def table(self, labels: dict[str, int]) -> LinkTable:
         return LinkTable.build(labels, same=self.same, default=self.default, pairs=dict(self.pairs))
+
+
+class LinkOverlay(Protocol):
+    """Link costs laid over the configured ones (learned from answers: ``router/signals/links.py``)."""
+
+    version: int  # changes whenever ``costs`` would answer differently
+
+    def costs(self, prior: LinkCosts) -> LinkCosts: ...
 
 
 def transfer_bytes(cached: np.ndarray, ctx: RequestCtx, model: EngineModel) -> np.ndarray:

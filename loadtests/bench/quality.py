@@ -46,6 +46,7 @@ system prompt, short answers), ``rag`` (long shared documents, very short answer
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import hashlib
 import importlib
@@ -80,6 +81,7 @@ from loadtests.workloads.scenarios import (
     config_data,
     goodput,
     matrix_scenario,
+    router_links,
     scaled_links,
 )
 
@@ -125,6 +127,7 @@ class PolicyRun:
     pruned: tuple[str, ...] = ()  # settings the router under test does not know (older trees)
     calls: dict[str, int] = field(default_factory=dict)  # what the router sent the engines, by route
     observed: dict[str, int] = field(default_factory=dict)  # answers the performance model compared
+    cross_link: int = 0  # pairs whose prefill and decode pods have different link labels
 
     def stats(self, scn: Scenario, tm: TimeModel) -> dict[str, Any]:
         s = self.summary
@@ -139,6 +142,7 @@ class PolicyRun:
             "goodput": goodput(s, scn.goodput_ttft_s / tm.speed, scn.goodput_tpot_s / tm.speed),
             "hit_rate": s.hit_rate,
             "prefill_tokens_computed": self.prefill_tokens_computed,
+            "cross_link_pairs": self.cross_link,
             "digest": self.digest(),
         }
 
@@ -336,8 +340,8 @@ async def _run(
 ) -> PolicyRun:
     from router.config import LinksConfig
 
-    links = scaled_links(scn.links, tm.speed)
-    link_cost = link_cost_from(LinksConfig.model_validate(links)) if links else None
+    physical, links = scaled_links(scn.links, tm.speed), router_links(scn, tm.speed)
+    link_cost = link_cost_from(LinksConfig.model_validate(physical)) if physical else None
     async with SimCluster(scn.specs(tm), link_cost, in_process=True) as cluster:
         session = LocalSession(cluster, hop_s=hop_s)
         endpoints = [
@@ -350,7 +354,9 @@ async def _run(
             summary = await _drive(router, workload, pol.name)
             observed = router.observed()
         computed = sum(engine.stats.prefill_tokens_computed for engine in cluster.engines.values())
+        link = {name: engine.spec.link for name, engine in cluster.engines.items()}
     run = PolicyRun(scn.key, pol.name, summary, 0.0, summary.wall_s, pruned=router.pruned)
+    run.cross_link = sum(1 for r in summary.ok if r.prefill and link.get(r.prefill) != link.get(r.decode))
     run.calls = dict(session.calls)
     run.observed = observed
     run.prefill_tokens_computed = computed
@@ -406,7 +412,7 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
     header = (
         f"  {'policy':<18} {'ok':>9} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
         f"{'goodput':>7} {'p50/LL':>6} {'p90/LL':>6} {'p99/LL':>6} {'p90/ref':>7} {'p99/ref':>7} "
-        f"{'hit':>5} {'sim s':>6} {'CPU s':>6}"
+        f"{'hit':>5} {'x-link':>6} {'sim s':>6} {'CPU s':>6}"
     )
     lines += [header, "  " + "-" * (len(header) - 2)]
     for run in runs:
@@ -420,7 +426,7 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
             f"{_ratio(s['ttft_p99_ms'], ll.get('ttft_p99_ms', math.nan)):>6} "
             f"{_ratio(s['ttft_p90_ms'], ref.get('ttft_p90_ms', math.nan)):>7} "
             f"{_ratio(s['ttft_p99_ms'], ref.get('ttft_p99_ms', math.nan)):>7} "
-            f"{s['hit_rate']:>5.0%} {run.sim_s:>6.1f} {run.cpu_s:>6.1f}"
+            f"{s['hit_rate']:>5.0%} {s['cross_link_pairs']:>6} {run.sim_s:>6.1f} {run.cpu_s:>6.1f}"
         )
     for run in runs:
         failed = [r for r in run.summary.results if not r.ok]
@@ -528,6 +534,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=0, help="requests per run (default: per scenario)")
     parser.add_argument("--rate", type=float, default=0.0, help="arrival rate, req/s (default: per scenario)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds",
+        default="",
+        help="comma-separated seeds (instead of --seed): a table per seed, then one over every "
+        "seed's requests pooled (one seed is one draw of a busy pool's arrivals)",
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (default: 1)")
     parser.add_argument("--hop-ms", type=float, default=HOP_S * MS, help="proxy → engine hop (default: 1)")
     parser.add_argument("--json", default="", help="also write the numbers here (a baseline file)")
     parser.add_argument(
@@ -588,28 +601,79 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (KeyError, ValueError) as exc:
             parser.error(f"--matrix: {exc}")
         return _run_matrix(cells, policies, args, tm, out)
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x] or [args.seed]
+    except ValueError:
+        parser.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    if len(seeds) > 1:
+        out["seeds"] = seeds
+    jobs = [(key, seed, pol) for key in args.scenarios for seed in seeds for pol in policies]
+    done = _run_jobs(jobs, args, tm)
     for key in args.scenarios:
         scn = SCENARIOS[key]
         n, rate = args.requests or scn.requests, args.rate or scn.rate
-        runs = []
-        workload = scn.workload(n, rate, args.seed)
-        for pol in policies:
-            run = run_policy(scn, pol, seed=args.seed, hop_s=args.hop_ms / MS, tm=tm, workload=workload)
-            sys.stderr.write(
-                f"  [{key}] {pol.name}: p50 TTFT {run.summary.pct('ttft_s', 0.5) * MS:.1f} ms, "
-                f"{run.cpu_s:.1f} CPU s for {run.sim_s:.1f} virtual s\n"
-            )
-            runs.append(run)
-        sys.stdout.write(render(scn, runs, tm, n, rate))
+        for seed in seeds:
+            runs = [done[key, seed, pol.name] for pol in policies]
+            if len(seeds) > 1:
+                sys.stdout.write(f"\nseed {seed}")
+            sys.stdout.write(render(scn, runs, tm, n, rate))
+        pooled = [pool_runs([done[key, seed, pol.name] for seed in seeds]) for pol in policies]
+        if len(seeds) > 1:
+            sys.stdout.write(f"\nseeds {','.join(map(str, seeds))} pooled ({len(seeds)} × {n} requests)")
+            sys.stdout.write(render(scn, pooled, tm, n, rate))
         sys.stdout.flush()
         out["scenarios"][key] = {
             "requests": n,
             "rate": rate,
-            "policies": {run.policy: _round(run.stats(scn, tm)) for run in runs},
+            "policies": {run.policy: _round(run.stats(scn, tm)) for run in pooled},
         }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
     return 0
+
+
+def pool_runs(runs: Sequence[PolicyRun]) -> PolicyRun:
+    """One policy's runs over several seeds as one run: every request, percentiles over them all."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    results = [r for run in runs for r in run.summary.results]
+    pooled = PolicyRun(
+        first.scenario,
+        first.policy,
+        Summary(first.summary.name, results, sum(run.summary.wall_s for run in runs)),
+        cpu_s=sum(run.cpu_s for run in runs),
+        sim_s=sum(run.sim_s for run in runs),
+        prefill_tokens_computed=sum(run.prefill_tokens_computed for run in runs),
+        pruned=first.pruned,
+        cross_link=sum(run.cross_link for run in runs),
+    )
+    return pooled
+
+
+def _one_job(job: tuple[str, int, Policy], args: argparse.Namespace, tm: TimeModel) -> PolicyRun:
+    key, seed, pol = job
+    scn = SCENARIOS[key]
+    workload = scn.workload(args.requests or scn.requests, args.rate or scn.rate, seed)
+    run = run_policy(scn, pol, seed=seed, hop_s=args.hop_ms / MS, tm=tm, workload=workload)
+    sys.stderr.write(
+        f"  [{key} seed {seed}] {pol.name}: p50 TTFT {run.summary.pct('ttft_s', 0.5) * MS:.1f} ms, "
+        f"{run.cpu_s:.1f} CPU s for {run.sim_s:.1f} virtual s\n"
+    )
+    return run
+
+
+def _run_jobs(
+    jobs: Sequence[tuple[str, int, Policy]], args: argparse.Namespace, tm: TimeModel
+) -> dict[tuple[str, int, str], PolicyRun]:
+    """Every (scenario, seed, policy) run, in ``args.jobs`` processes (each run is deterministic
+    and alone in its process's virtual loop, so parallel runs give the same numbers)."""
+    if args.jobs <= 1 or len(jobs) == 1:
+        runs = [_one_job(job, args, tm) for job in jobs]
+    else:
+        with concurrent.futures.ProcessPoolExecutor(args.jobs) as workers:
+            runs = list(workers.map(_one_job, jobs, [args] * len(jobs), [tm] * len(jobs)))
+    return {(key, seed, pol.name): run for (key, seed, pol), run in zip(jobs, runs, strict=True)}
 
 
 def _matrix(args: argparse.Namespace) -> list[Scenario]:

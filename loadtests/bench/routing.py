@@ -69,6 +69,7 @@ from loadtests.workloads.scenarios import (  # noqa: F401 (report, scaling and s
     Scenario,
     config_data,
     goodput,
+    router_links,
     scaled_links,
 )
 from router.app import App
@@ -477,8 +478,8 @@ async def run_policy(
     timeout_s: float,
     misconfigure: float = 1.0,
 ) -> Run:
-    links = scaled_links(scn.links, tm.speed)
-    link_cost = link_cost_from(LinksConfig.model_validate(links)) if links else None
+    physical, links = scaled_links(scn.links, tm.speed), router_links(scn, tm.speed)
+    link_cost = link_cost_from(LinksConfig.model_validate(physical)) if physical else None
     async with SimCluster(scn.specs(tm), link_cost) as cluster:
         config = make_config(
             cluster,
@@ -520,8 +521,8 @@ def _sample(scn: Scenario, k: int, seed: int) -> list[WorkItem]:
 
 async def unloaded_ttft(scn: Scenario, tm: TimeModel, seed: int, k: int = 6) -> tuple[float, float]:
     """(cold p50, warm p50) TTFT in seconds of ``k`` requests sent one at a time on an idle cluster."""
-    links = scaled_links(scn.links, tm.speed)
-    link_cost = link_cost_from(LinksConfig.model_validate(links)) if links else None
+    physical, links = scaled_links(scn.links, tm.speed), router_links(scn, tm.speed)
+    link_cost = link_cost_from(LinksConfig.model_validate(physical)) if physical else None
     cold: list[float] = []
     warm: list[float] = []
     async with SimCluster(scn.specs(tm), link_cost) as cluster:

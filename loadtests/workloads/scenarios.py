@@ -11,12 +11,13 @@ Scenarios:
   d  4 × prefill-decode pods, bursty multi-turn chat (session starts in bursts of 1.5× and 2× the
      base rate)
   e  2 prefill + 2 decode, long outputs: decode-bound (decode pods busy, prefill pods half idle)
+  f  (c) with the router told only each engine's rack label, not the links' speeds
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loadtests.sim.cluster import engine_model_for
@@ -43,6 +44,8 @@ class Scenario:
     rate: float  # default arrival rate, requests/s (chosen from a sweep; see the report)
     requests: int  # default request count
     links: dict[str, Any] = field(default_factory=dict)  # physical link table (before speed scaling)
+    # What the router's links section says (None: the physical table; {}: labels only).
+    router_links: dict[str, Any] | None = None
     params: str = ""  # one line of parameters for the table header
     # Goodput: a request counts when TTFT ≤ goodput_ttft_s and TPOT ≤ goodput_tpot_s (at speed 1).
     goodput_ttft_s: float = GOODPUT_TTFT_S
@@ -231,9 +234,26 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     ),
 }
+# (f): (c) as the router sees it when an operator labels racks and configures no link speeds.
+SCENARIOS["f"] = replace(
+    SCENARIOS["c"],
+    key="f",
+    title="(f) (c) with only link labels configured",
+    router_links={},
+    params=(
+        f"(c)'s pool and traffic; the links are (c)'s (cross-rack "
+        f"{C_LINKS['default']['bandwidth_gbytes_per_s']:g} GB/s) but the router is told only "
+        "each engine's rack label: its link section is the defaults"
+    ),
+)
 
 
 # -- the router's configuration --------------------------------------------------------------
+
+
+def router_links(scn: Scenario, speed: float) -> dict[str, Any]:
+    """The link table the router is configured with (``scaled_links`` of what it is told)."""
+    return scaled_links(scn.links if scn.router_links is None else scn.router_links, speed)
 
 
 def scaled_links(links: dict[str, Any], speed: float) -> dict[str, Any]:

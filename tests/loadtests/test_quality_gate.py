@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loadtests.bench.quality import PolicyRun, policy, run_policy
+from loadtests.bench.quality import PolicyRun, policy, pool_runs, run_policy
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.workloads.scenarios import MIXES, SCENARIOS, matrix_scenario
 
@@ -116,6 +116,24 @@ def test_the_router_tree_subprocess_with_another_hash_seed_gives_the_same_result
     there = json.loads(out.read_text())["scenarios"]["b"]["policies"]["pd-router"]
     assert there["digest"] == small.digest()
     assert there["ttft_p90_ms"] == round(small.summary.pct("ttft_s", 0.9) * 1000, 3)
+
+
+def test_seeds_run_in_parallel_processes_pool_into_one_table(tmp_path: Path) -> None:
+    """``--seeds 0,1 --jobs 2``: each seed's run in a worker process gives what it gives in this
+    one, and the pooled numbers are percentiles over both seeds' requests."""
+    out = tmp_path / "seeds.json"
+    command = [sys.executable, "-m", "loadtests.bench.quality", "--scenarios", "b", "--requests", "40"]
+    command += ["--policies", "pd-router", "--no-reference", "--seeds", "0,1", "--jobs", "2"]
+    done = subprocess.run(
+        [*command, "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "seeds 0,1 pooled (2 × 40 requests)" in done.stdout
+    pooled = json.loads(out.read_text())["scenarios"]["b"]["policies"]["pd-router"]
+    here = pool_runs([run_policy(SCENARIOS["b"], policy("pd-router"), requests=40, seed=s) for s in (0, 1)])
+    assert pooled["requests"] == 80
+    assert pooled["digest"] == here.digest()
+    assert pooled["ttft_p90_ms"] == round(here.summary.pct("ttft_s", 0.9) * 1000, 3)
 
 
 def test_matrix_cells_scale_with_the_pool_and_the_load() -> None:
