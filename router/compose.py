@@ -109,6 +109,7 @@ def cost_model_from(config: PoolConfig) -> CostModel:
         allow_local_prefill=config.picker.allow_local_prefill,
         # Role-flexible P/D is the joint picker's own move (the baselines pair as their peers do),
         # and an operator who asked for pairs always (no local prefill) gets pairs.
+        pair_waits_for_decode_queue=config.picker.pair_waits_for_decode_queue,
         prefill_may_decode=config.picker.prefill_may_decode
         and config.picker.policy == "joint"
         and config.picker.allow_local_prefill,

@@ -206,6 +206,12 @@ class PickerConfig(_Strict):
         "a vLLM prefill pod answers a request without kv_transfer_params like any engine); false "
         "for prefill engines that cannot decode",
     )
+    pair_waits_for_decode_queue: bool = Field(
+        False,
+        description="a pair's decode leg waits for what is left of its decode pod's queued prompts "
+        "when the KV arrives, and is priced so (off by default: better tails on busy chat, a "
+        "slower median on bursty chat; docs/quality.md)",
+    )
     policy: PolicyName = Field(
         "joint", description="how the pair is chosen; the others are baselines, for comparison"
     )

@@ -11,7 +11,16 @@ and the local row ``ttft = route(D)``. With continuous batching a request that r
 mid-step waits about half a step before it joins; a pair reaches D twice (the decode leg, then the
 arrived KV) and its first token needs one more D step, hence ``2 * tpot(D)`` where the local route
 pays it inside its own wait and step. ``step_base`` is P's own engine step; the leg overhead the
-extra HTTP exchange and the second tokenisation of the prompt. Then::
+extra HTTP exchange and the second tokenisation of the prompt. With
+``pair_waits_for_decode_queue`` a pair also waits for what is left of D's queued prompts when its
+KV arrives (D's queue drains while P computes)::
+
+    + max(0, wait(D) - (wait(P) + prefill(P)) - transfer)
+
+(the class reduction below still takes each class's cheapest ``route(P)``: the best pair unless a
+pod that computes sooner pays a larger stall term).
+
+Then::
 
     cost = (ttft + column(D)) / ttft_slo
 
@@ -59,6 +68,8 @@ class CostModel:
     link_weight: float = 1.0
     allow_local_prefill: bool = True
     prefill_may_decode: bool = False  # prefill pods may serve whole requests (kv_both)
+    # A pair's decode leg joins D's queue when the KV arrives: price what is left of it then.
+    pair_waits_for_decode_queue: bool = False
     prefill_side: frozenset[str] = field(init=False)  # names of the prefill-side terms
 
     def __post_init__(self) -> None:
@@ -120,6 +131,7 @@ class PairCosts:
     prefill_side: frozenset[str]  # names of the prefill-side terms
     link_weight: float
     ttft_slo_s: float
+    decode_queue: bool = False  # pairs wait for what is left of D's queue (``CostModel``)
 
     def ttft(self, prefill: int, col: int) -> float:
         """Predicted TTFT of prefill position ``prefill`` (-1: none) with decode column ``col``."""
@@ -128,9 +140,13 @@ class PairCosts:
     def _ttft(self, prefill: int, col: int, transfer_s: float) -> float:
         if prefill < 0:
             return float(self.route_s[self.decode[col]])
-        return (
-            float(self.route_s[prefill]) + self.link_weight * transfer_s + float(self.after_transfer_s[col])
-        )
+        ttft = float(self.route_s[prefill]) + self.link_weight * transfer_s
+        ttft += float(self.after_transfer_s[col])
+        if self.decode_queue:
+            view = self.view
+            computed = float(view.wait_s[prefill] + view.prefill_s[prefill]) + transfer_s
+            ttft += max(0.0, float(view.wait_s[self.decode[col]]) - computed)
+        return ttft
 
     def _transfer(self, prefill: int, col: int) -> float:
         if prefill < 0:
@@ -257,9 +273,11 @@ def pair_costs(
     # sets), the pair uses the class's runner-up instead.
     same_pod = prefill[best][:, None] == decode[None, :]
     chosen = np.where(same_pod, second[:, None], best[:, None])
-    pair_ttft = np.where(
-        (chosen >= 0) & ~no_pairs, p_route[chosen] + cm.link_weight * transfer + after_transfer, np.inf
-    )
+    pair_ttft = p_route[chosen] + cm.link_weight * transfer + after_transfer
+    if cm.pair_waits_for_decode_queue:
+        computed = (view.wait_s + view.prefill_s)[prefill][chosen] + transfer
+        pair_ttft += np.maximum(0.0, view.wait_s[decode][None, :] - computed)
+    pair_ttft = np.where((chosen >= 0) & ~no_pairs, pair_ttft, np.inf)
     chosen = np.where(chosen >= 0, prefill[chosen], -1)
 
     ttft = np.empty((1 + len(classes), kd))
@@ -287,6 +305,7 @@ def pair_costs(
         prefill_side=cm.prefill_side,
         link_weight=cm.link_weight,
         ttft_slo_s=slo,
+        decode_queue=cm.pair_waits_for_decode_queue,
     )
 
 

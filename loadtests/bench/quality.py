@@ -60,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,7 @@ from loadtests.sim.cluster import link_cost_from
 from loadtests.sim.engine import SimCluster, TimeModel
 from loadtests.sim.local_net import LocalClient, LocalSession
 from loadtests.sim.virtual_clock import run_virtual
-from loadtests.workloads.client import Result, StreamTally, Summary
+from loadtests.workloads.client import Result, StreamTally, Summary, percentile
 from loadtests.workloads.generate import Workload
 from loadtests.workloads.scenarios import (
     HOP_S,
@@ -128,6 +128,7 @@ class PolicyRun:
     calls: dict[str, int] = field(default_factory=dict)  # what the router sent the engines, by route
     observed: dict[str, int] = field(default_factory=dict)  # answers the performance model compared
     cross_link: int = 0  # pairs whose prefill and decode pods have different link labels
+    predictions: list[PredictionError] = field(default_factory=list)  # the router's, where it has them
 
     def stats(self, scn: Scenario, tm: TimeModel) -> dict[str, Any]:
         s = self.summary
@@ -160,6 +161,38 @@ class PolicyRun:
 # -- the router under test ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PredictionError:
+    """One answered request: its decision's kind, the predicted and observed TTFT, and for a pair
+    its two legs (predicted: the prefill pod's queue + compute; the transfer + what follows)."""
+
+    kind: str  # pd-pair, local-prefill, single, whole-on-prefill
+    predicted_s: float  # the router's predicted TTFT (its cost's prefill side: stall included)
+    stall_s: float  # the interference term inside it: a cost to others, not a wait
+    observed_s: float
+    prefill_leg_predicted_s: float = math.nan
+    prefill_leg_s: float = math.nan
+    decode_leg_predicted_s: float = math.nan
+
+    @classmethod
+    def of(cls, decision: Any, observed_s: float, prefill_leg_s: float | None) -> PredictionError:
+        b = decision.breakdown
+        kind = decision.kind
+        if decision.decode.role == "prefill":
+            kind = "whole-on-prefill"
+        leg = b.get("queue_s", 0.0) + b.get("prefill_s", 0.0)
+        pair = decision.prefill is not None
+        return cls(
+            kind,
+            b["ttft_s"],
+            b.get("interference_s", 0.0),
+            observed_s,
+            leg if pair else math.nan,
+            prefill_leg_s if pair and prefill_leg_s is not None else math.nan,
+            b["transfer_s"] + b.get("after_transfer_s", 0.0) if pair else math.nan,
+        )
+
+
 @dataclass
 class RouterUnderTest:
     handler: Callable[[Any], Awaitable[Any]]  # the proxy's completions handler
@@ -167,6 +200,7 @@ class RouterUnderTest:
     api: str  # "flow" (RequestFlow proxy) or "legacy" (router.proxy.Proxy)
     pruned: tuple[str, ...] = ()
     app: Any = None
+    predictions: list[PredictionError] = field(default_factory=list)
 
     def observed(self) -> dict[str, int]:
         """Answers the performance model compared with its predictions, per measure (TTFT, TPOT,
@@ -227,7 +261,30 @@ async def _flow_router(
         cfg = config.proxy
         exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)  # type: ignore[arg-type]
         proxy = Proxy(app.flow, exchange, lambda: app.ready, debug_headers=True)
-        yield RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", pruned, app)
+        router = RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", pruned, app)
+        with _tap_predictions(router.predictions):
+            yield router
+
+
+@contextlib.contextmanager
+def _tap_predictions(out: list[PredictionError]) -> Iterator[None]:
+    """Each answered request's prediction against what happened, as learning sees it."""
+    from router import flow
+
+    learn = getattr(getattr(flow, "Flight", None), "_learn", None)
+    if learn is None:  # an older tree learns elsewhere: no predictions from it
+        yield
+        return
+
+    def tapped(flight: Any, decision: Any) -> None:
+        meter = flight.meter
+        first = None if meter is None or not meter.streaming else meter.first_at
+        if first is not None:
+            out.append(PredictionError.of(decision, first - flight.picked_at, flight.prefill_leg_s))
+        learn(flight, decision)
+
+    with mock.patch.object(flow.Flight, "_learn", tapped):
+        yield
 
 
 @contextlib.asynccontextmanager
@@ -353,10 +410,12 @@ async def _run(
         ) as router:
             summary = await _drive(router, workload, pol.name)
             observed = router.observed()
+            predictions = list(router.predictions)
         computed = sum(engine.stats.prefill_tokens_computed for engine in cluster.engines.values())
         link = {name: engine.spec.link for name, engine in cluster.engines.items()}
     run = PolicyRun(scn.key, pol.name, summary, 0.0, summary.wall_s, pruned=router.pruned)
     run.cross_link = sum(1 for r in summary.ok if r.prefill and link.get(r.prefill) != link.get(r.decode))
+    run.predictions = predictions
     run.calls = dict(session.calls)
     run.observed = observed
     run.prefill_tokens_computed = computed
@@ -428,6 +487,7 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
             f"{_ratio(s['ttft_p99_ms'], ref.get('ttft_p99_ms', math.nan)):>7} "
             f"{s['hit_rate']:>5.0%} {s['cross_link_pairs']:>6} {run.sim_s:>6.1f} {run.cpu_s:>6.1f}"
         )
+    lines += render_prediction_errors(runs)
     for run in runs:
         failed = [r for r in run.summary.results if not r.ok]
         if failed:
@@ -437,6 +497,40 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
         if run.pruned:
             lines.append(f"  {run.policy}: this router does not know {', '.join(run.pruned)} (dropped)")
     return "\n".join(lines) + "\n"
+
+
+def render_prediction_errors(runs: Sequence[PolicyRun]) -> list[str]:
+    """Observed ÷ predicted per decision kind (median and p90): TTFT as predicted, TTFT without the
+    stall term (which prices others' delay, not this request's), and a pair's two legs."""
+    rows = [(run.policy, run.predictions) for run in runs if run.predictions]
+    if not rows:
+        return []
+    head = (
+        f"  {'prediction error':<18} {'kind':<17} {'n':>5} {'TTFT obs/pred p50':>17} {'p90':>5} "
+        f"{'w/o stall p50':>13} {'p90':>5} {'P leg p50':>9} {'D leg p50':>9}"
+    )
+    lines = ["", head, "  " + "-" * (len(head) - 2)]
+
+    def ratios(pairs: Iterable[tuple[float, float]]) -> list[float]:
+        return sorted(o / p for o, p in pairs if p > 0 and o == o and p == p)
+
+    def q(values: list[float], at: float) -> str:
+        return _fmt(percentile(values, at), 2) if values else "-"
+
+    for policy_name, predictions in rows:
+        for kind in ("pd-pair", "local-prefill", "single", "whole-on-prefill"):
+            mine = [p for p in predictions if p.kind == kind]
+            if not mine:
+                continue
+            ttft = ratios((p.observed_s, p.predicted_s) for p in mine)
+            bare = ratios((p.observed_s, p.predicted_s - p.stall_s) for p in mine)
+            p_leg = ratios((p.prefill_leg_s, p.prefill_leg_predicted_s) for p in mine)
+            d_leg = ratios((p.observed_s - p.prefill_leg_s, p.decode_leg_predicted_s) for p in mine)
+            lines.append(
+                f"  {policy_name:<18} {kind:<17} {len(mine):>5} {q(ttft, 0.5):>17} {q(ttft, 0.9):>5} "
+                f"{q(bare, 0.5):>13} {q(bare, 0.9):>5} {q(p_leg, 0.5):>9} {q(d_leg, 0.5):>9}"
+            )
+    return lines
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -647,6 +741,7 @@ def pool_runs(runs: Sequence[PolicyRun]) -> PolicyRun:
         prefill_tokens_computed=sum(run.prefill_tokens_computed for run in runs),
         pruned=first.pruned,
         cross_link=sum(run.cross_link for run in runs),
+        predictions=[p for run in runs for p in run.predictions],
     )
     return pooled
 

@@ -23,12 +23,13 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from loadtests.bench.quality import PolicyRun, policy, pool_runs, run_policy
+from loadtests.bench.quality import PolicyRun, policy, pool_runs, render_prediction_errors, run_policy
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.workloads.scenarios import MIXES, SCENARIOS, matrix_scenario
 
@@ -170,6 +171,16 @@ def test_a_virtual_run_takes_the_production_paths(gate_runs: dict[str, dict[str,
     assert run.calls["POST /v1/completions"] == len(run.summary.results) + len(pairs)
     # The performance model compared every answered request's TTFT and TPOT with its prediction.
     assert run.observed["ttft"] == run.observed["tpot"] == len(run.summary.ok)
+    # And the report has each of them by decision kind, a pair's legs measured apart.
+    kinds = Counter(p.kind for p in run.predictions)
+    assert kinds["pd-pair"] == len(pairs)
+    assert kinds["whole-on-prefill"] == sum(1 for r in run.summary.ok if r.decode.startswith("prefill"))
+    assert sum(kinds.values()) == len(run.summary.ok)
+    legs = [p for p in run.predictions if p.kind == "pd-pair"]
+    assert all(0 < p.prefill_leg_s < p.observed_s for p in legs)
+    assert all(p.decode_leg_predicted_s > 0 for p in legs)
+    table = "\n".join(render_prediction_errors([run]))
+    assert "pd-pair" in table and "whole-on-prefill" in table
 
 
 # The gate. What the code does today (issue 19) is marked with its numbers; remove a mark when

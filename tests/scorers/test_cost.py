@@ -83,6 +83,27 @@ def test_a_prefill_on_a_pod_that_also_decodes_pays_for_its_stall_too() -> None:
     assert costs.prefill_of[1, 1] == 0
 
 
+def test_a_pair_can_wait_for_what_is_left_of_its_decode_pods_queue() -> None:
+    """Pod 1 decodes with 10k prompt tokens queued of its own; the pair's KV arrives after pod 0's
+    prefill, and the decode leg then waits for the rest of pod 1's queue."""
+    cand = cands(2, queued_prefill_tokens=[0, 10000], can_decode=[False, True])
+    is_prefill, is_decode = np.array([True, False]), np.array([False, True])
+    c = ctx(1000)
+    plain = costs_of(cand, is_prefill, is_decode, c)
+    waits = costs_of(cand, is_prefill, is_decode, c, cost_model(pair_waits_for_decode_queue=True))
+    view = waits.view
+    computed = view.wait_s[0] + view.prefill_s[0] + waits.transfer_s[0, 0]
+    left = view.wait_s[1] - computed
+    assert left > 0.1  # the queue outlasts the prefill leg by a lot
+    assert waits.ttft_s[1, 0] == pytest.approx(plain.ttft_s[1, 0] + left)
+    assert waits.ttft(0, 0) == pytest.approx(waits.ttft_s[1, 0])  # the breakdown agrees
+    assert waits.ttft_s[0, 0] == plain.ttft_s[0, 0]  # computing locally was already in the queue
+    # A decode pod whose queue drains before the KV arrives costs the pair nothing more.
+    short = cands(2, queued_prefill_tokens=[0, 10], can_decode=[False, True])
+    drained = costs_of(short, is_prefill, is_decode, c, cost_model(pair_waits_for_decode_queue=True))
+    assert drained.ttft_s[1, 0] == costs_of(short, is_prefill, is_decode, c).ttft_s[1, 0]
+
+
 def test_disallowing_local_prefill_leaves_only_pairs() -> None:
     is_decode = np.array([False, False, True, True])
     cand = cands(4, can_decode=is_decode.tolist())
