@@ -64,6 +64,7 @@ def empty_pool(config: PoolConfig) -> Pool:
         stale_after_s=config.scrape.stale_after_ms / 1000.0,
         eject_after_failures=config.scrape.eject_after_failures,
         typical_prompt_tokens=config.engine.typical_prompt_tokens,
+        typical_answer_tokens=config.limits.default_max_tokens,
     )
 
 

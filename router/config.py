@@ -207,10 +207,9 @@ class PickerConfig(_Strict):
         "for prefill engines that cannot decode",
     )
     pair_waits_for_decode_queue: bool = Field(
-        False,
+        True,
         description="a pair's decode leg waits for what is left of its decode pod's queued prompts "
-        "when the KV arrives, and is priced so (off by default: better tails on busy chat, a "
-        "slower median on bursty chat; docs/quality.md)",
+        "when the KV arrives, and is priced so",
     )
     policy: PolicyName = Field(
         "joint", description="how the pair is chosen; the others are baselines, for comparison"

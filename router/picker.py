@@ -194,6 +194,7 @@ class Picker:
             if request.block_tokens and request.precise_keys is None
             else self.settings.block_tokens,
             typical_prompt_tokens=pool.typical_prompt_tokens,
+            typical_answer_tokens=pool.typical_answer_tokens,
         )
         view = derive(cand, ctx, self.cost_model)
         is_prefill = cand.can_prefill if request.prefill_leg else np.zeros(len(cand), dtype=bool)
@@ -284,7 +285,7 @@ class Picker:
             prefill_tokens=prediction.uncached_tokens,
             kv_tokens=float(costs.view.need_kv[d_pos]),
         )
-        self.pool.observe_prompt(request.prompt_tokens)
+        self.pool.observe_request(request.prompt_tokens, request.max_tokens)
         # Optimistic: the prompt's blocks will be on P, and on D once transferred. Recording is
         # the dearest step of a pick, so an event loop runs it right after the pick returns.
         if len(request.block_keys):

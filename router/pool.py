@@ -103,6 +103,7 @@ class Pool:
         eject_after_failures: int = 3,
         capacity: int = 64,
         typical_prompt_tokens: float = 512.0,
+        typical_answer_tokens: float = 256.0,
     ) -> None:
         self.stale_after_s = stale_after_s
         self.eject_after_failures = eject_after_failures
@@ -114,6 +115,8 @@ class Pool:
         self.links: dict[str, int] = {}
         self.outstanding = 0
         self.typical_prompt_tokens = typical_prompt_tokens  # the start; moves towards what arrives
+        self.typical_answer_tokens = typical_answer_tokens  # the same for max_tokens
+        self._answers_seen = 0
         # Called whenever a reservation gives something back (flow control binds held requests).
         self.on_free: Callable[[], None] = _nothing
         self._free_slots: list[int] = []
@@ -210,9 +213,14 @@ class Pool:
         """Every candidate feature of these slots, gathered for the scorers."""
         return Candidates(slots, **{name: values[slots] for name, values in self._candidate_arrays})
 
-    def observe_prompt(self, prompt_tokens: int) -> None:
+    def observe_request(self, prompt_tokens: int, max_tokens: int) -> None:
         # Slow EWMA: a stand-in size for waiting requests that did not come through us.
         self.typical_prompt_tokens += 0.02 * (prompt_tokens - self.typical_prompt_tokens)
+        # The mean of the first 50, then the same slow EWMA: the configured start is a guess that
+        # should not price the first minutes of traffic.
+        self._answers_seen += 1
+        weight = max(0.02, 1.0 / self._answers_seen)
+        self.typical_answer_tokens += weight * (max_tokens - self.typical_answer_tokens)
 
     def reserve(
         self, decode_slot: int, prefill_slot: int | None, prefill_tokens: float, kv_tokens: float

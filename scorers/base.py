@@ -54,6 +54,7 @@ class RequestCtx:
     max_tokens: int
     block_tokens: float  # prompt tokens per cached block
     typical_prompt_tokens: float  # stand-in size for queued requests that did not come through us
+    typical_answer_tokens: float = 256.0  # the pool's usual max_tokens: how long a running answer is
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,7 +69,7 @@ class CostModel:
     allow_local_prefill: bool = True
     prefill_may_decode: bool = False  # prefill pods may serve whole requests (kv_both)
     # A pair's decode leg joins D's queue when the KV arrives: price what is left of it then.
-    pair_waits_for_decode_queue: bool = False
+    pair_waits_for_decode_queue: bool = True
     prefill_side: frozenset[str] = field(init=False)  # names of the prefill-side terms
 
     def __post_init__(self) -> None:

@@ -1,9 +1,16 @@
 """Term ``interference`` (prefill side): the stall a prefill inflicts on a pod's running decodes.
 
-``stall = prefill_s * batch`` on a pod that also decodes (``prefill-decode``, or the decode pod
-itself when there is no prefill leg); prefill-only pods have no decodes to stall. Each running
-decode waits as long as the prefill takes, and those user-seconds count against the choice.
-Units: seconds. Consumes: ``can_decode``, ``running``/``inflight_requests`` (through ``batch``).
+On a pod that also decodes (``prefill-decode``, or the decode pod itself when there is no prefill
+leg) each of the ``batch`` running decodes waits once for as long as the prefill takes; over an
+answer of the pool's typical length that is ``prefill_s / typical_answer_tokens`` on its time per
+output token, priced as the ``load`` term prices TPOT (against its SLO, in seconds of TTFT)::
+
+    stall = prefill_s * batch / typical_answer_tokens * ttft_slo / tpot_slo
+
+Prefill-only pods have no decodes to stall. (Priced as whole user-seconds of delay, one second of
+stall per second of TTFT, it outweighed a prompt's own wait: pd-router then kept prompts off decode
+pods that would have answered them soonest; docs/quality.md.) Units: seconds.
+Consumes: ``can_decode``, ``running``/``inflight_requests`` (through ``batch``).
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ class DecodeStall:
     side: Side = "prefill"
 
     def seconds(self, view: View) -> np.ndarray:
-        return np.where(view.cand.can_decode, view.prefill_s * view.batch, 0.0)
+        o = view.objectives
+        per_stalled = (o.ttft_slo_s / o.tpot_slo_s) / max(view.ctx.typical_answer_tokens, 1.0)
+        return np.where(view.cand.can_decode, view.prefill_s * view.batch * per_stalled, 0.0)
 
 
 def term() -> DecodeStall:

@@ -189,7 +189,8 @@ class PredictionError:
             observed_s,
             leg if pair else math.nan,
             prefill_leg_s if pair and prefill_leg_s is not None else math.nan,
-            b["transfer_s"] + b.get("after_transfer_s", 0.0) if pair else math.nan,
+            # Everything after the prefill leg: transfer, what follows, any wait for D's queue.
+            b["ttft_s"] - leg - b.get("interference_s", 0.0) if pair else math.nan,
         )
 
 

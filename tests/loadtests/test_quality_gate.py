@@ -160,12 +160,13 @@ def test_a_virtual_run_takes_the_production_paths(gate_runs: dict[str, dict[str,
     # The scrape loop read every engine's /metrics at about its 200 ms interval (±10% jitter).
     rounds = run.calls["GET /metrics"] / engines
     assert 0.8 * run.sim_s / 0.2 <= rounds <= 1.2 * run.sim_s / 0.2 + 2
-    # Most requests went through the two-leg exchange (a prefill leg, then a decode leg), the
-    # rest to one pod computing the prompt itself (a decode pod, or a prefill pod serving the whole
-    # request while the decode pods are the bottleneck): one POST per leg.
+    # Every route a request can take was taken: the two-leg exchange (a prefill leg, then a
+    # decode leg), a decode pod computing the prompt itself, a prefill pod serving the whole
+    # request while the decode pods are the bottleneck: one POST per leg.
     pairs = [r for r in run.summary.ok if r.prefill]
     assert {r.prefill for r in pairs} == {"prefill-0", "prefill-1"}
-    assert len(pairs) > 0.5 * len(run.summary.ok)
+    assert len(pairs) >= 10
+    assert {r.decode for r in run.summary.ok if not r.prefill} >= {"decode-0", "decode-1"}
     whole = {r.decode for r in run.summary.ok if not r.prefill}
     assert whole & {"prefill-0", "prefill-1"}  # role-flexible P/D, the default
     assert run.calls["POST /v1/completions"] == len(run.summary.results) + len(pairs)

@@ -132,8 +132,10 @@ async def test_every_pool_built_from_a_config_carries_all_its_pool_settings() ->
             "endpoints": [{"address": "127.0.0.1:1", "role": "decode"}],
             "engine": {"typical_prompt_tokens": 3000},
             "scrape": {"stale_after_ms": 1234, "eject_after_failures": 7},
+            "limits": {"default_max_tokens": 99},
         }
     )
     pools = [pool_from(config), make_pool(config), App(config).pool]
     for pool in pools:
         assert (pool.typical_prompt_tokens, pool.stale_after_s, pool.eject_after_failures) == (3000, 1.234, 7)
+        assert pool.typical_answer_tokens == 99

@@ -317,3 +317,19 @@ def test_with_busy_decode_pods_a_prefill_pod_serves_the_whole_request_and_says_s
     decision = picker_for(PD_TWO_RACKS, metrics).pick(make_request(2000), now=NOW)
     assert decision.prefill is None and decision.decode.role == "prefill"
     assert decision.reason.startswith(f"whole request on prefill pod {decision.decode.id}: ")
+
+
+def test_the_pool_learns_how_long_answers_are_from_the_first_request_on() -> None:
+    """The interference term spreads a stall over a typical answer: the configured default only
+    until requests say otherwise (their mean at first, then a slow moving average)."""
+    picker = picker_for([{"address": "10.0.0.1:8000", "role": "prefill-decode"}])
+    pool = picker.pool
+    assert pool.typical_answer_tokens == 256  # limits.default_max_tokens
+    for max_tokens in (16, 48):
+        request = make_request(300)
+        request.max_tokens = max_tokens
+        picker.pick(request, now=NOW).reservation.release()
+    assert pool.typical_answer_tokens == pytest.approx(32.0)
+    for _ in range(200):
+        pool.observe_request(300, 1000)
+    assert 900 < pool.typical_answer_tokens < 1000

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from scorer_cases import LINKS, MODEL, cands, cost_model, ctx
 
-from scorers.base import Side, View
+from scorers.base import RequestCtx, Side, View
 from scorers.cost import PairCosts, TermContractError, WeightedTerm, derive, pair_costs
 
 TABLE = LINKS.table({"a": 0, "b": 1})
@@ -26,19 +26,26 @@ def brute_force(costs: PairCosts, cand, c) -> np.ndarray:
                 c.prompt_tokens - min(cand.cached_blocks[d] * 16, c.prompt_tokens - 1)
             ) * MODEL.kv_bytes_per_token
             transfer = TABLE.latency_s[link_i, link_d] + missing / TABLE.bytes_per_s[link_i, link_d]
+            view = costs.view
             ttft = (
                 costs.route_s[i]
                 + transfer
-                + 2 * costs.view.tpot_s[d]
+                + 2 * view.tpot_s[d]
                 + MODEL.decode_step_base_s
                 + MODEL.pd_leg_overhead_s
             )
+            if costs.decode_queue:  # what is left of D's queue when the KV has arrived
+                ttft += max(0.0, view.wait_s[d] - (view.wait_s[i] + view.prefill_s[i]) - transfer)
             full[i, j] = ttft + column[j]  # the SLO is 1 s
     return full
 
 
-def test_class_reduction_equals_the_full_pair_matrix() -> None:
+@pytest.mark.parametrize("decode_queue", [False, True])
+def test_class_reduction_equals_the_full_pair_matrix(decode_queue: bool) -> None:
+    """Every entry is its pair's cost; the class's best pair is the best of all (exactly without
+    the decode-queue wait; with it, unless a pod that computes sooner pays a larger stall)."""
     rng = np.random.default_rng(3)
+    cm = cost_model(pair_waits_for_decode_queue=decode_queue)
     for _ in range(60):
         k = int(rng.integers(1, 9))
         role = rng.integers(0, 3, k)  # 0 prefill, 1 decode, 2 prefill-decode
@@ -53,9 +60,9 @@ def test_class_reduction_equals_the_full_pair_matrix() -> None:
         )
         if not is_decode.any():
             continue
-        costs = costs_of(cand, is_prefill, is_decode, ctx(1000))
+        costs = costs_of(cand, is_prefill, is_decode, ctx(1000), cm)
         expected = brute_force(costs, cand, ctx(1000))
-        if len(costs.prefill):
+        if len(costs.prefill) and not decode_queue:
             assert np.allclose(costs.cost[1:].min(axis=0), expected.min(axis=0))
         for row in range(1, costs.cost.shape[0]):
             for col in range(len(costs.decode)):
@@ -72,6 +79,14 @@ def test_local_prefill_pays_for_stalling_the_running_batch() -> None:
     idle = costs_of(cands(1, running=[0], can_decode=[True]), np.array([False]), np.array([True]), c)
     assert busy.terms["interference"][0] > 0 and idle.terms["interference"][0] == 0
     assert busy.cost[0, 0] > idle.cost[0, 0]
+    # Each of the 40 waits the prefill once, spread over a typical answer and priced as TPOT is.
+    o = busy.view.objectives
+    stall = busy.view.prefill_s[0] * 40 / c.typical_answer_tokens * o.ttft_slo_s / o.tpot_slo_s
+    assert busy.terms["interference"][0] == pytest.approx(stall)
+    # Short answers make the same stall a larger share of each one's time per token.
+    short = RequestCtx(2000, 100, block_tokens=16, typical_prompt_tokens=500.0, typical_answer_tokens=16.0)
+    shorter = costs_of(cands(1, running=[40], can_decode=[True]), np.array([False]), np.array([True]), short)
+    assert shorter.terms["interference"][0] == pytest.approx(stall * c.typical_answer_tokens / 16.0)
 
 
 def test_a_prefill_on_a_pod_that_also_decodes_pays_for_its_stall_too() -> None:
@@ -89,8 +104,8 @@ def test_a_pair_can_wait_for_what_is_left_of_its_decode_pods_queue() -> None:
     cand = cands(2, queued_prefill_tokens=[0, 10000], can_decode=[False, True])
     is_prefill, is_decode = np.array([True, False]), np.array([False, True])
     c = ctx(1000)
-    plain = costs_of(cand, is_prefill, is_decode, c)
-    waits = costs_of(cand, is_prefill, is_decode, c, cost_model(pair_waits_for_decode_queue=True))
+    plain = costs_of(cand, is_prefill, is_decode, c, cost_model(pair_waits_for_decode_queue=False))
+    waits = costs_of(cand, is_prefill, is_decode, c)  # the default
     view = waits.view
     computed = view.wait_s[0] + view.prefill_s[0] + waits.transfer_s[0, 0]
     left = view.wait_s[1] - computed
@@ -100,8 +115,9 @@ def test_a_pair_can_wait_for_what_is_left_of_its_decode_pods_queue() -> None:
     assert waits.ttft_s[0, 0] == plain.ttft_s[0, 0]  # computing locally was already in the queue
     # A decode pod whose queue drains before the KV arrives costs the pair nothing more.
     short = cands(2, queued_prefill_tokens=[0, 10], can_decode=[False, True])
-    drained = costs_of(short, is_prefill, is_decode, c, cost_model(pair_waits_for_decode_queue=True))
-    assert drained.ttft_s[1, 0] == costs_of(short, is_prefill, is_decode, c).ttft_s[1, 0]
+    drained = costs_of(short, is_prefill, is_decode, c)
+    off = cost_model(pair_waits_for_decode_queue=False)
+    assert drained.ttft_s[1, 0] == costs_of(short, is_prefill, is_decode, c, off).ttft_s[1, 0]
 
 
 def test_disallowing_local_prefill_leaves_only_pairs() -> None:
