@@ -14,13 +14,16 @@ the picker the engine model it implies, and recomputes per role (prefill, decode
   SLO), so a burst of long answers counts from its first request.
 * **forecast** over the horizon ``H`` = the ready time (``ready_time_s``, or the p90 of the gate's
   measured discovered → admitted times once there are some): each role's level (the mean of its
-  last ``level_window_s``) × the growth of the *request rate* over ``H``. The request rate is the
+  last ``level_window_s`` of *replicas' worth*: each tick's demand over the capacity for that
+  tick's own mix, so two mixes never meet in one division) × the growth of the *request rate*
+  over ``H``. The request rate is the
   cause of both roles' demand: a longer prompt or answer mix is a new level, not a trend, and the
   in-flight count also rises while long answers accumulate after a step. The growth is
   ``1 + slope × H / level`` (at most ``max_growth``) with the slope the smaller of the
   least-squares slopes over the two halves of ``trend_window_s``, each only when it is
-  ``trend_significance`` standard errors above zero (one independent sample per level window):
-  noise and single jumps are not extrapolated, sustained growth is. Demand that is falling is
+  ``trend_significance`` standard errors above zero (one independent sample per level window),
+  and only once the window is full: noise, single jumps and the ramp the rate's own smoothing
+  makes of a step at a fresh router are not extrapolated, sustained growth is. Demand that is falling is
   never forecast down: scaling down waits for it to happen.
 * **capacity per replica at the SLO**, from the fitted model: prefill — tokens per second at the
   utilisation ``ρ`` where an M/D/1 queue's wait plus the prefill meets the TTFT SLO
@@ -152,10 +155,14 @@ class Trend:
         """The growth per second the trend window shows, 0 unless it is sustained and significant:
         the smaller of the least-squares slopes over the window's older and newer halves, each
         only when significantly above zero. Growth through the whole window is a trend; a single
-        jump (a step, or load arriving at a fresh router) is a change of level, already in it."""
+        jump (a step, or load arriving at a fresh router) is a change of level, already in it.
+        A window not yet (nearly) full says nothing: the rate's own smoothing over
+        ``level_window_s`` turns a step into a ramp that short a history would extrapolate."""
         if len(self.points) < 6:
             return 0.0
         t, v = np.array(self.points).T
+        if t[-1] - t[0] < self.settings.trend_window_s - self.settings.level_window_s:
+            return 0.0
         middle = t[0] + (t[-1] - t[0]) / 2
         older, newer = t <= middle, t > middle
         return min(self._significant_slope(t[older], v[older]), self._significant_slope(t[newer], v[newer]))
@@ -386,9 +393,13 @@ class PoolSignals:
         prefill = self._prefill_state(now, horizon, tokens_per_s, per_request)
         out = {}
         for role, (state, value) in {"prefill": prefill, "decode": decode}.items():
+            # One mix per division: the trend holds each tick's demand over the capacity for that
+            # tick's own prompt and answer mix (replicas' worth), so a change of mix is a new
+            # level in replicas, never one mix's tokens over another's capacity.
+            needed = value / state.capacity if state.capacity > 0 else 0.0
             trend = self.trends[role]
-            trend.add(now, value)
-            forecast = max(trend.level(now) * growth, value)
+            trend.add(now, needed)
+            forecast = max(trend.level(now) * growth, needed) * state.capacity
             out[role] = self.recommender.recommend(now, role, state, forecast, horizon)
         self.latest = out
         return out

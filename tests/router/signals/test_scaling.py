@@ -4,6 +4,7 @@ scale-downs (N/(N−1) load, KV), and prefill and decode moving independently on
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -94,7 +95,7 @@ def test_trend_forecasts_a_ramp_over_the_horizon_and_never_forecasts_a_fall() ->
     level = np.mean([100.0 + 10.0 * t for t in range(54, 60)])  # the last 5 s, ends included
     assert ramp.forecast(59.0, 30.0) == pytest.approx(level + 300.0, rel=0.01)
     assert fall.forecast(59.0, 30.0) == pytest.approx(np.mean([1000.0 - 10.0 * t for t in range(54, 60)]))
-    capped = Trend(ScalingSettings(max_growth=2.0))
+    capped = Trend(ScalingSettings(max_growth=2.0, trend_window_s=60.0))
     for t in range(60):
         capped.add(float(t), 100.0 + 10.0 * t)
     assert capped.forecast(59.0, 3600.0) == pytest.approx(
@@ -123,8 +124,8 @@ class Clock:
         return self.now
 
 
-def pool_signals(metrics: dict[str, Metrics]) -> tuple[PoolSignals, Clock]:
-    config = make_config(PD_TWO_RACKS, slo={"ttft_ms": 1000, "tpot_ms": 50})
+def pool_signals(metrics: dict[str, Metrics], **sections: Any) -> tuple[PoolSignals, Clock]:
+    config = make_config(PD_TWO_RACKS, slo={"ttft_ms": 1000, "tpot_ms": 50}, **sections)
     pool = make_pool(config, metrics, 100.0)
     pool.stale_after_s = 1e9
     picker = make_picker(config, pool)
@@ -189,6 +190,11 @@ def test_noise_and_a_single_step_are_not_a_trend_sustained_growth_is() -> None:
     for t in range(60):
         fall.add(float(t), 1000.0 - 10.0 * t)
     assert fall.growth(59.0, 30.0) == 1.0
+    # Less than a window of history: the ramp is a step seen through the rate's smoothing.
+    young = Trend(settings)
+    for t in range(30):
+        young.add(float(t), 100.0 + 5.0 * t)
+    assert young.slope() == 0.0
 
 
 def test_a_broken_slo_asks_once_per_overload_not_again_while_the_cure_is_starting() -> None:
@@ -312,3 +318,50 @@ def test_long_answers_count_for_decode_from_the_first_request_not_once_they_pile
         signals.demand.answered(2000, 200)
     clock.now += 1.0
     assert signals.tick()["decode"].demand < 0.2 * 200.0
+
+
+def test_a_change_of_prompt_mix_is_one_mix_per_forecast_not_a_jump_to_the_maximum() -> None:
+    """Issue 20, item 1: after a burst of long prompts and a quiet gap, a burst of short prompts
+    asking for long answers sent prefill to max_replicas in one tick: the last 10 s of demand (the
+    gap's ticks still reading the long prompts' rate) over the capacity for the short prompts (an
+    engine whose fixed step cost dwarfs an 80-token prompt serves few such tokens a second)."""
+    signals, clock = pool_signals(
+        {n: Metrics() for n in ("p0", "p1", "d0", "d1")}, engine={"decode_step_base_ms": 200.0}
+    )
+    signals.tick()
+    for _ in range(150):  # long prompts, 2 a second for longer than the trend window
+        clock.now += 1.0
+        for _ in range(2):
+            signals.demand.arrived(6000.0, 16)
+        during = signals.tick()["prefill"].desired
+    assert 1 < during < 64
+    for _ in range(8):  # quiet
+        clock.now += 1.0
+        signals.tick()
+    for _ in range(48):  # then short prompts asking for long answers, at once
+        signals.demand.arrived(80.0, 400)
+    for _ in range(15):
+        clock.now += 1.0
+        after = signals.tick()["prefill"]
+        # Never more than the long prompts needed: the short ones need far less prefill.
+        assert after.desired <= during, (after.desired, after.forecast, after.capacity)
+    assert after.desired <= 2
+
+
+def test_traffic_at_a_fresh_router_is_a_new_level_not_growth() -> None:
+    """A step in the request rate, seen through the rate's 10 s smoothing, is a ramp; with less
+    than a trend window of history it must not be extrapolated (it was, to max_growth)."""
+    signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
+    signals.tick()
+    for _ in range(12):  # 4 requests a second from nothing, a short pause, 48 more at once
+        clock.now += 1.0
+        for _ in range(4):
+            signals.demand.arrived(6000.0, 16)
+        signals.tick()
+    clock.now += 3.0
+    for _ in range(48):
+        signals.demand.arrived(80.0, 400)
+    for _ in range(4):
+        clock.now += 1.0
+        signals.tick()
+        assert signals.arrivals.growth(clock.now, 60.0) == 1.0
