@@ -13,7 +13,11 @@ workloads scale independently from one pd-router, without a Prometheus in betwee
           activation: "0"         # IsActive is true above this
 
 ``GetMetricSpec`` names the metric ``<role>-<signal>`` with ``targetSizeFloat`` = ``target``;
-``GetMetrics`` returns the current value (floats: KEDA reads ``*Float`` fields when > 0).
+``GetMetrics`` returns the current value. KEDA 2.17 and later read the ``*Float`` fields when they
+are > 0; KEDA 2.16 and older know only the integer ones, so those are set too: the target rounded
+(at least 1) and the value rounded up (a fractional signal such as ``load`` scales out a step
+early there, never late; signals that are whole numbers — ``recommendedReplicas``, token counts —
+lose nothing).
 Bad metadata is ``INVALID_ARGUMENT`` naming the key; ``StreamMetricSpec`` is ``UNIMPLEMENTED``
 (KEDA then polls).
 """
@@ -152,7 +156,11 @@ class KedaScaler:
 
     def _metric_spec(self, ref: pb.ScaledObjectRef) -> Message:
         selection = selection_of(dict(ref.scalerMetadata))
-        spec = pb.MetricSpec(metricName=selection.metric_name, targetSizeFloat=selection.target)
+        spec = pb.MetricSpec(
+            metricName=selection.metric_name,
+            targetSizeFloat=selection.target,
+            targetSize=max(1, round(selection.target)),  # KEDA ≤ 2.16 reads only this
+        )
         return pb.GetMetricSpecResponse(metricSpecs=[spec])
 
     def _metrics(self, request: pb.GetMetricsRequest) -> Message:
@@ -160,7 +168,10 @@ class KedaScaler:
         value = self.signals(selection.role, selection.signal)
         # KEDA strips its own "s<n>-" prefix; answer under the name it asked for.
         name = request.metricName or selection.metric_name
-        return pb.GetMetricsResponse(metricValues=[pb.MetricValue(metricName=name, metricValueFloat=value)])
+        whole = min(math.ceil(value), 2**63 - 1) if math.isfinite(value) else 0  # for KEDA ≤ 2.16
+        return pb.GetMetricsResponse(
+            metricValues=[pb.MetricValue(metricName=name, metricValueFloat=value, metricValue=whole)]
+        )
 
 
 class _Unary:

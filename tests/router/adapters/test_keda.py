@@ -41,16 +41,19 @@ async def test_the_scaler_answers_keda_per_role_and_signal() -> None:
         )
         (metric,) = spec.metricSpecs
         assert (metric.metricName, metric.targetSizeFloat) == ("decode-load", 0.8)
+        assert metric.targetSize == 1  # what KEDA 2.16 and older read (the float fields came in 2.17)
         metrics = rpc(channel, "GetMetrics", pb.GetMetricsResponse)
         request = pb.GetMetricsRequest(
             scaledObjectRef=ref(role="decode", signal="load"), metricName="decode-load"
         )
         (value,) = (await metrics(request)).metricValues
         assert value.metricName == "decode-load" and 0 < value.metricValueFloat < 1  # an idle pool
+        assert value.metricValue == 1  # rounded up for KEDA ≤ 2.16
         # Queue up prompts on the prefill pod: its signal moves, the decode pod's does not.
         app.pool.queued_prefill_tokens[app.pool.endpoints["p0"].slot] = 50_000.0
         prefill = pb.GetMetricsRequest(scaledObjectRef=ref(role="prefill", signal="queuedPromptTokens"))
-        assert (await metrics(prefill)).metricValues[0].metricValueFloat == 50_000.0
+        queued = (await metrics(prefill)).metricValues[0]
+        assert queued.metricValueFloat == 50_000.0 and queued.metricValue == 50_000
         decode = pb.GetMetricsRequest(scaledObjectRef=ref(role="decode", signal="queuedPromptTokens"))
         assert (await metrics(decode)).metricValues[0].metricValueFloat == 0.0
         active = rpc(channel, "IsActive", pb.IsActiveResponse)
