@@ -238,6 +238,8 @@ class Flight:
         """The answer is about to flow; ``strip_usage``: the router asked for the usage chunk,
         which the client did not."""
         self.meter = ResponseMeter(self.request is not None and self.request.stream, strip_usage=strip_usage)
+        if self.meter.streaming and self.flow.signals is not None:
+            self.flow.signals.streams.add(self.meter)  # its TPOT counts while it runs
 
     def body(self, chunk: bytes) -> bytes:
         """A piece of the engine's answer passes (token counts and times are read); returns what
@@ -312,6 +314,8 @@ class Flight:
         seconds = time.perf_counter() - self.started
         if self.meter is not None:
             self.meter.finish()
+            if self.flow.signals is not None:
+                self.flow.signals.streams.discard(self.meter)
         metrics = self.flow.metrics
         metrics.observe_request(self.outcome, seconds)
         self._count(seconds)

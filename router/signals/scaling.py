@@ -63,6 +63,7 @@ from router.pool import Pool
 from router.signals.calibration import TokenCalibration
 from router.signals.perf import PerformanceModel
 from router.signals.pool import SaturationSettings, predicted_latency, stage_signals
+from router.signals.streams import LiveStreams
 from scorers.cost import CostModel
 
 log = logging.getLogger(__name__)
@@ -361,6 +362,7 @@ class PoolSignals:
         self.block_tokens = block_tokens
         self.clock = clock
         self.demand = DemandMeter()
+        self.streams = LiveStreams()  # answers streaming now: decode load while they run
         self.tokens = TokenCalibration()
         self.recommender = Recommender(settings, settle_s=perf.settings.observed_window_s)
         # Per role its demand (for the level); requests per second (for the growth of both).
@@ -428,10 +430,19 @@ class PoolSignals:
         predicted = predicted_latency(
             self.pool, self.cost_model, stage, self.typical_max_tokens, self.block_tokens, now
         )
-        observed = (self.perf.ttft if role == "prefill" else self.perf.tpot).p90(now)
+        observed = self.observed_latency(role, now)
         slo = o.ttft_slo_s if role == "prefill" else o.tpot_slo_s
         known = [v / slo for v in (predicted, observed) if v is not None]
         return (max(known) if known else None), (None if predicted is None else predicted / slo)
+
+    def observed_latency(self, role: str, now: float) -> float | None:
+        """The p90 TTFT (prefill) or TPOT (decode) answers saw over the observation window; for
+        decode also the streams still running (the larger), so long generations count while they
+        run, not once they end."""
+        if role == "prefill":
+            return self.perf.ttft.p90(now)
+        ended, running = self.perf.tpot.p90(now), self.streams.tpot_p90()
+        return max((v for v in (ended, running) if v is not None), default=None)
 
     def _prefill_state(
         self,
@@ -556,14 +567,12 @@ class PoolSignals:
         now = self.clock()
         observed = GaugeMetricFamily(
             "pd_router_pool_observed_seconds",
-            "p90 over the observation window of the TTFT (prefill) and TPOT (decode) streamed answers saw.",
+            "p90 over the observation window of the TTFT (prefill) and TPOT (decode) streamed answers "
+            "saw; TPOT also of the answers still streaming (the larger).",
             labels=["role", "measure"],
         )
-        for role, measure, recent in (
-            ("prefill", "ttft", self.perf.ttft),
-            ("decode", "tpot", self.perf.tpot),
-        ):
-            value = recent.p90(now)
+        for role, measure in (("prefill", "ttft"), ("decode", "tpot")):
+            value = self.observed_latency(role, now)
             if value is not None:
                 observed.add_metric([role, measure], value)
         yield observed

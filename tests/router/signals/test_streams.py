@@ -1,0 +1,79 @@
+"""Decode load while long generations run: the TPOT of answers still streaming counts (it was read
+only when an answer ended, one generation late)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+from helpers import eventually, router_on_sim
+
+from loadtests.sim.engine import EngineSpec
+from router.signals.streams import LiveStreams
+
+
+class Stream:
+    def __init__(self, first_at: float | None, events: int) -> None:
+        self.first_at = first_at
+        self.events = events
+
+
+def test_running_streams_give_their_seconds_per_token_so_far() -> None:
+    now = [100.0]
+    streams = LiveStreams(limit=3, clock=lambda: now[0])
+    steady = Stream(90.0, 100)  # 0.1 s a token
+    stalled = Stream(99.0, 2)  # 0.5 s a token: waiting for its third
+    fresh = Stream(99.9, 1)  # one token tells no rate
+    for stream in (steady, stalled, fresh):
+        streams.add(stream)
+    streams.add(Stream(0.0, 5))  # over the limit: not held
+    assert len(streams) == 3
+    assert streams.tpot_p90() == pytest.approx(0.1 + 0.9 * (0.5 - 0.1))
+    streams.discard(stalled)
+    streams.discard(stalled)  # idempotent
+    assert streams.tpot_p90() == pytest.approx(0.1)
+    streams.discard(steady)
+    assert streams.tpot_p90() is None
+
+
+@pytest.mark.integration
+async def test_decode_load_rises_while_long_answers_stream_not_after_them() -> None:
+    specs = [EngineSpec("p0", "prefill"), EngineSpec("d0", "decode")]
+    sections = {"slo": {"ttft_ms": 2000, "tpot_ms": 1.0}, "signals": {"tick_ms": 50}}
+    read: list[int] = [0] * 6
+    release = asyncio.Event()
+    async with (
+        router_on_sim(specs, sections, speed=1.0) as (_cluster, app, base),
+        aiohttp.ClientSession() as http,
+    ):
+
+        async def stream(i: int) -> None:
+            body = {"model": "sim-model", "prompt": f"q{i} " * 50, "max_tokens": 2000, "stream": True}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                async for _line in resp.content:
+                    read[i] += 1
+                    if release.is_set():
+                        break
+
+        tasks = [asyncio.create_task(stream(i)) for i in range(len(read))]
+        try:
+            await eventually(lambda: min(read) > 40, 20.0, "every stream well under way")
+            scaling = app.scaling
+            now = time.monotonic()
+            assert scaling.perf.tpot.p90(now) is None  # no answer has ended
+            observed = scaling.observed_latency("decode", now)
+            assert observed is not None and observed > 0.001
+            assert scaling.load("decode") >= observed / 0.001 * 0.99
+            async with http.get(f"{base}/metrics") as resp:
+                text = await resp.text()
+            assert 'pd_router_pool_observed_seconds{measure="tpot",role="decode"}' in text
+        finally:
+            release.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Cancelled streams leave the set: nothing is held for them.
+        await eventually(lambda: len(app.scaling.streams) == 0, 10.0, "the streams forgotten")
