@@ -23,7 +23,7 @@ from router.flow_control import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker, RouteDecision
 from router.pool import Endpoint
-from router.rejections import UPSTREAM_DISCONNECTED, Answer, Rejection, Saturated, answer
+from router.rejections import UPSTREAM_DISCONNECTED, Answer, NoCapacity, Rejection, Saturated, answer
 from router.request import headers_only_request, parse_request
 from router.response import ResponseMeter, Usage, usage_of
 from router.rewrite import ModelRewrites
@@ -194,6 +194,9 @@ class Flight:
             raise
         except Rejection as rejection:
             self.rejection = rejection
+            if isinstance(rejection, NoCapacity) and self.flow.signals is not None:
+                # Unserved is still demand: a pool scaled to zero wakes on its first request.
+                self.flow.signals.demand.arrived(float(request.prompt_tokens), request.max_tokens)
             raise
         self.picked_at = time.perf_counter()
         metrics = self.flow.metrics

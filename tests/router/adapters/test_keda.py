@@ -139,3 +139,79 @@ def test_a_target_or_activation_keda_cannot_use_is_refused_naming_key_and_value(
 def test_the_smallest_and_largest_targets_keda_can_hold_are_accepted() -> None:
     assert selection_of({"role": "decode", "target": "0.001"}).target == 0.001
     assert selection_of({"role": "prefill", "target": "9e15", "activation": "-0.5"}).activation == -0.5
+
+
+def stream_is_active(channel: grpc.aio.Channel, **metadata: str):
+    return channel.unary_stream(
+        SERVICE + "StreamIsActive",
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=pb.IsActiveResponse.FromString,
+    )(ref(**metadata))
+
+
+ZERO = {
+    "keda": {"enabled": True, "port": 0},
+    "signals": {
+        "tick_ms": 50,
+        "min_replicas": {"prefill": 0, "decode": 0},
+        "scale_down_window_s": 1.0,
+        "level_window_s": 1.0,
+        "trend_window_s": 4.0,
+    },
+}
+
+
+@pytest.mark.integration
+async def test_recommended_replicas_scale_a_role_to_zero_and_its_first_request_wakes_it() -> None:
+    """The documented scale-to-zero trigger: ``recommendedReplicas`` with activation 0 over
+    ``external-push``. Idle, every role is inactive; one request makes both active at once."""
+    specs = [EngineSpec("p0", "prefill"), EngineSpec("d0", "decode")]
+    async with (
+        router_on_sim(specs, ZERO) as (_, app, base),
+        grpc.aio.insecure_channel(f"127.0.0.1:{app.keda.port}") as channel,
+    ):
+        streams = {
+            role: stream_is_active(channel, role=role, signal="recommendedReplicas", activation="0")
+            for role in ("prefill", "decode")
+        }
+        for role, stream in streams.items():  # a fresh router holds what runs for one window
+            while (await stream.read()).result:
+                pass
+            assert app.scaling.latest[role].recommended == 0
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "sim-model", "prompt": "wake up " * 100, "max_tokens": 8}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        for stream in streams.values():
+            assert (await stream.read()).result is True
+            stream.cancel()
+
+
+@pytest.mark.integration
+async def test_a_pool_at_zero_replicas_wakes_on_the_request_it_could_not_serve() -> None:
+    """No admitted endpoint (the workloads are at zero): the request is refused (503), and it
+    still counts as demand, so the recommendation leaves zero and KEDA scales the pool up."""
+    from helpers import router_for
+
+    sections = {**ZERO, "endpoints": [{"address": "127.0.0.1:9", "role": "prefill-decode", "name": "gone"}]}
+    async with router_for(sections) as (app, base):
+        await eventually(
+            lambda: (
+                app.scaling.latest.get("decode") is not None and app.scaling.latest["decode"].recommended == 0
+            ),
+            10.0,
+            "an idle pool at zero",
+        )
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "sim-model", "prompt": "anyone there? " * 50, "max_tokens": 64}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 503
+        await eventually(
+            lambda: all(app.scaling.latest[role].recommended >= 1 for role in ("prefill", "decode")),
+            5.0,
+            "both roles asked for",
+        )
