@@ -192,12 +192,12 @@ def validate_scaled_object(obj: dict[str, Any]) -> None:
         assert set(behavior) <= {"scaleUp", "scaleDown"}
     assert spec["triggers"]
     for trigger in spec["triggers"]:
-        assert trigger["type"] in {"external", "prometheus"}
+        assert trigger["type"] in {"external", "external-push", "prometheus"}
         assert trigger["metricType"] in {"AverageValue", "Value"}
         assert all(isinstance(v, str) for v in trigger["metadata"].values()), trigger["metadata"]
         required = (
             {"scalerAddress", "role", "signal", "target"}
-            if trigger["type"] == "external"
+            if trigger["type"] in ("external", "external-push")
             else {"serverAddress", "query", "threshold"}
         )
         assert required <= set(trigger["metadata"]), trigger["metadata"]

@@ -387,6 +387,28 @@ def test_no_keda_by_default(tmp_path: Path) -> None:
     assert "grpc-keda" not in {p["name"] for p in one(docs, "Service")["spec"]["ports"]}
 
 
+def test_keda_external_push_scales_a_role_to_zero(tmp_path: Path) -> None:
+    """trigger external-push: the same scaler, KEDA streaming IsActive; with minReplicaCount 0 and
+    the pool's min_replicas 0 a role sleeps at zero and wakes on its first request."""
+    docs = render(
+        value_set("keda-external"),
+        "keda.trigger=external-push",
+        "keda.decode.minReplicaCount=0",
+        "keda.decode.signal=recommendedReplicas",
+        "keda.decode.target=1",
+        "inferenceExtension.poolConfig.signals.min_replicas.prefill=1",
+        "inferenceExtension.poolConfig.signals.min_replicas.decode=0",
+    )
+    config = picker_config(docs, tmp_path)
+    assert config.keda.enabled and config.signals.min_replicas.decode == 0
+    objects = {o["metadata"]["name"]: o["spec"] for o in of_kind(docs, "ScaledObject")}
+    decode = objects[f"{EPP}-decode"]
+    assert decode["minReplicaCount"] == 0
+    (trigger,) = decode["triggers"]
+    assert trigger["type"] == "external-push" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["signal"] == "recommendedReplicas"  # activation: the scaler's 0
+
+
 def test_keda_external_scaler(tmp_path: Path) -> None:
     docs = render(value_set("keda-external"))
     config = picker_config(docs, tmp_path)

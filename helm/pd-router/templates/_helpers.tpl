@@ -56,7 +56,7 @@ app.kubernetes.io/component: redis
 
 {{/* The external-scaler variant of KEDA: the picker serves KEDA's gRPC scaler on scalerPort. */}}
 {{- define "pd-router.kedaExternal" -}}
-{{- if and .Values.keda.enabled (eq .Values.keda.trigger "external") }}true{{ end -}}
+{{- if and .Values.keda.enabled (has .Values.keda.trigger (list "external" "external-push")) }}true{{ end -}}
 {{- end -}}
 
 {{- define "pd-router.redisInternal" -}}
