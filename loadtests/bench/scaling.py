@@ -202,6 +202,25 @@ SCENARIOS: dict[str, Scenario] = {
             initial=(("prefill", 1), ("decode", 2)),
         ),
         Scenario(
+            "mix-shift",
+            "prompt mix change: 0.5 req/s of 6k-token prompts for 90 s, a 20 s pause, then 1 req/s of "
+            "200-token prompts asking for 300-token answers",
+            (
+                _phase(90, 0.5, prompt_tokens=6000, max_tokens=32),
+                _phase(20, 0.0),
+                _phase(120, 1.0, prompt_tokens=200, max_tokens=300),
+            ),
+            "prefill grows for the long prompts and never jumps when short ones follow; decode grows "
+            "for the long answers",
+            initial=(("prefill", 2), ("decode", 1)),
+        ),
+        Scenario(
+            "short-burst",
+            "a burst shorter than the ready time: 0.2 req/s, then 1.0 req/s for 40 s, then 0.2",
+            (_phase(60, 0.2), _phase(40, 1.0), _phase(120, 0.2)),
+            "at most a replica or two asked for: the burst is over before any would be ready",
+        ),
+        Scenario(
             "drain",
             "scale-down during long decodes: 0.3 req/s of 100-500-token answers for 90 s, then 0.1 req/s",
             (_phase(90, 0.3, max_tokens=100, max_tokens_high=500), _phase(210, 0.1, max_tokens=32)),
