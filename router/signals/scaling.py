@@ -28,7 +28,8 @@ the picker the engine model it implies, and recomputes per role (prefill, decode
 * **capacity per replica at the SLO**, from the fitted model: prefill — tokens per second at the
   utilisation ``ρ`` where an M/D/1 queue's wait plus the prefill meets the TTFT SLO
   (``ρ = 2h / (s + 2h)``, ``s`` the prefill of the mean uncached prompt of the requests that make
-  the rate, ``h = slo − s``; at most ``max_utilization``); decode — the batch at which the step
+  the rate, ``h = max(slo − s, s / 2)``: a prompt that nearly fills the SLO by itself waits at most
+  half a service, so ``ρ`` never falls below 1/2 and never jumps; at most ``max_utilization``); decode — the batch at which the step
   time reaches the TPOT SLO with the pool's mean context, at most what fits in ``kv_target`` of
   a replica's KV.
 * **desired** = ``ceil(forecast / capacity)`` within ``[min_replicas, max_replicas]``; while the
@@ -290,8 +291,12 @@ def prefill_capacity(perf: PerformanceModel, typical_tokens: float, ttft_slo_s: 
     """Tokens per second one prefill replica serves while a typical prompt meets the TTFT SLO."""
     base, per_token = perf.prefill.coefficients
     service = base + per_token * typical_tokens
-    headroom = ttft_slo_s - service
-    rho = 2.0 * headroom / (service + 2.0 * headroom) if headroom > 0 else 0.1
+    # M/D/1: the wait is ρ/(2(1−ρ))·s, so wait + s meets the SLO at ρ = 2h / (s + 2h), h = slo − s.
+    # A prompt whose own compute nears or passes the SLO can never meet it, and more replicas only
+    # shorten its wait: there the wait is held to half a service (ρ = 1/2) instead of to a headroom
+    # that a refit moves from a little to nothing (capacity fell 25× between identical bursts).
+    headroom = max(ttft_slo_s - service, service / 2.0)
+    rho = 2.0 * headroom / (service + 2.0 * headroom)
     return min(rho, cap) * typical_tokens / service
 
 

@@ -110,6 +110,13 @@ def test_capacity_per_replica_at_the_slo() -> None:
     assert prefill_capacity(perf, 1000.0, 1.0, 0.85) == pytest.approx(0.85 * 1000 / 0.11)
     # A tight SLO (0.2 s): h = 0.09, rho = 0.18 / 0.29.
     assert prefill_capacity(perf, 1000.0, 0.2, 0.85) == pytest.approx(0.18 / 0.29 * 1000 / 0.11)
+    # A prompt whose compute nears or passes the SLO: the wait is held to half a service (ρ = 1/2),
+    # so the capacity moves smoothly with the fitted speed instead of collapsing near the SLO.
+    assert prefill_capacity(perf, 1000.0, 0.12, 0.85) == pytest.approx(0.5 * 1000 / 0.11)
+    assert prefill_capacity(perf, 1000.0, 0.05, 0.85) == pytest.approx(0.5 * 1000 / 0.11)
+    tokens = np.linspace(2000.0, 40000.0, 400)  # service from 0.21 s to 4 s against a 1 s SLO
+    capacity = np.array([prefill_capacity(perf, t, 1.0, 0.85) for t in tokens])
+    assert (np.abs(np.diff(np.log(capacity))) < 0.05).all()  # no cliff anywhere
     # TPOT SLO 50 ms, step 10 ms + 1 ms per sequence: 40 sequences; KV caps it at 8.
     assert decode_capacity(perf, 1000.0, 0.05, 0.0, 0.8) == pytest.approx(40.0)
     assert decode_capacity(perf, 1000.0, 0.05, 10000.0, 0.8) == pytest.approx(8.0)
