@@ -29,9 +29,9 @@ the picker the engine model it implies, and recomputes per role (prefill, decode
   utilisation ``ρ`` where an M/D/1 queue's wait plus the prefill meets the TTFT SLO
   (``ρ = 2h / (s + 2h)``, ``s`` the prefill of the mean uncached prompt of the requests that make
   the rate, ``h = max(slo − s, s / 2)``: a prompt that nearly fills the SLO by itself waits at most
-  half a service, so ``ρ`` never falls below 1/2 and never jumps; at most ``max_utilization``); decode — the batch at which the step
-  time reaches the TPOT SLO with the pool's mean context, at most what fits in ``kv_target`` of
-  a replica's KV.
+  half a service, so ``ρ`` never falls below 1/2 and never jumps; at most ``max_utilization``);
+  decode — the batch at which the step time reaches the TPOT SLO with the pool's mean context, at
+  most what fits in ``kv_target`` of a replica's KV.
 * **desired** = ``ceil(forecast / capacity)`` within ``[min_replicas, max_replicas]``; while the
   role's load (``max(predicted, observed) / SLO``) and its prediction alone are above 1 it is at
   least one more than admitted — once what was asked for before is admitted (or the ready time
