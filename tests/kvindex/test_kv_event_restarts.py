@@ -10,7 +10,6 @@ half-way through one, just after one, and when the dead engine's successor answe
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -24,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvindex.events import Action, BlockStored, EngineStats, EngineStream, KVEventConsumer
+from loadtests.servers.ports import free_port
 from loadtests.sim.kv_publisher import KVEventPublisher
 
 TOPIC = "kv@127.0.0.1@m"
@@ -239,12 +239,6 @@ def test_any_mix_of_batches_gaps_replays_and_restarts_ends_with_the_live_engines
 # --- over real ZMQ on 127.0.0.1, vLLM's framing ------------------------------------------------------
 
 State = Literal["idle", "idle-next-seq", "asked", "half-way", "successor", "just-replayed"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def join(pub: KVEventPublisher, consumer: KVEventConsumer) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import eventually, router_for
 
+from loadtests.servers.ports import free_port
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
@@ -26,12 +26,6 @@ METRICS = (Path(__file__).parents[1] / "data" / "vllm_metrics.txt").read_text()
 # Odd chunk boundaries, a multi-byte character split across chunks, and no trailing [DONE]
 # newline convention assumed: the proxy must not re-frame anything.
 CHUNKS = [b'data: {"choices":[{"text":"h', b"\xc3", b'\xa9llo"}]}\n', b"\n", b"data: [DONE]\n\n", b": tail\n"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def _fixed_engine() -> tuple[web.AppRunner, str]:
@@ -77,7 +71,7 @@ async def test_stream_bytes_pass_through_unchanged() -> None:
 async def test_serve_drains_in_flight_streams_on_sigterm(tmp_path: Path) -> None:
     spec = EngineSpec("e0", "prefill-decode", time=TimeModel(speed=4.0))
     async with SimCluster([spec]) as cluster:
-        port = _free_port()
+        port = free_port()
         config = tmp_path / "pool.yaml"
         address = cluster.address("e0")
         config.write_text(
@@ -115,7 +109,7 @@ async def test_serve_drains_in_flight_streams_on_sigterm(tmp_path: Path) -> None
 async def test_serve_answers_ext_proc_and_health_in_a_real_process(tmp_path: Path) -> None:
     """The gRPC listeners as ``pd-router serve`` runs them (uvloop when installed), then SIGTERM."""
     async with SimCluster([EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20))]) as cluster:
-        grpc_port, health_port = _free_port(), _free_port()
+        grpc_port, health_port = free_port(), free_port()
         config = tmp_path / "pool.yaml"
         config.write_text(
             f"model: sim-model\nendpoints:\n  - {{address: '{cluster.address('e0')}'}}\n"

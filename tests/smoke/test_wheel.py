@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,8 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+
+from loadtests.servers.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -162,12 +163,6 @@ def http(
 def ok_json(url: str) -> Any | None:
     status, _, body = http("GET", url, timeout=2.0)
     return json.loads(body) if status == 200 else None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _can_build_offline() -> bool:

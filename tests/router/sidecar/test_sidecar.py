@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -14,6 +13,7 @@ from aiohttp import web
 from helpers import eventually, sse_events
 from multidict import CIMultiDict
 
+from loadtests.servers.ports import free_port
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS
 from router.sidecar.allow import PrefillAllowList, first_prefiller
@@ -395,12 +395,6 @@ async def test_client_disconnect_cancels_the_decode_leg() -> None:
             assert d0.num_running == 1
             resp.close()  # hang up mid-stream
         await eventually(lambda: d0.num_running == 0 and d0.num_waiting == 0, what="decode leg cancelled")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:  # the serving task does not report the port it bound, so choose one
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.asynccontextmanager
