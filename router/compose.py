@@ -108,9 +108,9 @@ def cost_model_from(config: PoolConfig) -> CostModel:
         terms=tuple(WeightedTerm(load_term(name), w) for name, w in config.term_weights().items()),
         link_weight=config.weight("link"),
         allow_local_prefill=config.picker.allow_local_prefill,
+        pair_waits_for_decode_queue=config.picker.pair_waits_for_decode_queue,
         # Role-flexible P/D is the joint picker's own move (the baselines pair as their peers do),
         # and an operator who asked for pairs always (no local prefill) gets pairs.
-        pair_waits_for_decode_queue=config.picker.pair_waits_for_decode_queue,
         prefill_may_decode=config.picker.prefill_may_decode
         and config.picker.policy == "joint"
         and config.picker.allow_local_prefill,

@@ -240,9 +240,12 @@ class Flight:
     def expect_answer(self, *, strip_usage: bool = False) -> None:
         """The answer is about to flow; ``strip_usage``: the router asked for the usage chunk,
         which the client did not."""
+        signals = self.flow.signals
+        if signals is not None and self.meter is not None:
+            signals.streams.discard(self.meter)  # a second answer replaces the first
         self.meter = ResponseMeter(self.request is not None and self.request.stream, strip_usage=strip_usage)
-        if self.meter.streaming and self.flow.signals is not None:
-            self.flow.signals.streams.add(self.meter)  # its TPOT counts while it runs
+        if self.meter.streaming and signals is not None:
+            signals.streams.add(self.meter)  # its TPOT counts while it runs
 
     def body(self, chunk: bytes) -> bytes:
         """A piece of the engine's answer passes (token counts and times are read); returns what

@@ -53,8 +53,8 @@ class Prediction:
     batch: float  # the decode pod's batch, this request included
     kv_tokens: float  # the decode pod's KV tokens in use, this request's included
     slowness_d: float  # the decode pod's learned slowness factor (already in ``tpot_s``)
-    transfer_bytes: float = 0.0  # a pair's KV bytes to the decode pod (0: no prefill leg)
-    after_transfer_s: float = 0.0  # a pair's decode leg after the transfer (0: no prefill leg)
+    transfer_bytes: float  # a pair's KV bytes to the decode pod (0: no prefill leg)
+    after_transfer_s: float  # a pair's decode leg after the transfer (0: no prefill leg)
 
     @classmethod
     def of(cls, b: dict[str, float]) -> Prediction:

@@ -52,6 +52,15 @@ class LinkCosts:
     default: tuple[float, float]
     pairs: tuple[tuple[tuple[str, str], tuple[float, float]], ...] = ()
 
+    def between(self, a: str, b: str) -> tuple[float, float]:
+        """(latency_s, bytes_per_s) between labels ``a`` and ``b``, as ``table`` lays them out."""
+        if a == b:
+            return self.same
+        for (x, y), cost in self.pairs:
+            if {x, y} == {a, b}:
+                return cost
+        return self.default
+
     def table(self, labels: dict[str, int]) -> LinkTable:
         return LinkTable.build(labels, same=self.same, default=self.default, pairs=dict(self.pairs))
 

@@ -51,23 +51,16 @@ class LinkLearner:
         self.window = window
         self.min_samples = min_samples
         self.version = 0  # changes whenever ``costs`` would answer differently
-        self._pairs = dict(prior.pairs)
         self._samples: dict[tuple[str, str], np.ndarray] = {}
         self._count: dict[tuple[str, str], int] = {}
         self._learned: dict[tuple[str, str], float] = {}  # class -> bytes per second
-
-    def latency_s(self, a: str, b: str) -> float:
-        """The configured latency between labels ``a`` and ``b``."""
-        if a == b:
-            return self.prior.same[0]
-        return self._pairs.get((a, b), self._pairs.get((b, a), self.prior.default))[0]
 
     def observe(self, prefill_link: str, decode_link: str, transfer_bytes: float, seconds: float) -> None:
         """One answered pair: ``transfer_bytes`` took about ``seconds`` (decode leg − what follows)."""
         if not (transfer_bytes >= MIN_BYTES and math.isfinite(seconds)):
             return
         key = (prefill_link, decode_link) if prefill_link <= decode_link else (decode_link, prefill_link)
-        per_byte = max(seconds - self.latency_s(*key), 0.0) / transfer_bytes
+        per_byte = max(seconds - self.prior.between(*key)[0], 0.0) / transfer_bytes
         ring = self._samples.get(key)
         if ring is None:
             ring = self._samples[key] = np.empty((2, self.window))
@@ -94,7 +87,7 @@ class LinkLearner:
             return prior
         pairs = dict(prior.pairs)
         for (a, b), bandwidth in self._learned.items():
-            pairs[(a, b)] = (self.latency_s(a, b), bandwidth)
+            pairs[(a, b)] = (prior.between(a, b)[0], bandwidth)
         return LinkCosts(prior.same, prior.default, tuple(pairs.items()))
 
     # -- Prometheus (registered as a collector) --------------------------------------------------

@@ -39,3 +39,16 @@ def test_a_decode_pod_holding_the_prefix_only_receives_the_rest() -> None:
         link.transfer_bytes(cached_tokens(decode, ctx(1000)), ctx(1000), MODEL),
     )
     assert math.isclose(t[0, 1] - 0.002, (t[0, 0] - 0.002) * 200 / 1000)
+
+
+def test_between_reads_one_pair_as_the_table_lays_it_out() -> None:
+    from scorers.link import LinkCosts
+
+    costs = LinkCosts(same=(0.001, 50e9), default=(0.005, 1e9), pairs=((("a", "b"), (0.002, 10e9)),))
+    labels = {"a": 0, "b": 1, "c": 2}
+    table = costs.table(labels)
+    for x in labels:
+        for y in labels:
+            i, j = labels[x], labels[y]
+            assert costs.between(x, y) == (table.latency_s[i, j], table.bytes_per_s[i, j])
+    assert costs.between("b", "a") == (0.002, 10e9) and costs.between("a", "c") == (0.005, 1e9)

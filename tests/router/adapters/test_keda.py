@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import grpc
 import pytest
-from helpers import eventually, router_on_sim
+from helpers import eventually, router_for, router_on_sim
 
 from loadtests.sim.engine import EngineSpec
 from router.adapters.keda import externalscaler_pb2 as pb
@@ -174,18 +177,20 @@ async def test_recommended_replicas_scale_a_role_to_zero_and_its_first_request_w
             role: stream_is_active(channel, role=role, signal="recommendedReplicas", activation="0")
             for role in ("prefill", "decode")
         }
-        for role, stream in streams.items():  # a fresh router holds what runs for one window
-            while (await stream.read()).result:
-                pass
-            assert app.scaling.latest[role].recommended == 0
-        import aiohttp
 
+        async def inactive(stream: object) -> None:
+            while (await stream.read()).result:  # type: ignore[attr-defined]
+                pass
+
+        for role, stream in streams.items():  # a fresh router holds what runs for one window
+            await asyncio.wait_for(inactive(stream), 10.0)
+            assert app.scaling.latest[role].recommended == 0
         async with aiohttp.ClientSession() as http:
             body = {"model": "sim-model", "prompt": "wake up " * 100, "max_tokens": 8}
             async with http.post(f"{base}/v1/completions", json=body) as resp:
                 assert resp.status == 200
         for stream in streams.values():
-            assert (await stream.read()).result is True
+            assert (await asyncio.wait_for(stream.read(), 10.0)).result is True
             stream.cancel()
 
 
@@ -193,8 +198,6 @@ async def test_recommended_replicas_scale_a_role_to_zero_and_its_first_request_w
 async def test_a_pool_at_zero_replicas_wakes_on_the_request_it_could_not_serve() -> None:
     """No admitted endpoint (the workloads are at zero): the request is refused (503), and it
     still counts as demand, so the recommendation leaves zero and KEDA scales the pool up."""
-    from helpers import router_for
-
     sections = {**ZERO, "endpoints": [{"address": "127.0.0.1:9", "role": "prefill-decode", "name": "gone"}]}
     async with router_for(sections) as (app, base):
         await eventually(
@@ -204,8 +207,6 @@ async def test_a_pool_at_zero_replicas_wakes_on_the_request_it_could_not_serve()
             10.0,
             "an idle pool at zero",
         )
-        import aiohttp
-
         async with aiohttp.ClientSession() as http:
             body = {"model": "sim-model", "prompt": "anyone there? " * 50, "max_tokens": 64}
             async with http.post(f"{base}/v1/completions", json=body) as resp:
