@@ -66,6 +66,8 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
+
 from loadtests.sim.cluster import link_cost_from
 from loadtests.sim.engine import SimCluster, TimeModel
 from loadtests.sim.local_net import LocalClient, LocalSession
@@ -90,6 +92,9 @@ DEFAULT_SCENARIOS = "bde"
 BASELINES = ("round-robin", "least-loaded")
 JOINT = "pd-router"
 REFERENCE = "reference"
+# A diagnostic, not a policy to deploy: pd-router's defaults with each engine's true prefix cache
+# at pick time in place of the router's index (how much a perfect index would be worth).
+TRUE_CACHE = "pd-router-true-cache"
 # The virtual run serves no listener: the handler is called in-process.
 VIRTUAL_OVERRIDES = ("proxy.enabled=false",)
 
@@ -102,6 +107,7 @@ class Policy:
     picker: dict[str, Any]
     overrides: tuple[str, ...] = ()
     reference: bool = False
+    true_cache: bool = False
 
 
 def policy(name: str, overrides: Sequence[str] = ()) -> Policy:
@@ -109,8 +115,12 @@ def policy(name: str, overrides: Sequence[str] = ()) -> Policy:
     variant of pd-router's defaults when ``overrides`` are given."""
     if overrides:
         return Policy(name, dict(POLICIES[JOINT]), tuple(overrides))
+    if name == TRUE_CACHE:
+        return Policy(name, dict(POLICIES[JOINT]), true_cache=True)
     if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} or give a --variant")
+        raise ValueError(
+            f"unknown policy {name!r}; choose from {', '.join([*POLICIES, TRUE_CACHE])} or give a --variant"
+        )
     return Policy(name, dict(POLICIES[name]), reference=name == REFERENCE)
 
 
@@ -223,6 +233,7 @@ async def open_router(
     cluster: SimCluster,
     *,
     reference: bool = False,
+    true_cache: bool = False,
 ) -> AsyncIterator[RouterUnderTest]:
     """The router of whichever tree is importable, started as the service starts (``App``), its
     engine session answered in-process by ``session``."""
@@ -231,10 +242,31 @@ async def open_router(
     with mock.patch.object(app_module, "upstream_session", lambda: session):
         if _flow_api():
             async with _flow_router(app_module, data, overrides, seed, session, cluster, reference) as r:
+                if true_cache:
+                    _install_true_cache(r.app.picker, cluster)
                 yield r
         else:
+            if true_cache:
+                raise UnsupportedTree(f"{TRUE_CACHE} needs the current picker")
             async with _legacy_router(app_module, data, overrides, seed, session, reference) as r:
                 yield r
+
+
+def _install_true_cache(picker: Any, cluster: SimCluster) -> None:
+    """``picker`` reads each candidate engine's real cached prefix of the prompt (at pick time,
+    in the picker's block size) instead of its own index."""
+
+    def true_cached_blocks(request: Any, slots: np.ndarray) -> np.ndarray:
+        block = request.block_tokens if request.block_tokens and request.precise_keys is None else None
+        block = block or picker.settings.block_tokens
+        out = np.zeros(len(slots), dtype=np.int32)
+        for i, slot in enumerate(slots.tolist()):
+            engine = cluster.engines[picker.pool.by_slot[slot].id]
+            tokens, keys = engine.prompt_blocks(request.body)
+            out[i] = int(engine.cached_prefix_tokens(keys, tokens) / block)
+        return out
+
+    picker._cached_blocks = true_cached_blocks
 
 
 @contextlib.asynccontextmanager
@@ -407,7 +439,7 @@ async def _run(
         ]
         data = config_data(endpoints, tm, links, pol.picker)
         async with open_router(
-            data, pol.overrides, seed, session, cluster, reference=pol.reference
+            data, pol.overrides, seed, session, cluster, reference=pol.reference, true_cache=pol.true_cache
         ) as router:
             summary = await _drive(router, workload, pol.name)
             observed = router.observed()
@@ -615,8 +647,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--policies",
         default="",
-        help=f"comma-separated, of {', '.join(POLICIES)} (default: {','.join([*BASELINES, JOINT])} and "
-        "the reference unless --no-reference; with --matrix: least-loaded,pd-router)",
+        help=f"comma-separated, of {', '.join([*POLICIES, TRUE_CACHE])} "
+        f"(default: {','.join([*BASELINES, JOINT])} and the reference unless --no-reference; "
+        "with --matrix: least-loaded,pd-router)",
     )
     parser.add_argument(
         "--variant",

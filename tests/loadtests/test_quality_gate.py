@@ -280,3 +280,37 @@ def _without_created(stream: bytes) -> bytes:
     import re
 
     return re.sub(rb'"created":\d+', b'"created":0', stream)
+
+
+def test_the_true_cache_diagnostic_reads_each_engine_s_own_cache() -> None:
+    """``pd-router-true-cache`` prices each candidate on what its engine really holds of the
+    prompt at pick time (how much a perfect index would be worth), not on the router's index."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from loadtests.bench.quality import _install_true_cache
+
+    held = {"pod-0": 0, "pod-1": 1872, "pod-2": 640}
+
+    class Engine:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def prompt_blocks(self, body: dict[str, object]) -> tuple[int, list[int]]:
+            return 2000, list(range(125))
+
+        def cached_prefix_tokens(self, keys: list[int], tokens: int) -> int:
+            return held[self.name]
+
+    cluster = SimpleNamespace(engines={name: Engine(name) for name in held})
+    by_slot = [SimpleNamespace(id=name) for name in held]
+    picker = SimpleNamespace(
+        pool=SimpleNamespace(by_slot=by_slot),
+        settings=SimpleNamespace(block_tokens=16),
+        _cached_blocks=lambda request, slots: np.full(len(slots), 99, dtype=np.int32),
+    )
+    _install_true_cache(picker, cluster)  # type: ignore[arg-type]
+    request = SimpleNamespace(body={}, block_tokens=0.0, precise_keys=None)
+    assert picker._cached_blocks(request, np.array([2, 0, 1])).tolist() == [40, 0, 117]
+    assert policy("pd-router-true-cache").true_cache
