@@ -70,6 +70,7 @@ from router.signals.links import LinkLearner
 from router.signals.perf import PerformanceModel
 from router.signals.pool import SignalsCollector
 from router.signals.scaling import PoolSignals
+from router.signals.shared import SharedDemand
 from router.types import EngineMetrics
 from scorers.cost import CostModel
 
@@ -215,6 +216,7 @@ class App:
         await self.scrape_once()
         scrape_task = asyncio.create_task(self._scrape_loop(), name="scrape-loop")
         stack.push_async_callback(stop_task, scrape_task)
+        self.scaling.shared = self._shared_demand()  # closed after the tick that uses it stops
         signals_task = asyncio.create_task(self.scaling.run(), name="signals-tick")
         stack.push_async_callback(stop_task, signals_task)
         if self.engine_speeds is not None:
@@ -338,6 +340,15 @@ class App:
         await control.settle(max(0.0, deadline - loop.time()))
         control_loop = asyncio.create_task(control.run(), name="group-control")
         self._stack.push_async_callback(stop_task, control_loop)
+
+    def _shared_demand(self) -> SharedDemand | None:
+        cfg = self.config
+        if cfg.index.redis is None or not cfg.signals.share_demand:
+            return None
+        client = _redis_client(cfg.index.redis.url, self.secrets.redis_password)
+        self._stack.push_async_callback(client.aclose)
+        # A replica missing three ticks has stopped routing (or lost Redis): its rates drop out.
+        return SharedDemand(client, cfg.index.redis.namespace, stale_after_s=3 * cfg.signals.tick_ms / 1000.0)
 
     def _shared_index(self, cfg: RedisConfig, local: MemoryPrefixIndex) -> SharedPrefixIndex:
         client = _redis_client(cfg.url, self.secrets.redis_password)

@@ -613,6 +613,11 @@ class SignalsConfig(_Strict):
     max_replicas: RoleCounts = Field(
         RoleCounts(prefill=64, decode=64), description="the recommendation's ceiling per role"
     )
+    share_demand: bool = Field(
+        True,
+        description="with index.redis: router replicas add up their arrival rates through Redis, so "
+        "each recommends replicas for the whole pool's demand, not for the share it routed",
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> SignalsConfig:

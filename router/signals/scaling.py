@@ -58,12 +58,13 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from router.pool import Pool
 from router.signals.calibration import TokenCalibration
 from router.signals.perf import PerformanceModel
 from router.signals.pool import SaturationSettings, predicted_latency, stage_signals
+from router.signals.shared import Rates, SharedDemand
 from router.signals.streams import LiveStreams
 from scorers.cost import CostModel
 
@@ -354,9 +355,11 @@ class PoolSignals:
         typical_max_tokens: int = 256,
         block_tokens: int = 16,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedDemand | None = None,
     ) -> None:
         """``cost_model`` reads the picker's current cost model, ``reprice`` hands it the one each
-        accepted fit implies; ``ready_times``: the gate's recent discovered → admitted durations."""
+        accepted fit implies; ``ready_times``: the gate's recent discovered → admitted durations;
+        ``shared``: the other router replicas' arrival rates (each replica routes a share)."""
         self.pool = pool
         self.perf = perf
         self.current_cost_model = cost_model
@@ -366,6 +369,8 @@ class PoolSignals:
         self.typical_max_tokens = typical_max_tokens
         self.block_tokens = block_tokens
         self.clock = clock
+        self.shared = shared
+        self.own_rates = Rates()  # this replica's arrivals per second at the last tick
         self.demand = DemandMeter()
         self.streams = LiveStreams()  # answers streaming now: decode load while they run
         self.tokens = TokenCalibration()
@@ -394,6 +399,16 @@ class PoolSignals:
         tokens_per_s, requests_per_s, per_request, answer_tokens_per_s = self._arrival_rate(
             now, self.demand.prefill_tokens, self.demand.requests, self.demand.max_tokens
         )
+        self.own_rates = Rates(tokens_per_s, requests_per_s, answer_tokens_per_s)
+        if self.shared is not None:  # the pool's arrivals: every replica routes a share of them
+            pooled = self.own_rates + self.shared.others
+            tokens_per_s, requests_per_s, answer_tokens_per_s = (
+                pooled.prompt_tokens,
+                pooled.requests,
+                pooled.answer_tokens,
+            )
+            if pooled.requests > 0:
+                per_request = pooled.prompt_tokens / pooled.requests
         self.arrivals.add(now, requests_per_s)
         growth = self.arrivals.growth(now, horizon)  # the cause of both roles' demand
         decode = self._decode_state(now, answer_tokens_per_s * self.demand.answered_share)
@@ -560,6 +575,8 @@ class PoolSignals:
                 self.tick()
             except Exception:  # a bug here must not stop the signals for good
                 log.exception("signals tick failed")
+            if self.shared is not None:  # under its own timeout; never raises
+                await self.shared.exchange(self.own_rates)
             await asyncio.sleep(self.settings.tick_s)
 
     # Export -------------------------------------------------------------------------------------
@@ -622,6 +639,17 @@ class PoolSignals:
             for reason in ("slo", "kv"):
                 refused.add_metric([role, reason], float(rec.refused == reason))
         yield refused
+        yield GaugeMetricFamily(
+            "pd_router_signals_replicas",
+            "Router replicas whose arrivals the recommendation counts (1 without shared demand).",
+            value=1 if self.shared is None else self.shared.replicas,
+        )
+        if self.shared is not None:
+            yield CounterMetricFamily(
+                "pd_router_shared_demand_errors",
+                "Ticks whose Redis exchange of arrival rates failed (this replica's own counted alone).",
+                value=self.shared.errors,
+            )
         yield GaugeMetricFamily(
             "pd_router_scaling_horizon_seconds",
             "The ready time the recommendation plans over (configured, or measured by the gate).",

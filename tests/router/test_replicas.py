@@ -72,3 +72,73 @@ async def test_shared_index_health_is_exported(redis: RedisServer) -> None:
         http.get(f"{base}/metrics") as resp,
     ):
         assert "pd_router_shared_index_healthy 1.0" in await resp.text()
+
+
+@pytest.mark.parametrize("share", [True, False])
+async def test_keda_reading_either_replica_sees_the_pool_s_demand(redis: RedisServer, share: bool) -> None:
+    """KEDA keeps one connection per scaler address, so behind one Service it reads one replica:
+    with every request routed by replica A, replica B's recommendation must still be the pool's
+    (through the Redis both share). Without sharing, B recommends for the nothing it routed."""
+    import grpc
+
+    from router.adapters.keda import externalscaler_pb2 as pb
+
+    specs = [
+        EngineSpec(n, role, time=TimeModel(speed=20)) for n, role in (("p0", "prefill"), ("d0", "decode"))
+    ]
+    async with SimCluster(specs) as cluster, aiohttp.ClientSession() as http:
+        sections = {
+            "endpoints": [
+                {"address": cluster.address(s.name), "name": s.name, "role": s.role} for s in specs
+            ],
+            "index": {"redis": {"url": f"redis://127.0.0.1:{redis.port}/0"}},
+            # The router's model: prefill is slow, so 40 prompts/s of ~1k tokens need many replicas.
+            "engine": {"prefill_tokens_per_s": 2000.0},
+            "signals": {
+                "tick_ms": 50,
+                "level_window_s": 2.0,
+                "trend_window_s": 8.0,
+                "share_demand": share,
+            },
+            "keda": {"enabled": True, "port": 0},
+        }
+        async with router_for(sections) as (a, base_a), router_for(sections) as (b, _):
+
+            async def one(i: int) -> None:
+                body = {"model": "sim-model", "prompt": f"request {i} " + "words " * 800, "max_tokens": 2}
+                async with http.post(f"{base_a}/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+
+            for start in range(0, 40, 8):
+                await asyncio.gather(*(one(i) for i in range(start, start + 8)))
+            await eventually(lambda: a.scaling.latest["prefill"].recommended > 2, 10, "A asking for prefill")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{b.keda.port}") as channel:
+                get_metrics = channel.unary_unary(
+                    "/externalscaler.ExternalScaler/GetMetrics",
+                    request_serializer=lambda m: m.SerializeToString(),
+                    response_deserializer=pb.GetMetricsResponse.FromString,
+                )
+                ref = pb.ScaledObjectRef(
+                    name="prefill",
+                    namespace="llm",
+                    scalerMetadata={"role": "prefill", "signal": "recommendedReplicas"},
+                )
+
+                async def b_recommends() -> float:
+                    answer = await get_metrics(pb.GetMetricsRequest(scaledObjectRef=ref))
+                    return answer.metricValues[0].metricValueFloat
+
+                if share:
+                    await eventually(
+                        lambda: b_recommends_above(b_recommends, 2), 10, "B recommending for A's arrivals"
+                    )
+                    assert b.scaling.shared.replicas == 2
+                else:
+                    ticks = b.scaling.clock()
+                    await eventually(lambda: b.scaling.clock() > ticks + 0.5, 5, "B ticking")
+                    assert await b_recommends() == 1.0
+                    assert b.scaling.shared is None
+
+
+async def b_recommends_above(read: object, n: float) -> bool:
+    return await read() > n  # type: ignore[operator]

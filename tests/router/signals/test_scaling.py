@@ -372,3 +372,32 @@ def test_traffic_at_a_fresh_router_is_a_new_level_not_growth() -> None:
         clock.now += 1.0
         signals.tick()
         assert signals.arrivals.growth(clock.now, 60.0) == 1.0
+
+
+def test_another_replica_s_arrivals_count_as_the_pool_s_demand() -> None:
+    """With several router replicas each routes a share: the rates the others published (through
+    ``SharedDemand``) are added, so every replica recommends for the whole pool."""
+    from types import SimpleNamespace
+
+    from router.signals.shared import Rates
+
+    idle = {n: Metrics() for n in ("p0", "p1", "d0", "d1")}
+    alone, clock = pool_signals(idle)
+    shared, shared_clock = pool_signals(idle)
+    # The other replica routes 40 requests/s of 4,000-token prompts asking for 2,000 tokens each.
+    shared.shared = SimpleNamespace(others=Rates(160_000.0, 40.0, 80_000.0))  # type: ignore[assignment]
+    alone.tick(), shared.tick()  # where the rates start
+    for _ in range(10):
+        clock.now += 1.0
+        shared_clock.now += 1.0
+        for signals in (alone, shared):
+            signals.demand.arrived(400.0, 10)  # this replica's own share: 1 short request/s
+        mine, pooled = alone.tick(), shared.tick()
+    assert shared.own_rates.requests == pytest.approx(1.0, rel=0.05)  # what it publishes: its own
+    assert pooled["prefill"].demand == pytest.approx(160_400.0, rel=0.05)
+    assert pooled["prefill"].recommended > mine["prefill"].recommended == 1
+    assert pooled["decode"].recommended > mine["decode"].recommended == 1
+    # Capacity for the pool's prompt mix (mostly 4,000-token prompts), not for this replica's.
+    pool_mix = prefill_capacity(shared.perf, 160_400.0 / 41.0, 1.0, shared.settings.max_utilization)
+    assert pooled["prefill"].capacity == pytest.approx(pool_mix, rel=0.01)
+    assert pooled["prefill"].capacity != pytest.approx(mine["prefill"].capacity, rel=0.05)
