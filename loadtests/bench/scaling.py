@@ -19,6 +19,10 @@ Scenarios (each ~4.5 simulated minutes; ``--quick`` shrinks every duration 5×):
   osl-burst   2 min of 200-token answers (from 48), same rate and prompts: decode should scale, not prefill
   cache-drop  6k-token prompts whose 5.4k shared prefix stops repeating for 2 min: prefill demand ×10
   periodic    0.2 ↔ 0.8 req/s, period 80 s, shorter than the scale-down window: no flapping
+  mix-shift   90 s of 6k-token prompts, a pause, then short prompts with long answers: one prompt mix
+              per forecast, no jump to the maximum
+  short-burst a 40-s burst, shorter than the ready time: a replica or two at most
+  pd-drift    prompts growing while answers shrink at a constant rate: the two roles move apart
   drain       90 s of long answers (100-500 tokens) on replicas sized for them, then a trickle: replicas
               are removed while long decodes still run on them; nothing may be cut (failed requests)
 
@@ -219,6 +223,19 @@ SCENARIOS: dict[str, Scenario] = {
             "a burst shorter than the ready time: 0.2 req/s, then 1.0 req/s for 40 s, then 0.2",
             (_phase(60, 0.2), _phase(40, 1.0), _phase(120, 0.2)),
             "at most a replica or two asked for: the burst is over before any would be ready",
+        ),
+        Scenario(
+            "pd-drift",
+            "P/D ratio drift: 0.3 req/s while prompts grow 1k → 3k → 6k tokens and answers shrink "
+            "240 → 120 → 32, 80 s each",
+            (
+                _phase(80, 0.3, prompt_tokens=1000, max_tokens=240),
+                _phase(80, 0.3, prompt_tokens=3000, max_tokens=120),
+                _phase(80, 0.3, prompt_tokens=6000, max_tokens=32),
+                _phase(30, 0.3, prompt_tokens=6000, max_tokens=32),
+            ),
+            "the roles move apart at a constant request rate: decode shrinks (4 → 1), prefill grows (1 → 2)",
+            initial=(("prefill", 1), ("decode", 4)),
         ),
         Scenario(
             "drain",

@@ -1,0 +1,27 @@
+"""The same burst, replayed on fresh fleets and routers, gets the same replica recommendation
+(issue 20: identical long-prompt bursts once peaked at 4 to 33 prefill replicas, the capacity per
+replica falling 5-25× whenever a refit moved a prompt's service near the TTFT SLO)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loadtests.bench.bursts import SETTINGS, burst, repeat, table
+
+pytestmark = pytest.mark.integration
+
+
+async def test_identical_bursts_give_recommendations_within_one_replica() -> None:
+    # 9k-token prompts: their service is near the TTFT SLO, where the capacity once fell off a cliff.
+    phase = burst(requests=32, prompt_tokens=9000, seconds=20.0, seed=0)
+    runs = await repeat(3, phase, dataclasses.replace(SETTINGS, speed=10.0), seed=0)
+    report = table(runs, phase)
+    assert all(r.ok == r.requests for r in runs), report
+    peaks = [r.peak_prefill for r in runs]
+    # The burst needs more than the two prefill replicas running: the runs must agree on how many.
+    assert min(peaks) > 2, report
+    assert max(peaks) - min(peaks) <= 2, report  # each within one replica of the middle
+    for run in runs:  # the capacity per replica moves with the refits, never by a factor of two
+        assert run.capacity_low >= run.capacity_high / 2, report
