@@ -23,6 +23,8 @@ Scenarios (each ~4.5 simulated minutes; ``--quick`` shrinks every duration 5×):
               per forecast, no jump to the maximum
   short-burst a 40-s burst, shorter than the ready time: a replica or two at most
   pd-drift    prompts growing while answers shrink at a constant rate: the two roles move apart
+  rolling-upgrade  2-rank decode groups upgraded in place one at a time under steady load: the
+              count holds while each group is away, nothing is cut
   drain       90 s of long answers (100-500 tokens) on replicas sized for them, then a trickle: replicas
               are removed while long decodes still run on them; nothing may be cut (failed requests)
 
@@ -99,6 +101,7 @@ TPOT_SLO_S = 0.4
 LINKS = {"same": {"latency_ms": 0.05, "bandwidth_gbytes_per_s": 25.0}}
 LINK = "rack-a"
 TYPICAL_PROMPT = 2000
+RANK_STAGGER_S = 5.0  # a multi-rank group's workers come up this far apart (simulated s)
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,8 @@ class Scenario:
     phases: tuple[Phase, ...]
     expect: str
     initial: tuple[tuple[str, int], ...] = (("prefill", 1), ("decode", 1))
+    ranks: int = 1  # ranks per group (a LeaderWorkerSet's size)
+    rolls: tuple[tuple[float, str], ...] = ()  # (simulated s, role): a rolling upgrade starts
 
     def stretched(self, factor: float) -> tuple[Phase, ...]:
         return tuple(dataclasses.replace(p, duration_s=p.duration_s * factor) for p in self.phases)
@@ -236,6 +241,17 @@ SCENARIOS: dict[str, Scenario] = {
             ),
             "the roles move apart at a constant request rate: decode shrinks (4 → 1), prefill grows (1 → 2)",
             initial=(("prefill", 1), ("decode", 4)),
+        ),
+        Scenario(
+            "rolling-upgrade",
+            "rolling upgrade of 2-rank decode groups under steady load: 0.3 req/s of 100-300-token "
+            "answers; at 60 s every decode group is replaced in place, one at a time",
+            (_phase(270, 0.3, max_tokens=100, max_tokens_high=300),),
+            "each group is away for its ready time (one fewer admitted) and back under the new "
+            "revision: the replica count holds (a planned absence is not demand), none cut",
+            initial=(("prefill", 1), ("decode", 4)),
+            ranks=2,
+            rolls=((60.0, "decode"),),
         ),
         Scenario(
             "drain",
@@ -555,18 +571,27 @@ def rec_fields(rec: Any) -> dict[str, Any]:
 
 @contextlib.asynccontextmanager
 async def serving(
-    initial: Mapping[str, int], settings: Settings, seed: int
+    initial: Mapping[str, int], settings: Settings, seed: int, ranks: int = 1
 ) -> AsyncIterator[tuple[Fleet, App]]:
     """A fresh fleet with ``initial`` replicas per role (Ready at once) and a router discovering it."""
     tm = dataclasses.replace(WORLD, speed=settings.speed)
     links = LinksConfig.model_validate(scaled_links(LINKS, settings.speed))
     async with Fleet(
-        templates(tm), ready_s=settings.wall(settings.ready_s), link_cost=link_cost_from(links)
+        templates(tm),
+        ready_s=settings.wall(settings.ready_s),
+        link_cost=link_cost_from(links),
+        ranks=ranks,
+        rank_stagger_s=settings.wall(RANK_STAGGER_S),
     ) as fleet:
         await fleet.start(initial)
         async with App(make_config(fleet, tm, settings), discovery=fleet, seed=seed) as app:
             fleet.busy = functools.partial(router_busy, app)
             yield fleet, app
+
+
+async def _roll_at(fleet: Fleet, at: float, role: str) -> None:
+    await asyncio.sleep(max(0.0, at - asyncio.get_running_loop().time()))
+    await fleet.roll(role, "r2")
 
 
 async def replay(scn: Scenario, policy: Policy, workload: Workload, settings: Settings, seed: int) -> Outcome:
@@ -575,9 +600,13 @@ async def replay(scn: Scenario, policy: Policy, workload: Workload, settings: Se
     duration = sum(p.duration_s for p in phases)
     outcome = Outcome(scn.key, policy.name, duration, [], [], {})
     loop = asyncio.get_running_loop()
-    async with serving(dict(scn.initial), settings, seed) as (fleet, app):
+    async with serving(dict(scn.initial), settings, seed, scn.ranks) as (fleet, app):
         t0 = loop.time()
         scaler = asyncio.create_task(autoscale(app, fleet, policy, settings, outcome, t0))
+        rolls = [
+            asyncio.create_task(_roll_at(fleet, t0 + settings.wall(at * settings.stretch), role))
+            for at, role in scn.rolls
+        ]
         try:
             run = run_workload(
                 f"http://127.0.0.1:{app.proxy_port}",
@@ -588,8 +617,9 @@ async def replay(scn: Scenario, policy: Policy, workload: Workload, settings: Se
             summary = await asyncio.wait_for(run, settings.wall(duration) + settings.run_timeout_s + 10.0)
             await asyncio.sleep(max(0.0, t0 + settings.wall(duration) - loop.time()))
         finally:
-            scaler.cancel()
-            await asyncio.gather(scaler, return_exceptions=True)
+            for task in (scaler, *rolls):
+                task.cancel()
+            await asyncio.gather(scaler, *rolls, return_exceptions=True)
         end = t0 + settings.wall(duration)
         outcome.replica_s = {role: fleet.replica_seconds(role, t0, end) * settings.speed for role in ROLES}
     outcome.results = summary.results

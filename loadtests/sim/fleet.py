@@ -1,7 +1,9 @@
 """A simulated autoscaled fleet: replicas an autoscaler asks for, published to the router as discovery.
 
 ``Fleet`` plays both the cluster and the router's discovery source (``router.control.model.
-DiscoverySource``): each replica is one simulated engine and one group of one rank.
+DiscoverySource``): each replica is one simulated engine and one group of ``ranks`` ranks (rank 0
+serves; the others are worker ranks with no address, Ready ``rank_stagger_s`` apart, as a
+LeaderWorkerSet's workers).
 
 * **Scale up**: a new replica's engine starts at once (it is paid for from then on) and is published
   *not Ready*; after ``ready_s`` (scheduling, image pull, weights, warm-up) it is published Ready and
@@ -10,6 +12,11 @@ DiscoverySource``): each replica is one simulated engine and one group of one ra
   vanish; a Ready one is published *draining* (the router takes no new requests to it, in-flight ones
   finish) and its engine is stopped only once it is idle: nothing running or waiting on the engine
   and, per ``busy``, nothing of the router's in flight to it. So a scale-down never cuts a stream.
+* **Rolling upgrade** (``roll``): one group of a role at a time, in place (a LeaderWorkerSet's
+  default: maxUnavailable 1, no surge): its ranks are replaced by pods of the new revision (new
+  identities, not Ready), which become Ready after ``ready_s`` as a new replica's do; the next
+  group follows once this one is Ready again. The engine keeps running (and finishes what it was
+  given): the router stops routing to the group the moment its epoch changes.
 
 Every replica's life (requested, Ready, draining, stopped) is kept for the replica-time accounting.
 Everything listens on 127.0.0.1; time is the event loop's clock (wall seconds).
@@ -42,6 +49,9 @@ class Replica:
     ready: bool = False
     draining_at: float | None = None
     stopped_at: float | None = None
+    ranks: int = 1
+    revision: str = "r1"
+    epoch: int = 0  # pod generation: a rolling upgrade replaces every rank's identity
 
     @property
     def active(self) -> bool:
@@ -75,11 +85,15 @@ class Fleet:
         link_cost: LinkCost | None = None,
         revision: str = "r1",
         poll_s: float = 0.01,
+        ranks: int = 1,
+        rank_stagger_s: float = 0.0,
     ) -> None:
         self.templates = dict(templates)
         self.ready_s = ready_s
         self.revision = revision
         self.poll_s = poll_s
+        self.ranks = ranks
+        self.rank_stagger_s = rank_stagger_s
         self.synced = False
         # Whether the router still has requests in flight to this endpoint (set once the router exists).
         self.busy: Callable[[str], bool] = never_busy
@@ -113,6 +127,22 @@ class Fleet:
                 await self._stop(replica)  # never admitted: nothing can be in flight there
         self._changed.set()
 
+    async def roll(self, role: str, revision: str) -> None:
+        """Upgrade every group of ``role`` to ``revision``, one at a time (see the module docstring);
+        returns when the last one is Ready again."""
+        for replica in [r for r in self.active(role) if r.revision != revision]:
+            if not replica.active:  # scaled down meanwhile
+                continue
+            replica.revision, replica.epoch = revision, replica.epoch + 1
+            replica.ready, replica.ready_at = False, self._now() + self.ready_s
+            log.info("fleet: %s rolling to %s", replica.name, revision)
+            self._changed.set()
+            while replica.active and not (replica.ready and self._all_ranks_ready(replica)):
+                await asyncio.sleep(self.poll_s)
+
+    def _all_ranks_ready(self, replica: Replica) -> bool:
+        return self._now() >= replica.ready_at + (replica.ranks - 1) * self.rank_stagger_s
+
     async def start(self, initial: Mapping[str, int]) -> None:
         """The replicas running before the replay: Ready at once."""
         for role, n in initial.items():
@@ -140,23 +170,27 @@ class Fleet:
     # -- the discovery side -------------------------------------------------------------------------
 
     def snapshot(self) -> list[GroupSpec]:
-        """Every replica not yet stopped, as a one-rank group."""
+        """Every replica not yet stopped, as a group of its ranks."""
         groups = []
+        now = self._now()
         for r in self.replicas.values():
             if r.stopped_at is not None:
                 continue
-            member = Member(
-                name=r.name,
-                identity=r.name,
-                rank=0,
-                ready=r.ready,
-                addresses=(self.cluster.address(r.name),),
-                revision=self.revision,
-                role=cast(Role, r.role),  # a template's role, checked by EngineSpec
-                link=r.engine.spec.link,
-                draining=r.draining_at is not None,
+            members = tuple(
+                Member(
+                    name=r.name if rank == 0 else f"{r.name}-rank{rank}",
+                    identity=f"{r.name}-rank{rank}-gen{r.epoch}",
+                    rank=rank,
+                    ready=r.ready and now >= r.ready_at + rank * self.rank_stagger_s,
+                    addresses=(self.cluster.address(r.name),) if rank == 0 else (),
+                    revision=r.revision,
+                    role=cast(Role, r.role),  # a template's role, checked by EngineSpec
+                    link=r.engine.spec.link,
+                    draining=r.draining_at is not None,
+                )
+                for rank in range(r.ranks)
             )
-            groups.append(GroupSpec(r.name, 1, (member,)))
+            groups.append(GroupSpec(r.name, r.ranks, members))
         return groups
 
     async def run(self, publish: Publish) -> None:
@@ -197,7 +231,17 @@ class Fleet:
         spec = dataclasses.replace(self.templates[role], name=name, port=0)
         engine = await self.cluster.add(spec)
         now = self._now()
-        replica = Replica(name, role, engine, now, now if ready else now + self.ready_s, ready=ready)
+        replica = Replica(
+            name,
+            role,
+            engine,
+            now,
+            # The replicas running before the replay have every rank Ready already.
+            now - (self.ranks - 1) * self.rank_stagger_s if ready else now + self.ready_s,
+            ready=ready,
+            ranks=self.ranks,
+            revision=self.revision,
+        )
         self.replicas[name] = replica
         log.info("fleet: %s requested (%s)", name, "Ready" if ready else f"Ready in {self.ready_s:.2f}s")
         return replica

@@ -103,6 +103,28 @@ async def test_a_removed_replica_drains_its_streams_and_stops_once_idle() -> Non
         await eventually(lambda: victim.name not in app.pool.endpoints, 5, "the victim left the pool")
 
 
+async def test_a_rolling_upgrade_takes_one_multi_rank_group_away_at_a_time_and_cuts_nothing() -> None:
+    async with serving({"decode": 2}, FAST, seed=0, ranks=2) as (fleet, app):
+        base = f"http://127.0.0.1:{app.proxy_port}"
+        first, second = sorted(fleet.active("decode"), key=lambda r: r.name)
+        assert app.control is not None and all(admitted(app, r.name) for r in (first, second))
+        workers = {m.name for g in fleet.snapshot() for m in g.members if m.rank == 1}
+        assert workers == {f"{first.name}-rank1", f"{second.name}-rank1"}
+        streams = asyncio.create_task(complete(base, 6, 120))
+        roll = asyncio.create_task(fleet.roll("decode", "r2"))
+        await eventually(lambda: not admitted(app, first.name), 2, "the first group's old epoch revoked")
+        assert admitted(app, second.name)  # one group away at a time
+        assert all(r.ok for r in await complete(base, 4, 2))  # served by the other group meanwhile
+        await eventually(lambda: admitted(app, first.name), 10, "the first group back under r2")
+        group = app.control.groups[first.name]
+        assert {m.revision for m in group.spec.members} == {"r2"} and len(group.spec.members) == 2
+        await eventually(lambda: not admitted(app, second.name), 5, "then the second group")
+        await roll  # every rank Ready under r2; then the router's gate admits the last group
+        await eventually(lambda: admitted(app, second.name), 10, "the second group back under r2")
+        assert fleet.count("decode") == 2  # an upgrade is not a scale
+        assert [r.ok for r in await streams] == [True] * 6
+
+
 def test_threshold_policies_compute_desired_replicas_like_an_hpa() -> None:
     reading = RoleReading(fresh=2, waiting=10.0, running=20.0, kv_mean=0.75)
     targets = {"prefill": 1.0, "decode": 2.0}
