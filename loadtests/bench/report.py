@@ -776,7 +776,8 @@ def render_markdown(report: Report, images: dict[str, str] | str, folder: str) -
         "cells; the CPU row above says how much there was.",
         "",
         "Routing quality in virtual time (deterministic, and what the defaults rest on) is in "
-        "[quality.md](quality.md).",
+        "[quality.md](quality.md); the autoscaling replay and repeated bursts are in "
+        "[autoscaling.md](autoscaling.md).",
         "",
         "Command (from the repository root):",
         "",

@@ -46,7 +46,7 @@ and load over time (``--png``, needs matplotlib: ``pip install -e '.[bench]'``);
 router's recommendation per autoscaler tick and role (``--trace``: demand, forecast, capacity,
 load, desired, recommended, refusal; in wall-clock units, as the compressed router sees them).
 
-    python -m loadtests.bench.scaling                      # every scenario and policy (~5 min)
+    python -m loadtests.bench.scaling                      # every scenario and policy (~15 min)
     python -m loadtests.bench.scaling --quick --scenarios isl-burst --policies queue
     python -m loadtests.bench.scaling --png scaling.png --table scaling.md
     python -m loadtests.bench.scaling --scenarios ramp --trace ramp.csv  # the router's reasoning per tick
