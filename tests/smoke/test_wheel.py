@@ -333,7 +333,7 @@ def test_serve_answers_health_a_completion_and_the_debug_view(
         status, _, answer = http("POST", f"{base}/v1/completions", body)
         assert status == 200, answer
         assert json.loads(answer)["choices"][0]["text"]
-        # What the README's `curl …/debug/pool | jq '.groups[] | {key, state, epoch, last_failure}'` reads.
+        # What docs/admission.md's `curl …/debug/pool | jq '.groups[] | {key, state, …}'` reads.
         view = ok_json(f"http://127.0.0.1:{metrics_port}/debug/pool")
     assert view is not None and view["groups"]
     for group in view["groups"]:
