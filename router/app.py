@@ -4,7 +4,8 @@ reverse.
 Build: pool → prefix indexes → picker (``router.compose``) → producers → ``RequestFlow``.
 Start: engine session → first scrape round (so the pool has candidates before traffic) → scrape
 loop → KV events / shared index → each enabled listener (proxy, ext_proc, metrics) → ready.
-Stop (SIGTERM): not ready → listeners drain in-flight requests → loops stop → session closes.
+Stop (SIGTERM): not ready (still serving for ``shutdown.lame_duck_s``, ``router.cli``) → listeners
+drain in-flight requests → loops stop → session closes.
 Adding an adapter is its module plus one ``enter_async_context`` line in ``start``.
 """
 
@@ -384,10 +385,14 @@ class App:
         self._stack.push_async_callback(consumer.stop)
         self.kv_events = consumer
 
-    async def stop(self) -> None:
-        """Not ready first (gateways stop sending), then listeners drain and loops stop, in reverse."""
+    def lame_duck(self) -> None:
+        """Report not ready (gateways stop sending) while every listener still accepts and answers."""
         self.ready = False
         self.health.set_ready(False)
+
+    async def stop(self) -> None:
+        """Not ready first (gateways stop sending), then listeners drain and loops stop, in reverse."""
+        self.lame_duck()
         if self.flow_control is not None:  # held requests are answered now, not at their deadline
             self.flow_control.close()
         await self._stack.aclose()

@@ -198,7 +198,8 @@ async def serve(config: PoolConfig, args: argparse.Namespace | None = None) -> i
         discovery = StaticDiscovery(config.endpoints, path=args.config, overrides=config_overrides(args))
     # The drop-in pool series are labelled with the InferencePool's name, as the reference pickers do.
     pool_name = (config.kubernetes.pool_name if config.kubernetes else None) or "pd-router"
-    return await until_signal(App(config, discovery=discovery, pool_name=pool_name))
+    app = App(config, discovery=discovery, pool_name=pool_name)
+    return await until_signal(app, lame_duck_s=config.shutdown.lame_duck_s)
 
 
 def _run_sidecar(args: argparse.Namespace) -> int:
@@ -225,14 +226,23 @@ def _run_sidecar(args: argparse.Namespace) -> int:
     return run(until_signal(server))
 
 
-async def until_signal(server: Any) -> int:
-    """Serve until SIGTERM/SIGINT, then leave ``server``'s context (it drains in-flight streams)."""
+async def until_signal(server: Any, *, lame_duck_s: float = 0.0) -> int:
+    """Serve until SIGTERM/SIGINT, then leave ``server``'s context (it drains in-flight streams).
+    ``lame_duck_s``: first keep serving that long while ``server.lame_duck()`` reports not ready,
+    so health-checking gateways move away before the listeners stop accepting (a second signal
+    cuts it short)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with server:
         await stop.wait()
+        if lame_duck_s > 0:
+            server.lame_duck()
+            log.info("shutting down: not ready, still serving for %.1fs (lame duck)", lame_duck_s)
+            stop.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), lame_duck_s)
         log.info("shutting down: finishing in-flight requests")
         started = time.monotonic()
     log.info("stopped after %.1fs of draining", time.monotonic() - started)

@@ -500,6 +500,19 @@ class AdminConfig(_Strict):
         return self
 
 
+class ShutdownConfig(_Strict):
+    """What ``pd-router serve`` does on SIGTERM before its listeners drain."""
+
+    lame_duck_s: NonNegative = Field(
+        5.0,
+        description="keep accepting and answering while reporting not ready (gRPC health "
+        "NOT_SERVING, /health 503) this long, so gateways that health-check the picker (Envoy, a "
+        "Kubernetes Service) move new requests to other replicas before it stops accepting; at "
+        "least their detection time (check interval x unhealthy threshold); a second signal ends "
+        "it early; 0: drain at once",
+    )
+
+
 class KedaConfig(_Strict):
     """KEDA's external scaler (gRPC ``externalscaler.ExternalScaler``): scale prefill and decode
     workloads on pd-router's per-role signals without a Prometheus in between."""
@@ -698,6 +711,7 @@ class PoolConfig(_Strict):
     kubernetes: KubernetesConfig | None = Field(None, description="discover the pool from Kubernetes")
     admin: AdminConfig = Field(AdminConfig(), description="drain, undrain and re-gate groups over HTTP")
     keda: KedaConfig = Field(KedaConfig(), description="KEDA's external scaler")
+    shutdown: ShutdownConfig = Field(ShutdownConfig(), description="what SIGTERM does before draining")
     signals: SignalsConfig = Field(
         SignalsConfig(), description="the online performance model and replica recommendations"
     )

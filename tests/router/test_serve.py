@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -77,6 +79,7 @@ async def test_serve_drains_in_flight_streams_on_sigterm(tmp_path: Path) -> None
         config.write_text(
             f"model: sim-model\nendpoints:\n  - {{address: '{address}', role: prefill-decode}}\n"
             f"proxy: {{port: {port}, drain_timeout_s: 20}}\nscrape: {{interval_ms: 100}}\n"
+            "shutdown: {lame_duck_s: 0}\n"  # straight to draining (the lame duck has its own test)
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = await asyncio.create_subprocess_exec(
@@ -106,44 +109,86 @@ async def test_serve_drains_in_flight_streams_on_sigterm(tmp_path: Path) -> None
                 await proc.wait()
 
 
+@contextlib.asynccontextmanager
+async def extproc_serve(
+    tmp_path: Path, engine: str, lame_duck_s: float
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, int, int]]:
+    """``pd-router serve`` with the ext_proc and health listeners only, in a real process, once it
+    listens; yields (process, ext_proc port, health port). Killed if still running at the end."""
+    grpc_port, health_port = free_port(), free_port()
+    config = tmp_path / "pool.yaml"
+    config.write_text(
+        f"model: sim-model\nendpoints:\n  - {{address: '{engine}'}}\n"
+        f"proxy: {{enabled: false}}\nshutdown: {{lame_duck_s: {lame_duck_s}}}\n"
+    )
+    args = ["--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port)]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.cli", "serve", "--config", str(config), *args,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        while b"ext_proc listening" not in (line := await asyncio.wait_for(proc.stderr.readline(), 20)):
+            assert line, "pd-router serve exited before listening"
+        yield proc, grpc_port, health_port
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 async def test_serve_answers_ext_proc_and_health_in_a_real_process(tmp_path: Path) -> None:
     """The gRPC listeners as ``pd-router serve`` runs them (uvloop when installed), then SIGTERM."""
-    async with SimCluster([EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20))]) as cluster:
-        grpc_port, health_port = free_port(), free_port()
-        config = tmp_path / "pool.yaml"
-        config.write_text(
-            f"model: sim-model\nendpoints:\n  - {{address: '{cluster.address('e0')}'}}\n"
-            "proxy: {enabled: false}\n"
-        )
-        args = ["--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port)]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.cli", "serve", "--config", str(config), *args,
-            stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-        try:
-            assert proc.stderr is not None
-            while b"ext_proc listening" not in (line := await asyncio.wait_for(proc.stderr.readline(), 20)):
-                assert line, "pd-router serve exited before listening"
-            for port in (grpc_port, health_port):
-                async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                    check = health_pb2_grpc.HealthStub(channel).Check
-                    answer = await check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
-                    assert answer.status == health_pb2.HealthCheckResponse.SERVING
-            body = b'{"model": "sim-model", "prompt": "hello there"}'
-            messages = [
-                pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
-                pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
-            ]
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-                process = pb_grpc.ExternalProcessorStub(channel).Process
-                responses = [r async for r in process(iter(messages), timeout=5)]
-            routing = responses[0].request_headers.response.header_mutation.set_headers
-            assert {h.header.key: h.header.raw_value.decode() for h in routing} == {
-                "x-gateway-destination-endpoint": cluster.address("e0")
-            }
-            proc.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(proc.wait(), 20) == 0
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+    async with (
+        SimCluster([EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20))]) as cluster,
+        extproc_serve(tmp_path, cluster.address("e0"), lame_duck_s=0) as (proc, grpc_port, health_port),
+    ):
+        for port in (grpc_port, health_port):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check
+                answer = await check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        assert await routed(grpc_port) == cluster.address("e0")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+
+
+async def test_sigterm_keeps_answering_while_not_ready_for_the_lame_duck_period(tmp_path: Path) -> None:
+    """Envoy learns a replica is leaving from its health checks: for ``shutdown.lame_duck_s`` after
+    SIGTERM the picker answers NOT_SERVING yet still routes every stream it is sent, and only then
+    stops accepting and exits, so no request arrives at a closed port while the gateway catches up."""
+    async with (
+        SimCluster([EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20))]) as cluster,
+        extproc_serve(tmp_path, cluster.address("e0"), lame_duck_s=3) as (proc, grpc_port, health_port),
+    ):
+
+        async def readiness() -> int:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check
+                return (await check(health_pb2.HealthCheckRequest(service="readiness"), timeout=5)).status
+
+        assert await readiness() == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stderr is not None
+        while b"lame duck" not in (line := await asyncio.wait_for(proc.stderr.readline(), 10)):
+            assert line, "pd-router serve exited without a lame-duck period"
+        assert await readiness() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await routed(grpc_port) == cluster.address("e0")  # still routing while the gateway moves away
+        assert proc.returncode is None
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+
+
+async def routed(grpc_port: int) -> str:
+    """Where the picker on ``grpc_port`` routes one completion (one ext_proc stream)."""
+    body = b'{"model": "sim-model", "prompt": "hello there"}'
+    messages = [
+        pb.ProcessingRequest(request_headers=pb.HttpHeaders()),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)),
+    ]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        process = pb_grpc.ExternalProcessorStub(channel).Process
+        responses = [r async for r in process(iter(messages), timeout=5)]
+    routing = responses[0].request_headers.response.header_mutation.set_headers
+    headers = {h.header.key: h.header.raw_value.decode() for h in routing}
+    assert set(headers) == {"x-gateway-destination-endpoint"}
+    return headers["x-gateway-destination-endpoint"]
