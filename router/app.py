@@ -125,6 +125,7 @@ class App:
             producers.append(self.precise_keys)
         if self.shared is not None:
             producers.append(SharedLookup(self.shared, self.pool))
+        self.pool.on_removed = self._forget_slot
         # Link bandwidths from answered pairs: always observed and exported, applied per signals.learn_links.
         self.links = LinkLearner(link_costs_from(config), apply=config.signals.learns("links"))
         self.picker = picker_from(
@@ -185,6 +186,13 @@ class App:
         self.keda: KedaListener | None = None
         self._stack = AsyncExitStack()
         self._scraper: Scraper | None = None
+
+    def _forget_slot(self, slot: int) -> None:
+        """An endpoint left the pool (or a new engine replaced it): what the indexes held for its
+        slot goes, before another endpoint reuses the slot."""
+        self.index.drop_slot(slot)
+        if self.precise_index is not None:
+            self.precise_index.drop_slot(slot)
 
     def _cost_model(self) -> CostModel:
         return self.picker.cost_model

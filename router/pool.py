@@ -119,6 +119,9 @@ class Pool:
         self._answers_seen = 0
         # Called whenever a reservation gives something back (flow control binds held requests).
         self.on_free: Callable[[], None] = _nothing
+        # A slot's endpoint left the pool: what was learned about it (cached prefixes) must go
+        # before the slot serves another endpoint.
+        self.on_removed: Callable[[int], None] = _forget
         self._free_slots: list[int] = []
         self._allocate(capacity)
 
@@ -175,6 +178,7 @@ class Pool:
     def remove(self, endpoint_id: str) -> Endpoint:
         endpoint = self.endpoints.pop(endpoint_id)
         slot = endpoint.slot
+        self.on_removed(slot)
         self.generation[slot] += 1
         self.by_slot[slot] = None
         if self.slot_by_address.get(endpoint.address) == slot:
@@ -293,4 +297,8 @@ def _or_nan(value: float | None) -> float:
 
 
 def _nothing() -> None:
+    pass
+
+
+def _forget(slot: int) -> None:
     pass

@@ -83,6 +83,9 @@ class GroupRecord:
     admin_drain: bool = False
     regated_at: float | None = None  # wall clock of an admin re-gate: older shared verdicts are stale
     endpoint_ids: list[str] = field(default_factory=list)
+    # Per endpoint, the identity of the rank serving it (pod UID and container restarts): a new one
+    # is a new engine, whatever its name and address say (its KV cache is gone).
+    identities: dict[str, str] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
 
     @property
@@ -168,9 +171,11 @@ class GroupController:
 
     def _sync_endpoints(self, record: GroupRecord) -> None:
         wanted: dict[str, EndpointConfig] = {}
+        identities: dict[str, str] = {}
         for member in record.spec.members:
             for address in member.addresses:
                 name = member.name if len(member.addresses) == 1 else f"{member.name}@{address}"
+                identities[name] = member.identity
                 wanted[name] = EndpointConfig(
                     address=address,
                     role=member.role,
@@ -185,9 +190,16 @@ class GroupController:
                 self._leave(endpoint_id, self.clock() + self.settings.drain_timeout_s)
         for endpoint_id, config in wanted.items():
             current = pool.endpoints.get(endpoint_id)
-            if current is not None and (current.address != config.address or current.role != config.role):
+            before = record.identities.get(endpoint_id)
+            if current is not None and (
+                current.address != config.address
+                or current.role != config.role
+                or (before is not None and before != identities[endpoint_id])
+            ):
+                # The same name on another address, or another engine behind it (a replaced or
+                # restarted container): a different endpoint, starting with nothing cached.
                 pool.admitted[current.slot] = False
-                pool.remove(endpoint_id)  # the same name on another address: a different endpoint
+                pool.remove(endpoint_id)
                 current = None
             if current is None:
                 self._leaving.pop(endpoint_id, None)
@@ -195,6 +207,7 @@ class GroupController:
             else:
                 pool.refresh(current, config)
         record.endpoint_ids = list(wanted)
+        record.identities = identities
 
     def _leave(self, endpoint_id: str, deadline: float) -> None:
         endpoint = self.pool.endpoints.get(endpoint_id)

@@ -136,8 +136,9 @@ async def test_keda_reading_either_replica_sees_the_pool_s_demand(redis: RedisSe
                 else:
                     ticks = b.scaling.clock()
                     await eventually(lambda: b.scaling.clock() > ticks + 0.5, 5, "B ticking")
-                    assert await b_recommends() == 1.0
-                    assert b.scaling.shared is None
+                    # B counts no arrivals (it may still see the engines' queues, as A does).
+                    assert b.scaling.shared is None and b.scaling.own_rates.requests == 0
+                    assert await b_recommends() < a.scaling.latest["prefill"].recommended
 
 
 async def b_recommends_above(read: object, n: float) -> bool:

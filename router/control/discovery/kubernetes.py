@@ -437,7 +437,7 @@ class KubernetesDiscovery:
         fronted = _sidecar_ports(pod, annotations, ports)
         member = Member(
             name=name,
-            identity=_uid(pod),
+            identity=_identity(pod, status),
             rank=rank,
             ready=_ready(status),
             addresses=tuple(_address(ip, port) for port in ports),
@@ -459,6 +459,13 @@ def _name(obj: Mapping[str, Any]) -> str:
 def _uid(pod: Mapping[str, Any]) -> str:
     meta = pod.get("metadata") or {}
     return str(meta.get("uid") or meta.get("name") or "")
+
+
+def _identity(pod: Mapping[str, Any], status: Mapping[str, Any]) -> str:
+    """The pod's UID, and how often its containers restarted: a restarted container is a new engine
+    (its KV cache and model reloaded), so a new group epoch, gated again."""
+    restarts = sum(_int(c.get("restartCount"), 0) for c in status.get("containerStatuses") or ())
+    return _uid(pod) if restarts == 0 else f"{_uid(pod)}#{restarts}"
 
 
 def _int(value: object, default: int) -> int:

@@ -103,6 +103,28 @@ async def test_a_new_epoch_revokes_before_apply_returns_and_a_stale_result_is_di
     assert [run[1] for run in gate.runs].count(record.fingerprint) == 1
 
 
+async def test_a_restarted_engine_is_a_new_endpoint_that_starts_with_nothing_cached(setup) -> None:
+    """Same name and address, another engine behind it (a container restart: a new identity): the
+    old endpoint leaves the pool, so what the indexes held for its slot goes, and the new one is
+    gated before it gets traffic."""
+    pool, gate, _, control = setup
+    forgotten: list[int] = []
+    pool.on_removed = forgotten.append
+    control.apply([group(rank("g-0", 0), rank("g-1", 1))])
+    gate.passes("g")
+    await eventually(lambda: admitted(pool) == {"g-0"}, 2, "admitted")
+    old = pool.endpoints["g-0"]
+    control.apply([group(rank("g-0", 0), rank("g-1", 1))])  # the same epoch again: nothing changes
+    assert pool.endpoints["g-0"] is old and forgotten == []
+    control.apply([group(rank("g-0", 0, uid="uid-g-0#1"), rank("g-1", 1))])
+    assert forgotten == [old.slot]
+    new = pool.endpoints["g-0"]
+    assert new is not old and new.address == old.address and admitted(pool) == set()
+    await eventually(lambda: len(gate.runs) == 2, 2, "gated again")
+    gate.passes("g")
+    await eventually(lambda: admitted(pool) == {"g-0"}, 2, "admitted again")
+
+
 async def test_an_admitted_group_that_loses_a_rank_is_revoked_at_once(setup) -> None:
     pool, gate, _, control = setup
     control.apply([group(rank("g-0", 0), rank("g-1", 1))])

@@ -440,3 +440,23 @@ async def test_cancelling_closes_the_client_it_made_and_leaves_a_given_one_open(
 def test_the_constructor_refuses_ambiguous_sources(options: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         KubernetesDiscovery(lambda: ApiClient(), NS, **options)
+
+
+async def test_a_restarted_container_is_a_new_identity_so_a_new_epoch(kube: FakeKube) -> None:
+    """Same pod, same UID, but its vLLM container restarted: the engine lost its KV cache and reloaded
+    the model, so the rank's identity (and the group's fingerprint) changes and it is gated again."""
+    kube.put("pools", pool())
+    kube.put("pods", pod("p0", "10.0.0.1"))
+    source = discovery(kube)
+    async with running(source) as seen:
+        await grows(seen, 1, "the first snapshot")
+        before = seen.groups["p0"]
+        assert before.members[0].identity == "uid-p0"
+        restarted = pod("p0", "10.0.0.1")
+        restarted["status"]["containerStatuses"][1]["restartCount"] = 1
+        kube.put("pods", restarted)
+        await grows(seen, 2, "the restart")
+        after = seen.groups["p0"]
+        assert after.members[0].identity == "uid-p0#1"
+        assert after.members[0].addresses == before.members[0].addresses
+        assert after.fingerprint() != before.fingerprint()

@@ -71,3 +71,25 @@ async def test_the_static_file_plays_a_late_rank_a_restart_a_revision_and_a_fail
                 async with http.post(f"http://{e0}/sim/fault?fail=off") as resp:
                     assert resp.status == 200
             await eventually(lambda: group.state.value == "admitted", 5, "recovered")
+
+
+async def test_a_restarted_engine_leaves_nothing_cached_in_the_index(tmp_path: Path) -> None:
+    """The leader's engine restarted (a new incarnation: its KV cache is gone): the index forgets
+    what it held for the endpoint, so the next prompt is not priced as cached there."""
+    specs = [EngineSpec("e0", "prefill-decode", time=TimeModel(speed=20.0))]
+    async with SimCluster(specs) as cluster:
+        e0 = {"address": cluster.address("e0"), "name": "e0"}
+        path = tmp_path / "pool.yaml"
+        write(path, [e0])
+        config = load_config(path)
+        source = StaticDiscovery(config.endpoints, path=path, poll_s=0.02)
+        async with App(config, discovery=source) as app, aiohttp.ClientSession() as http:
+            base = f"http://127.0.0.1:{app.proxy_port}"
+            body = {"model": "sim-model", "prompt": "a long shared system prompt " * 40, "max_tokens": 2}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+            old = app.pool.endpoints["e0"]
+            await eventually(lambda: len(app.index) > 0, 2, "the prompt recorded")
+            write(path, [{**e0, "incarnation": "2"}])
+            await eventually(lambda: app.pool.endpoints.get("e0") is not old, 5, "a new engine")
+            assert len(app.index) == 0  # nothing of the old engine's cache is believed any more
