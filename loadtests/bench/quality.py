@@ -501,8 +501,9 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
         f"  {scn.params}",
         "",
     ]
+    width = max(18, *(len(run.policy) for run in runs))  # a variant's name may be longer
     header = (
-        f"  {'policy':<18} {'ok':>9} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
+        f"  {'policy':<{width}} {'ok':>9} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
         f"{'goodput':>7} {'p50/LL':>6} {'p90/LL':>6} {'p99/LL':>6} {'p90/ref':>7} {'p99/ref':>7} "
         f"{'hit':>5} {'x-link':>6} {'sim s':>6} {'CPU s':>6}"
     )
@@ -510,7 +511,7 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
     for run in runs:
         s = stats[run.policy]
         lines.append(
-            f"  {run.policy:<18} {int(s['ok']):>4}/{int(s['requests']):<4} {_fmt(s['ttft_p50_ms']):>9} "
+            f"  {run.policy:<{width}} {int(s['ok']):>4}/{int(s['requests']):<4} {_fmt(s['ttft_p50_ms']):>9} "
             f"{_fmt(s['ttft_p90_ms']):>8} {_fmt(s['ttft_p99_ms']):>8} {_fmt(s['tpot_p50_ms'], 2):>9} "
             f"{_fmt(s['tpot_p99_ms'], 2):>7} {s['goodput']:>7.1%} "
             f"{_ratio(s['ttft_p50_ms'], ll.get('ttft_p50_ms', math.nan)):>6} "
@@ -538,8 +539,9 @@ def render_prediction_errors(runs: Sequence[PolicyRun]) -> list[str]:
     rows = [(run.policy, run.predictions) for run in runs if run.predictions]
     if not rows:
         return []
+    width = max(18, *(len(name) for name, _ in rows))
     head = (
-        f"  {'prediction error':<18} {'kind':<17} {'n':>5} {'TTFT obs/pred p50':>17} {'p90':>5} "
+        f"  {'prediction error':<{width}} {'kind':<17} {'n':>5} {'TTFT obs/pred p50':>17} {'p90':>5} "
         f"{'w/o stall p50':>13} {'p90':>5} {'P leg p50':>9} {'D leg p50':>9}"
     )
     lines = ["", head, "  " + "-" * (len(head) - 2)]
@@ -560,7 +562,7 @@ def render_prediction_errors(runs: Sequence[PolicyRun]) -> list[str]:
             p_leg = ratios((p.prefill_leg_s, p.prefill_leg_predicted_s) for p in mine)
             d_leg = ratios((p.observed_s - p.prefill_leg_s, p.decode_leg_predicted_s) for p in mine)
             lines.append(
-                f"  {policy_name:<18} {kind:<17} {len(mine):>5} {q(ttft, 0.5):>17} {q(ttft, 0.9):>5} "
+                f"  {policy_name:<{width}} {kind:<17} {len(mine):>5} {q(ttft, 0.5):>17} {q(ttft, 0.9):>5} "
                 f"{q(bare, 0.5):>13} {q(bare, 0.9):>5} {q(p_leg, 0.5):>9} {q(d_leg, 0.5):>9}"
             )
     return lines
