@@ -101,8 +101,13 @@ class SharedGateResults:
             if verdict is not None and verdict.at >= newer_than:
                 return verdict
             claimed = await self._call(self.client.exists(self._key(group, fingerprint, "claim")))
-            if claimed is _DOWN or claimed == 0:
+            if claimed is _DOWN:
                 return None
+            if claimed == 0:
+                # The holder may have stored its verdict and released the claim between the two
+                # reads above: look once more before gating again (a second canary).
+                verdict = await self.get(group, fingerprint)
+                return verdict if verdict is not None and verdict.at >= newer_than else None
             await asyncio.sleep(0.02)
         return None
 

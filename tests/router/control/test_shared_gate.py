@@ -65,3 +65,36 @@ async def test_redis_going_away_does_not_block_admission(redis: RedisServer) -> 
         async with router_for(sections(cluster, redis.port)) as (app, _):
             assert app.control.groups["e0"].state.value == "admitted"
             assert canaries(cluster, "e0") == 1
+
+
+async def test_a_verdict_stored_as_the_claim_is_released_is_not_missed(redis: RedisServer) -> None:
+    """The holder stores its verdict and then releases its claim; a replica waiting for it that
+    read "no verdict yet" just before the one and "no claim" just after the other must take that
+    verdict, not gate again (a second canary for one epoch)."""
+    import time
+
+    from redis.asyncio import Redis
+
+    from router.control.shared import SharedGateResults, SharedVerdict
+
+    client = Redis(host="127.0.0.1", port=redis.port)
+    holder, waiter = SharedGateResults(client, "pool"), SharedGateResults(client, "pool")
+    try:
+        assert await holder.claim("g", "fp")
+        reads = 0
+        get = waiter.get
+
+        async def get_then_finish(group: str, fingerprint: str) -> SharedVerdict | None:
+            nonlocal reads
+            reads += 1
+            verdict = await get(group, fingerprint)
+            if reads == 1:  # between this read and the claim check, the holder finishes
+                failed = SharedVerdict(False, "canary failed", [], holder.replica, time.time())
+                await holder.put("g", "fp", failed)
+            return verdict
+
+        waiter.get = get_then_finish  # type: ignore[method-assign]
+        verdict = await waiter.wait("g", "fp", newer_than=time.time() - 60)
+        assert verdict is not None and (verdict.ok, verdict.by) == (False, holder.replica)
+    finally:
+        await client.aclose()
