@@ -503,7 +503,7 @@ class AdminConfig(_Strict):
 class ShutdownConfig(_Strict):
     """What ``pd-router serve`` does on SIGTERM before its listeners drain."""
 
-    lame_duck_s: NonNegative = Field(
+    lame_duck_s: Annotated[float, Field(ge=0, le=600)] = Field(
         5.0,
         description="keep accepting and answering while reporting not ready (gRPC health "
         "NOT_SERVING, /health 503) this long, so gateways that health-check the picker (Envoy, a "

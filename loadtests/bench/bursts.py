@@ -39,7 +39,7 @@ class BurstRun:
     requests: int
 
 
-def burst(requests: int, prompt_tokens: int, seconds: float, seed: int) -> Phase:
+def burst(requests: int, prompt_tokens: int, seconds: float) -> Phase:
     return Phase(seconds, requests / seconds, prompt_tokens=prompt_tokens, max_tokens=16)
 
 
@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="the burst's length (simulated s)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    phase = burst(args.requests, args.prompt_tokens, args.seconds, args.seed)
+    phase = burst(args.requests, args.prompt_tokens, args.seconds)
     runs = asyncio.run(repeat(args.runs, phase, SETTINGS, args.seed))
     sys.stdout.write(table(runs, phase) + "\n")
     return 0 if all(r.ok == r.requests for r in runs) else 1
