@@ -42,7 +42,7 @@ Statistics, one row per (type, kind); the kinds are ``shared-prefix``, ``multi-t
 token events counted) and the prompt tokens for TTFT. TTFT and TPOT samples are custom metrics (a
 fired ``request`` event each), so locust's "Aggregated" row counts them too: read the typed rows.
 
-A token event is what ``router/response.py`` counts: a ``data:`` event with a choice, but not the
+A token event is what ``router/request/meter.py`` counts: a ``data:`` event with a choice, but not the
 role-only opening chunk (``"role"`` with empty ``content``), not the usage chunk (no choices),
 not ``[DONE]``. A request fails (with the reason as its message) on a non-200 answer, a connection
 error, an answer that is not what was asked for (JSON without choices, a stream that is not

@@ -66,13 +66,13 @@ from router.observe.metrics import (
 )
 from router.observe.scrape import ANSWERED, ScrapeError, Scraper
 from router.producers import PreciseKeys, SharedLookup
+from router.request.types import EngineMetrics
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
 from router.signals.perf import PerformanceModel
 from router.signals.pool import SignalsCollector
 from router.signals.scaling import PoolSignals
 from router.signals.shared import SharedDemand
-from router.types import EngineMetrics
 from scorers.cost import CostModel
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from router.filters import SubsetHint
 from router.flow_control import FlowSettings
 from router.picker import Picker, PickerSettings
 from router.pool import Pool
-from router.rewrite import ModelRewrites
+from router.request.rewrite import ModelRewrites
 from router.signals.perf import LearnSettings
 from router.signals.scaling import ScalingSettings
 from scorers.base import EngineModel, Objectives

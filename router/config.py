@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from router.types import RequestLimits
+from router.request.types import RequestLimits
 from scorers.pair_pickers import PolicyName
 from scorers.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
 

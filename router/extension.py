@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from router.types import RouteRequest
+from router.request.types import RouteRequest
 from scorers.base import Candidates, CostTerm
 from scorers.pair_pickers import PairPicker
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from router.pool import Pool
-from router.types import RouteRequest
+from router.request.types import RouteRequest
 from scorers.base import Candidates
 
 

@@ -8,7 +8,7 @@
 An adapter (the OpenAI proxy, the ext_proc picker) only translates its protocol into these calls
 and calls ``Flight.close()`` from one ``finally``: the reservation is given back and the outcome
 counted exactly once, whatever happened (answered, rejected, engine failed, client gone).
-Rejections raised on the way become responses through ``router.rejections.answer``.
+Rejections raised on the way become responses through ``router.request.rejections.answer``.
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ from router.flow_control import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker, RouteDecision
 from router.pool import Endpoint
-from router.rejections import UPSTREAM_DISCONNECTED, Answer, NoCapacity, Rejection, Saturated, answer
-from router.request import headers_only_request, parse_request
-from router.response import ResponseMeter, Usage, usage_of
-from router.rewrite import ModelRewrites
+from router.request.meter import ResponseMeter, Usage, usage_of
+from router.request.parse import headers_only_request, parse_request
+from router.request.rejections import UPSTREAM_DISCONNECTED, Answer, NoCapacity, Rejection, Saturated, answer
+from router.request.rewrite import ModelRewrites
+from router.request.types import RequestLimits, RouteRequest
 from router.signals.calibration import evicted_blocks
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
 from router.signals.scaling import PoolSignals
-from router.types import RequestLimits, RouteRequest
 
 log = logging.getLogger(__name__)
 
 FAIRNESS_HEADER = "x-llm-d-inference-fairness-id"  # a label of the request series (capped)
 
-# Outcomes besides "ok" and the rejection codes (``router.rejections.KINDS``).
+# Outcomes besides "ok" and the rejection codes (``router.request.rejections.KINDS``).
 OK = "ok"
 CLIENT_GONE = "client_gone"  # the proxy's client disconnected mid-request
 CANCELLED = "cancelled"  # the client or the gateway went away before the response ended

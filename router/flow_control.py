@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.rejections import QueueFull, QueueTimeout, Rejection, Saturated, Shed
-from router.types import RouteRequest
+from router.request.rejections import QueueFull, QueueTimeout, Rejection, Saturated, Shed
+from router.request.types import RouteRequest
 
 
 class Flight(Protocol):

@@ -21,7 +21,7 @@ from scorers.base import Candidates
 
 if TYPE_CHECKING:
     from router.config import EndpointConfig
-    from router.types import EngineMetrics
+    from router.request.types import EngineMetrics
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from kvindex.chat_template import ChatTemplate
 from kvindex.redis_index import SharedPrefixIndex
 from kvindex.tokenize import PromptTokenizer, Tokenized
 from router.pool import Pool
-from router.types import RouteRequest
+from router.request.types import RouteRequest
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ class PreciseKeys:
     special tokens (the template writes BOS itself), as vLLM does. Without a template, chat
     requests get no precise keys: our own rendering would not match the engine's tokens, and the
     approximate index answers for them instead. A prompt given as token ids is hashed as it is
-    (for a batch, the ids its prompts share: ``router.request.token_prompt``), as vLLM takes it.
+    (for a batch, the ids its prompts share: ``router.request.parse.token_prompt``), as vLLM takes it.
     """
 
     name = "precise_keys"

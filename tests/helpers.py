@@ -21,7 +21,7 @@ from router.flow import RequestFlow
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker
 from router.pool import Pool
-from router.types import EngineMetrics, RouteRequest
+from router.request.types import EngineMetrics, RouteRequest
 
 # Two prefill and two decode pods on two racks (link labels "a" and "b").
 PD_TWO_RACKS = [

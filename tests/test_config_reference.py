@@ -21,7 +21,7 @@ from router import config_reference
 from router.cli import _parser
 from router.config import ConfigError, PoolConfig, parse_config
 from router.control.admin import VERBS
-from router.rejections import KINDS
+from router.request.rejections import KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGURATION = ROOT / "docs" / "configuration.md"

@@ -27,7 +27,7 @@ from kvindex.memory import MemoryPrefixIndex
 from router.compose import picker_from, pool_from
 from router.config import parse_config
 from router.picker import Picker
-from router.types import EngineMetrics, RouteRequest
+from router.request.types import EngineMetrics, RouteRequest
 
 INDEX_BLOCKS = 1_000_000
 PROMPT_BLOCKS = 256

@@ -62,7 +62,7 @@ REQUEST_TIMEOUT_S = 30.0
 # Outcomes a request overlapping a fault may end with (anything else, or any failure outside a
 # fault, is a bug). Proxy: failover before the first byte hides 500s and refused connections;
 # what cannot be hidden is a stream cut mid-way (an error event, docs/architecture.md) or a
-# rejection from the one table in router/rejections.py (502 UpstreamFailed, 503 NoCapacity).
+# rejection from the one table in router/request/rejections.py (502 UpstreamFailed, 503 NoCapacity).
 # Envoy has no retry in the example config: the engine's own 500 goes through until the router
 # stops picking it, Envoy answers 503 when it cannot connect, and a cut stream is a reset.
 ALLOWED: dict[str, frozenset[str]] = {

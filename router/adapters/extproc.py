@@ -46,7 +46,7 @@ from router.config import ExtProcConfig
 from router.flow import ROUTED, Flight, RequestFlow
 from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUBSET, PREFILLER, ROUTER_HEADERS
 from router.picker import RouteDecision
-from router.rejections import BadRequest, BodyTooLarge, Rejection
+from router.request.rejections import BadRequest, BodyTooLarge, Rejection
 from router.transport.h2grpc import INTERNAL, INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer, H2Limits
 from router.transport.tls import ServerTls, started
 

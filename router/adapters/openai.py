@@ -24,8 +24,8 @@ from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
 from router.http.server import bearer_ok, http_runner
-from router.rejections import Rejection, UpstreamFailed
-from router.request import COMPLETION_PATHS
+from router.request.parse import COMPLETION_PATHS
+from router.request.rejections import Rejection, UpstreamFailed
 from router.transport.tls import HTTP1_ALPN, ServerTls, started
 
 log = logging.getLogger(__name__)

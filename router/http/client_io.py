@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router.rejections import Answer, BodyTooLarge
+from router.request.rejections import Answer, BodyTooLarge
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:

@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router.rejections import UPSTREAM_DISCONNECTED
+from router.request.rejections import UPSTREAM_DISCONNECTED
 
 log = logging.getLogger(__name__)
 

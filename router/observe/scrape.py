@@ -33,7 +33,7 @@ from enum import StrEnum
 import aiohttp
 
 from router.features import FEATURES
-from router.types import EngineMetrics
+from router.request.types import EngineMetrics
 
 # metric name -> (feature, rank, mean); a lower rank wins when several names of one feature are
 # present. Built from the declarations in router/features.py.

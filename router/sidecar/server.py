@@ -33,8 +33,8 @@ from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS, Leg, TwoLegExchange
 from router.http.headers import HOP_HEADERS, PASSTHROUGH_DROPPED, PREFILL_LEG, PREFILLER, forwardable
 from router.http.server import http_runner
 from router.http.session import upstream_session
-from router.rejections import BadRequest, PrefillForbidden, Rejection, UpstreamFailed, answer
-from router.request import COMPLETION_PATHS, client_json
+from router.request.parse import COMPLETION_PATHS, client_json
+from router.request.rejections import BadRequest, PrefillForbidden, Rejection, UpstreamFailed, answer
 from router.sidecar.allow import PrefillAllowList, first_prefiller, format_host_port, parse_host_port
 from router.transport.tls import HTTP1_ALPN, started
 

@@ -18,7 +18,7 @@ import numpy as np
 
 
 class Streaming(Protocol):
-    """What an answer being streamed shows (``router.response.ResponseMeter``)."""
+    """What an answer being streamed shows (``router.request.meter.ResponseMeter``)."""
 
     first_at: float | None  # the first token's time (``clock``'s)
     events: int  # tokens so far

@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from fuzz import fuzz_settings
 from router.config import ConfigError, PoolConfig, load_config, parse_config
-from router.request import parse_request
+from router.request.parse import parse_request
 
 VALID = {"model": "m", "endpoints": [{"address": "10.0.0.1:8000"}]}
 

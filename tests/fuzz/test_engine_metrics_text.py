@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fuzz import fuzz_settings
 from router.features import FEATURES
 from router.observe.scrape import ScrapeError, Scraper, ScrapeReason, parse_vllm_metrics
-from router.types import EngineMetrics
+from router.request.types import EngineMetrics
 
 # metric name -> (feature, rank, combine), from the declarations (not from the parser's tables).
 DECLARED: dict[str, tuple[str, int, str]] = {

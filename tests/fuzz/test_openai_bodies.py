@@ -1,4 +1,4 @@
-"""Fuzzing OpenAI request bodies: ``router.request.parse_request``, then the proxy over real HTTP.
+"""Fuzzing OpenAI request bodies: ``router.request.parse.parse_request``, then the proxy over real HTTP.
 
 Every body (wrong types, huge numbers, deep nesting, invalid UTF-8, huge strings, random bytes)
 either becomes a ``RouteRequest`` the proxy can forward or raises a ``Rejection`` that answers
@@ -29,9 +29,9 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 from fuzz import fuzz_settings
-from router.rejections import BadRequest, BodyTooLarge, Rejection, UnknownModel, answer
-from router.request import MAX_JSON_DEPTH, parse_request
-from router.types import RequestLimits, RouteRequest
+from router.request.parse import MAX_JSON_DEPTH, parse_request
+from router.request.rejections import BadRequest, BodyTooLarge, Rejection, UnknownModel, answer
+from router.request.types import RequestLimits, RouteRequest
 
 # -- strategies ---------------------------------------------------------------------------------
 

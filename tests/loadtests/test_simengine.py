@@ -580,7 +580,7 @@ def test_the_simulated_chat_template_renders_as_the_router_flattens(messages) ->
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     from loadtests.sim.engine import CHAT_TEMPLATE
-    from router.request import prompt_text
+    from router.request.parse import prompt_text
 
     rendered = (
         ImmutableSandboxedEnvironment(keep_trailing_newline=True)

@@ -24,8 +24,8 @@ from router.flow import RequestFlow
 from router.flow_control import FlowControl, FlowSettings
 from router.observe.metrics import RouterMetrics
 from router.pool import Pool
-from router.rejections import NoCapacity, QueueFull, QueueTimeout, Saturated, Shed, answer
-from router.types import RouteRequest
+from router.request.rejections import NoCapacity, QueueFull, QueueTimeout, Saturated, Shed, answer
+from router.request.types import RouteRequest
 
 
 class Room:

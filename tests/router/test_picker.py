@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.picker import Picker
-from router.rejections import BadRequest, NoCapacity, Shed
+from router.request.rejections import BadRequest, NoCapacity, Shed
 
 NOW = 100.0
 SLOW_CROSS_LINK = {

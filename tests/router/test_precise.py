@@ -15,8 +15,8 @@ from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.sim.tiny_tokenizer import tiny_corpus, train_tiny_tokenizer
 from router.app import App
 from router.config import parse_config
-from router.request import parse_request
-from router.types import RequestLimits
+from router.request.parse import parse_request
+from router.request.types import RequestLimits
 
 pytestmark = pytest.mark.integration
 
@@ -172,7 +172,7 @@ def _prefix_in(keys: np.ndarray, cache: dict) -> list[int]:
 
 
 def _text_keys(app, prompt: str) -> np.ndarray:
-    from router.request import parse_request
+    from router.request.parse import parse_request
 
     return parse_request(
         f'{{"model": "sim-model", "prompt": "{prompt}"}}'.encode(), app.config.request_limits()

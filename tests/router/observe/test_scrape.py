@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.observe.scrape import ScrapeError, Scraper, ScrapeReason, parse_vllm_metrics
-from router.types import EngineMetrics
+from router.request.types import EngineMetrics
 
 FIXTURE = Path(__file__).parents[2] / "data" / "vllm_metrics.txt"
 NOTHING = EngineMetrics()

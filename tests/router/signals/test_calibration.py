@@ -21,10 +21,10 @@ from router.compose import learn_settings_from
 from router.extension import Producer
 from router.flow import RequestFlow
 from router.observe.metrics import RouterMetrics
+from router.request.types import RouteRequest
 from router.signals.calibration import TokenCalibration, evicted_blocks, pool_ratio
 from router.signals.perf import PerformanceModel
 from router.signals.scaling import PoolSignals
-from router.types import RouteRequest
 
 E0, E1 = (pod["address"] for pod in SINGLE_PODS[:2])
 

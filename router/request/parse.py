@@ -1,7 +1,7 @@
 """OpenAI request body (and headers) → ``RouteRequest``, with the size limits enforced.
 
 The one parser for every adapter: the proxy, the ext_proc picker (through ``router.flow``) and the
-sidecar's body check all reject the same mistakes with the same ``router.rejections`` answer.
+sidecar's body check all reject the same mistakes with the same ``router.request.rejections`` answer.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import numpy as np
 import orjson
 
 from kvindex.hashing import MAX_TOKEN_ID, estimate_tokens, text_block_keys, token_block_keys
-from router.rejections import BadRequest, BodyTooLarge, UnknownModel
-from router.rewrite import ModelRewrites
-from router.types import RequestLimits, RouteRequest
+from router.request.rejections import BadRequest, BodyTooLarge, UnknownModel
+from router.request.rewrite import ModelRewrites
+from router.request.types import RequestLimits, RouteRequest
 
 COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 # orjson encodes at most this many nested arrays/objects (it reads up to 1024), and the proxy

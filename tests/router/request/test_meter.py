@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from router.response import MAX_JSON_BYTES, ResponseMeter
+from router.request.meter import MAX_JSON_BYTES, ResponseMeter
 
 
 def sse(payload: dict) -> bytes:

@@ -9,10 +9,10 @@ import pytest
 
 from router.config import parse_config
 from router.pool import Pool
-from router.rejections import BadRequest, UnknownModel
-from router.request import parse_request
-from router.rewrite import HEADER_RULE, ModelRewrites
-from router.types import RequestLimits
+from router.request.parse import parse_request
+from router.request.rejections import BadRequest, UnknownModel
+from router.request.rewrite import HEADER_RULE, ModelRewrites
+from router.request.types import RequestLimits
 
 LIMITS = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0, served_model="base")
 SPLIT = ModelRewrites([("food", "food-review", [("food-v1", 90.0), ("food-v2", 10.0)])], random.Random(7))

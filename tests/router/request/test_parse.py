@@ -8,9 +8,9 @@ import pytest
 from multidict import CIMultiDict
 
 from kvindex.hashing import MAX_TOKEN_ID, token_block_keys
-from router.rejections import BadRequest, BodyTooLarge, UnknownModel
-from router.request import parse_request, priority_of
-from router.types import RequestLimits, RouteRequest
+from router.request.parse import parse_request, priority_of
+from router.request.rejections import BadRequest, BodyTooLarge, UnknownModel
+from router.request.types import RequestLimits, RouteRequest
 
 LIMITS = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0, served_model="m")
 
