@@ -50,8 +50,8 @@ from router.control.groups import ControlSettings, GroupController
 from router.control.model import DiscoverySource
 from router.control.shared import SharedGateResults
 from router.extension import Producer
-from router.flow import RequestFlow
-from router.flow_control import FlowControl
+from router.flow.flight import RequestFlow
+from router.flow.hold_queue import FlowControl
 from router.http.exchange import TwoLegExchange
 from router.http.session import upstream_session
 from router.kv_sink import IndexEventSink

@@ -13,7 +13,7 @@ from kvindex.base import PrefixIndex
 from router.config import PoolConfig
 from router.control.gate import GateSettings
 from router.filters import SubsetHint
-from router.flow_control import FlowSettings
+from router.flow.hold_queue import FlowSettings
 from router.picker import Picker, PickerSettings
 from router.pool import Pool
 from router.request.rewrite import ModelRewrites

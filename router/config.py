@@ -526,7 +526,7 @@ class KedaConfig(_Strict):
 
 class FlowControlConfig(_Strict):
     """Hold requests in the router while every eligible pod is saturated, and bind each to the pod
-    that is best when one has room (``router/flow_control.py``)."""
+    that is best when one has room (``router/flow/hold_queue.py``)."""
 
     enabled: bool = Field(False, description="hold requests instead of queueing them on saturated pods")
     max_wait_ms: NonNegative = Field(

@@ -39,7 +39,7 @@ class PickerContractError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """What the cost model predicted for the chosen route, and the features it predicted from:
-    what learning compares each answer with (``router/flow.py``, ``router/signals/``). Seconds
+    what learning compares each answer with (``router/flow/flight.py``, ``router/signals/``). Seconds
     and tokens."""
 
     ttft_s: float

@@ -17,7 +17,7 @@ from kvindex.base import PrefixIndex
 from router.compose import picker_from, pool_from
 from router.config import LinksConfig, PoolConfig, parse_config
 from router.extension import Producer
-from router.flow import RequestFlow
+from router.flow.flight import RequestFlow
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker
 from router.pool import Pool

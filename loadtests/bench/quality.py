@@ -30,7 +30,7 @@ fresh cluster with a fresh clock.
 with this checkout's simulator and scenarios, in a subprocess whose import path puts PATH's
 packages first (an editable install's finder is removed, so nothing of this checkout fills the
 gaps; only ``kvindex.hashing``, which the simulator keys its cache with, is this checkout's, after
-checking it keys text as the tree's does). Trees with ``router.flow`` (the ``RequestFlow`` proxy)
+checking it keys text as the tree's does). Trees with ``router.flow.flight`` (the ``RequestFlow`` proxy)
 and older trees with ``router.proxy.Proxy(config, pool, picker, exchange, metrics, ready,
 prepare)`` both run; settings the older configuration does not know are dropped (and listed), and
 only pd-router and its variants run there (the baselines are this checkout's: compare with its
@@ -221,7 +221,7 @@ class RouterUnderTest:
 
 
 def _flow_api() -> bool:
-    return importlib.util.find_spec("router.flow") is not None
+    return importlib.util.find_spec("router.flow.flight") is not None
 
 
 @contextlib.asynccontextmanager
@@ -302,7 +302,7 @@ async def _flow_router(
 @contextlib.contextmanager
 def _tap_predictions(out: list[PredictionError]) -> Iterator[None]:
     """Each answered request's prediction against what happened, as learning sees it."""
-    from router import flow
+    from router.flow import flight as flow
 
     learn = getattr(getattr(flow, "Flight", None), "_learn", None)
     if learn is None:  # an older tree learns elsewhere: no predictions from it
@@ -336,7 +336,7 @@ async def _legacy_router(
     try:
         from router.proxy import Proxy, TwoLegExchange
     except ImportError as exc:
-        raise UnsupportedTree(f"neither router.flow nor router.proxy.Proxy: {exc}") from None
+        raise UnsupportedTree(f"neither router.flow.flight nor router.proxy.Proxy: {exc}") from None
     if reference:
         raise UnsupportedTree("the reference picker needs the current picker's extension points")
     if data.get("picker", {}).get("policy", "joint") != "joint":

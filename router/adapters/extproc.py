@@ -43,7 +43,7 @@ from google.protobuf.message import DecodeError
 
 from router.adapters.health import HealthState
 from router.config import ExtProcConfig
-from router.flow import ROUTED, Flight, RequestFlow
+from router.flow.flight import ROUTED, Flight, RequestFlow
 from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUBSET, PREFILLER, ROUTER_HEADERS
 from router.picker import RouteDecision
 from router.request.rejections import BadRequest, BodyTooLarge, Rejection

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from router.config import ProxyConfig
-from router.flow import CLIENT_GONE, Flight, RequestFlow
+from router.flow.flight import CLIENT_GONE, Flight, RequestFlow
 from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable

@@ -1,6 +1,6 @@
 """OpenAI request body (and headers) → ``RouteRequest``, with the size limits enforced.
 
-The one parser for every adapter: the proxy, the ext_proc picker (through ``router.flow``) and the
+The one parser for every adapter: the proxy, the ext_proc picker (through ``router.flow.flight``) and the
 sidecar's body check all reject the same mistakes with the same ``router.request.rejections`` answer.
 """
 

@@ -62,7 +62,7 @@ class NoCapacity(Rejection):
 
 class Saturated(NoCapacity):
     """Every eligible pod is saturated (the predicted queue wait is over the bound): with flow
-    control the request waits for room instead (``router.flow_control``)."""
+    control the request waits for room instead (``router.flow.hold_queue``)."""
 
 
 class QueueFull(NoCapacity):

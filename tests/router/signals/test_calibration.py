@@ -15,11 +15,11 @@ import orjson
 import pytest
 from helpers import SINGLE_PODS, eventually, make_config, make_picker, make_pool, router_on_sim, sse_events
 
-import router.flow
+import router.flow.flight
 from loadtests.sim.engine import EngineSpec
 from router.compose import learn_settings_from
 from router.extension import Producer
-from router.flow import RequestFlow
+from router.flow.flight import RequestFlow
 from router.observe.metrics import RouterMetrics
 from router.request.types import RouteRequest
 from router.signals.calibration import TokenCalibration, evicted_blocks, pool_ratio
@@ -132,14 +132,14 @@ async def test_precise_mode_and_exact_counts_are_never_rescaled(monkeypatch: pyt
     flight.close()
     assert (request.prompt_tokens, request.block_tokens) == (1500, 0.0)  # blocks of exactly 16 tokens
 
-    parse = router.flow.parse_request
+    parse = router.flow.flight.parse_request
 
     def exact(*args: Any) -> RouteRequest:  # as a prompt of token ids, or one a tokenizer counted
         request = parse(*args)
         request.exact_tokens = True
         return request
 
-    monkeypatch.setattr(router.flow, "parse_request", exact)
+    monkeypatch.setattr(router.flow.flight, "parse_request", exact)
     request = picked(flow)
     assert (request.prompt_tokens, request.block_tokens) == (1500, 0.0)
     samples = flow.signals.tokens.samples

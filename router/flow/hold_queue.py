@@ -35,7 +35,7 @@ from router.request.types import RouteRequest
 
 
 class Flight(Protocol):
-    """What flow control needs of a request's flight (``router.flow.Flight``)."""
+    """What flow control needs of a request's flight (``router.flow.flight.Flight``)."""
 
     request: RouteRequest | None
     decision: object

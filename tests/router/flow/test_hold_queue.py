@@ -20,8 +20,8 @@ from helpers import SINGLE_PODS, Metrics, eventually, make_config, make_picker, 
 from loadtests.sim.engine import EngineSpec
 from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
 from router.compose import flow_settings_from
-from router.flow import RequestFlow
-from router.flow_control import FlowControl, FlowSettings
+from router.flow.flight import RequestFlow
+from router.flow.hold_queue import FlowControl, FlowSettings
 from router.observe.metrics import RouterMetrics
 from router.pool import Pool
 from router.request.rejections import NoCapacity, QueueFull, QueueTimeout, Saturated, Shed, answer

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from router.extension import Producer
-from router.flow_control import FlowControl
+from router.flow.hold_queue import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker, RouteDecision
 from router.pool import Endpoint
