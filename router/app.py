@@ -54,7 +54,6 @@ from router.flow.flight import RequestFlow
 from router.flow.hold_queue import FlowControl
 from router.http.exchange import TwoLegExchange
 from router.http.session import upstream_session
-from router.kv_sink import IndexEventSink
 from router.observe.metrics import (
     ControlMetrics,
     FlowMetrics,
@@ -73,6 +72,7 @@ from router.signals.perf import PerformanceModel
 from router.signals.pool import SignalsCollector
 from router.signals.scaling import PoolSignals
 from router.signals.shared import SharedDemand
+from router.state.kv_sink import IndexEventSink
 from scorers.cost import CostModel
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from router.control.gate import GateSettings
 from router.filters import SubsetHint
 from router.flow.hold_queue import FlowSettings
 from router.picker import Picker, PickerSettings
-from router.pool import Pool
 from router.request.rewrite import ModelRewrites
 from router.signals.perf import LearnSettings
 from router.signals.scaling import ScalingSettings
+from router.state.pool import Pool
 from scorers.base import EngineModel, Objectives
 from scorers.cost import CostModel, WeightedTerm
 from scorers.link import LinkCosts, LinkOverlay

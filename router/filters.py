@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from router.pool import Pool
 from router.request.types import RouteRequest
+from router.state.pool import Pool
 from scorers.base import Candidates
 
 

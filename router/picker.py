@@ -18,9 +18,9 @@ import numpy as np
 
 from kvindex.base import PrefixIndex
 from router.extension import CandidateFilter
-from router.pool import Endpoint, Pool, Reservation
 from router.request.rejections import BadRequest, NoCapacity, Saturated, Shed
 from router.request.types import RouteRequest
+from router.state.pool import Endpoint, Pool, Reservation
 from scorers.base import RequestCtx
 from scorers.cost import CostModel, PairCosts, derive, pair_costs
 from scorers.link import LinkOverlay, LinkTable

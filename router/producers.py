@@ -9,8 +9,8 @@ from jinja2.exceptions import TemplateError
 from kvindex.chat_template import ChatTemplate
 from kvindex.redis_index import SharedPrefixIndex
 from kvindex.tokenize import PromptTokenizer, Tokenized
-from router.pool import Pool
 from router.request.types import RouteRequest
+from router.state.pool import Pool
 
 log = logging.getLogger(__name__)
 

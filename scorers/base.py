@@ -1,7 +1,7 @@
 """What every scorer reads, and the two extension points that live in the pure layer.
 
 ``Candidates`` holds one aligned ``(k,)`` array per feature the pool declares
-(``router/features.py``): ``cand.running``, ``cand.kv_usage``, … plus ``slots`` and
+(``router/state/features.py``): ``cand.running``, ``cand.kv_usage``, … plus ``slots`` and
 ``cached_blocks``. Scraped features that were never measured are NaN here; each scorer decides
 explicitly what unknown means (usually the pool's worst known value), because treating unknown as
 idle herds traffic onto pods nobody has measured.
@@ -38,7 +38,9 @@ class Candidates:
 
     def __getattr__(self, name: str) -> np.ndarray:
         # Only reached for a feature nobody declared: say which, instead of a bare AttributeError.
-        raise AttributeError(f"no candidate feature {name!r}; features are declared in router/features.py")
+        raise AttributeError(
+            f"no candidate feature {name!r}; features are declared in router/state/features.py"
+        )
 
     def __len__(self) -> int:
         return len(self.slots)

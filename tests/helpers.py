@@ -20,8 +20,8 @@ from router.extension import Producer
 from router.flow.flight import RequestFlow
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker
-from router.pool import Pool
 from router.request.types import EngineMetrics, RouteRequest
+from router.state.pool import Pool
 
 # Two prefill and two decode pods on two racks (link labels "a" and "b").
 PD_TWO_RACKS = [

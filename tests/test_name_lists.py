@@ -12,7 +12,7 @@ from router.adapters.keda.scaler import SIGNALS
 from router.config import GateCheck, PoolConfig, Role
 from router.control import model
 from router.control.gate import Gate, GateSettings
-from router.pool import Pool
+from router.state.pool import Pool
 from scorers.pair_pickers import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent

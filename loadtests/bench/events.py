@@ -59,8 +59,8 @@ from kvindex.memory import MemoryPrefixIndex
 from kvindex.redis_index import SharedPrefixIndex
 from loadtests.servers.redis import RedisServer
 from router.config import parse_config
-from router.kv_sink import IndexEventSink
-from router.pool import Pool
+from router.state.kv_sink import IndexEventSink
+from router.state.pool import Pool
 
 BLOCK_SIZE = 16
 REMOVE_SHARE = 0.25

@@ -74,8 +74,8 @@ from loadtests.workloads.scenarios import (  # noqa: F401 (report, scaling and s
 )
 from router.app import App
 from router.config import LinksConfig, PoolConfig, parse_config
-from router.pool import Pool
 from router.request.types import RouteRequest
+from router.state.pool import Pool
 from scorers.base import Candidates
 from scorers.cost import PairCosts
 from scorers.pair_pickers import PairChoice

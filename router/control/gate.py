@@ -34,7 +34,7 @@ import orjson
 from router.control.model import GroupSpec
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
 from router.observe.scrape import ScrapeError, Scraper
-from router.pool import Pool
+from router.state.pool import Pool
 
 CANARY_HEADER = "x-pd-router-canary"  # engines (and their logs) can tell a canary from traffic
 MAX_ANSWER_BYTES = 1 << 20  # what the gate reads of an engine's answer

@@ -33,7 +33,7 @@ from router.config import EndpointConfig
 from router.control.gate import CheckResult, Gate, GateFailed
 from router.control.model import GroupSpec
 from router.control.shared import SharedGateResults, SharedVerdict
-from router.pool import Pool
+from router.state.pool import Pool
 
 log = logging.getLogger(__name__)
 

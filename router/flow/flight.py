@@ -22,7 +22,6 @@ from router.extension import Producer
 from router.flow.hold_queue import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.picker import Picker, RouteDecision
-from router.pool import Endpoint
 from router.request.meter import ResponseMeter, Usage, usage_of
 from router.request.parse import headers_only_request, parse_request
 from router.request.rejections import UPSTREAM_DISCONNECTED, Answer, NoCapacity, Rejection, Saturated, answer
@@ -32,6 +31,7 @@ from router.signals.calibration import evicted_blocks
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
 from router.signals.scaling import PoolSignals
+from router.state.pool import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from router.http.server import bearer_ok, http_runner
 if TYPE_CHECKING:
     from router.config import MetricsConfig
     from router.picker import Picker, RouteDecision
-    from router.pool import Pool
     from router.request.types import RouteRequest
+    from router.state.pool import Pool
 
 _GATE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)

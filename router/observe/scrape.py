@@ -8,7 +8,7 @@ per-line ``startswith`` alone took ~40 µs, and ``prometheus_client``'s parser ~
 (``loadtests/bench/scrape.py``).
 
 Which metrics are read, under which names, and how several series combine is declared once with
-the features (``router/features.py``). Unknown is never zero: a metric that is absent, or whose
+the features (``router/state/features.py``). Unknown is never zero: a metric that is absent, or whose
 every sample is malformed or not finite, is ``None``. Several series of one metric (one per
 ``engine`` label when vLLM runs data-parallel ranks behind one address) are combined: counts and
 counters are summed, ``kv_usage`` is the mean, ``num_gpu_blocks`` is the sum (the total KV capacity
@@ -32,11 +32,11 @@ from enum import StrEnum
 
 import aiohttp
 
-from router.features import FEATURES
 from router.request.types import EngineMetrics
+from router.state.features import FEATURES
 
 # metric name -> (feature, rank, mean); a lower rank wins when several names of one feature are
-# present. Built from the declarations in router/features.py.
+# present. Built from the declarations in router/state/features.py.
 _SAMPLE_NAMES: dict[str, tuple[str, int, bool]] = {
     metric: (f.name, rank, f.scraped.combine == "mean")
     for f in FEATURES

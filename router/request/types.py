@@ -72,7 +72,7 @@ class EngineMetrics:
         try:
             return self.values[name]
         except KeyError:
-            raise AttributeError(f"no scraped feature {name!r}; see router/features.py") from None
+            raise AttributeError(f"no scraped feature {name!r}; see router/state/features.py") from None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, EngineMetrics):

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from router.pool import Pool
+from router.state.pool import Pool
 
 MIN_FACTOR, MAX_FACTOR = 0.125, 8.0
 

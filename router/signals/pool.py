@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from router.pool import Pool
+from router.state.pool import Pool
 from scorers.base import RequestCtx
 from scorers.cost import CostModel, derive
 

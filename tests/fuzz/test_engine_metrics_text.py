@@ -3,7 +3,7 @@
 Generated expositions are valid Prometheus text (vLLM's metric names, current and deprecated,
 among look-alike names; labels with escapes, braces, commas and unicode; NaN and ±Inf; HELP, TYPE
 and free comments; duplicate series; blanks and tabs wherever the format allows them, CRLF, no
-newline at the end). For the features ``router/features.py`` declares, the values our parser
+newline at the end). For the features ``router/state/features.py`` declares, the values our parser
 extracts must equal what the reference parser (the oracle) says, combined as declared: sums,
 means, the current name before deprecated ones, non-finite samples left out, KV capacity from
 ``vllm:cache_config_info``'s labels. Any other text, mutated or random, never raises; through
@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from fuzz import fuzz_settings
-from router.features import FEATURES
 from router.observe.scrape import ScrapeError, Scraper, ScrapeReason, parse_vllm_metrics
 from router.request.types import EngineMetrics
+from router.state.features import FEATURES
 
 # metric name -> (feature, rank, combine), from the declarations (not from the parser's tables).
 DECLARED: dict[str, tuple[str, int, str]] = {

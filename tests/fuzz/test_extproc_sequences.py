@@ -46,7 +46,7 @@ from fuzz import fuzz_settings
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
 from router.http.headers import DESTINATION
-from router.pool import Pool
+from router.state.pool import Pool
 from router.transport.h2grpc import INVALID_ARGUMENT
 
 Mode = processing_mode_pb2.ProcessingMode

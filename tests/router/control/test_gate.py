@@ -259,7 +259,7 @@ async def test_a_runaway_answer_fails_the_check_instead_of_filling_memory() -> N
 
     from router.control.gate import MAX_ANSWER_BYTES, Gate, GateFailed, GateSettings
     from router.control.model import GroupSpec, Member
-    from router.pool import Pool
+    from router.state.pool import Pool
 
     async def models(_: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()

@@ -11,7 +11,7 @@ from helpers import eventually
 from router.control.gate import CheckResult, GateFailed
 from router.control.groups import ControlSettings, GroupController, GroupState
 from router.control.model import GroupSpec, Member
-from router.pool import Pool
+from router.state.pool import Pool
 
 
 class ScriptedGate:

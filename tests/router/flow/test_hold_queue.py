@@ -23,9 +23,9 @@ from router.compose import flow_settings_from
 from router.flow.flight import RequestFlow
 from router.flow.hold_queue import FlowControl, FlowSettings
 from router.observe.metrics import RouterMetrics
-from router.pool import Pool
 from router.request.rejections import NoCapacity, QueueFull, QueueTimeout, Saturated, Shed, answer
 from router.request.types import RouteRequest
+from router.state.pool import Pool
 
 
 class Room:

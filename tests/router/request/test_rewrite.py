@@ -8,11 +8,11 @@ import orjson
 import pytest
 
 from router.config import parse_config
-from router.pool import Pool
 from router.request.parse import parse_request
 from router.request.rejections import BadRequest, UnknownModel
 from router.request.rewrite import HEADER_RULE, ModelRewrites
 from router.request.types import RequestLimits
+from router.state.pool import Pool
 
 LIMITS = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0, served_model="base")
 SPLIT = ModelRewrites([("food", "food-review", [("food-v1", 90.0), ("food-v2", 10.0)])], random.Random(7))

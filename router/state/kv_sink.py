@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvindex.memory import MemoryPrefixIndex
-from router.pool import Pool
+from router.state.pool import Pool
 
 
 class IndexEventSink:

@@ -1,4 +1,4 @@
-"""Features are declared once (router/features.py) and flow from there: scraped ones from the
+"""Features are declared once (router/state/features.py) and flow from there: scraped ones from the
 engine's /metrics into the pool's arrays, candidate ones into ``Candidates``."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 from helpers import SINGLE_PODS, make_config
 
 from router.compose import pool_from
-from router.features import FEATURES, SCRAPED
 from router.observe.scrape import parse_vllm_metrics
+from router.state.features import FEATURES, SCRAPED
 
 
 def exposition() -> tuple[str, dict[str, float]]:

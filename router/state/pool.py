@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from router.features import CANDIDATE, FEATURES, SCRAPED
+from router.state.features import CANDIDATE, FEATURES, SCRAPED
 from scorers.base import Candidates
 
 if TYPE_CHECKING:
@@ -125,9 +125,9 @@ class Pool:
         self._free_slots: list[int] = []
         self._allocate(capacity)
 
-    # One array per declared feature (router/features.py), set by _allocate: pool.running, ...
+    # One array per declared feature (router/state/features.py), set by _allocate: pool.running, ...
     def __getattr__(self, name: str) -> np.ndarray:
-        raise AttributeError(f"no pool feature {name!r}; features are declared in router/features.py")
+        raise AttributeError(f"no pool feature {name!r}; features are declared in router/state/features.py")
 
     def _allocate(self, capacity: int) -> None:
         old = len(self.by_slot)
