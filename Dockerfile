@@ -12,7 +12,6 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY router ./router
-COPY scorers ./scorers
 COPY kvindex ./kvindex
 COPY loadtests ./loadtests
 RUN pip install '.[fast]' \

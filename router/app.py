@@ -49,7 +49,6 @@ from router.control.gate import Gate
 from router.control.groups import ControlSettings, GroupController
 from router.control.model import DiscoverySource
 from router.control.shared import SharedGateResults
-from router.extension import Producer
 from router.flow.flight import RequestFlow
 from router.flow.hold_queue import FlowControl
 from router.http.exchange import TwoLegExchange
@@ -64,8 +63,10 @@ from router.observe.metrics import (
     RouterMetrics,
 )
 from router.observe.scrape import ANSWERED, ScrapeError, Scraper
-from router.producers import PreciseKeys, SharedLookup
 from router.request.types import EngineMetrics
+from router.scheduling.costmodel.matrix import CostModel
+from router.scheduling.extension import Producer
+from router.scheduling.producers import PreciseKeys, SharedLookup
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
 from router.signals.perf import PerformanceModel
@@ -73,7 +74,6 @@ from router.signals.pool import SignalsCollector
 from router.signals.scaling import PoolSignals
 from router.signals.shared import SharedDemand
 from router.state.kv_sink import IndexEventSink
-from scorers.cost import CostModel
 
 log = logging.getLogger(__name__)
 

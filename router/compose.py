@@ -12,18 +12,18 @@ from collections.abc import Callable
 from kvindex.base import PrefixIndex
 from router.config import PoolConfig
 from router.control.gate import GateSettings
-from router.filters import SubsetHint
 from router.flow.hold_queue import FlowSettings
-from router.picker import Picker, PickerSettings
 from router.request.rewrite import ModelRewrites
+from router.scheduling.costmodel.link import LinkCosts, LinkOverlay
+from router.scheduling.costmodel.matrix import CostModel, WeightedTerm
+from router.scheduling.costmodel.policies import POLICIES
+from router.scheduling.costmodel.registry import load_term
+from router.scheduling.costmodel.view import EngineModel, Objectives
+from router.scheduling.filters import SubsetHint
+from router.scheduling.picker import Picker, PickerSettings
 from router.signals.perf import LearnSettings
 from router.signals.scaling import ScalingSettings
 from router.state.pool import Pool
-from scorers.base import EngineModel, Objectives
-from scorers.cost import CostModel, WeightedTerm
-from scorers.link import LinkCosts, LinkOverlay
-from scorers.pair_pickers import POLICIES
-from scorers.registry import load_term
 
 # A file's endpoints are what the operator wrote: cheap checks. A cluster's pods come and go with
 # rollouts, so their weights and connectors are proven before traffic.

@@ -16,8 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router.request.types import RequestLimits
-from scorers.pair_pickers import PolicyName
-from scorers.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
+from router.scheduling.costmodel.policies import PolicyName
+from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
 
 Role = Literal["prefill", "decode", "prefill-decode"]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -697,8 +697,8 @@ class PoolConfig(_Strict):
     links: LinksConfig = Field(LinksConfig(), description="KV-transfer cost between link labels")
     weights: dict[str, NonNegative] = Field(
         default_factory=dict,
-        description="multiplier per cost term (scorers/<name>.py; 0 turns one off), plus prefix "
-        "(locality trust, 0..1) and link; unset ones are 1",
+        description="multiplier per cost term (router/scheduling/costmodel/terms/<name>.py; 0 turns one "
+        "off), plus prefix (locality trust, 0..1) and link; unset ones are 1",
     )
     picker: PickerConfig = Field(PickerConfig(), description="how a pair is chosen")
     limits: LimitsConfig = Field(LimitsConfig(), description="request limits and size estimates")

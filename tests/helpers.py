@@ -16,11 +16,11 @@ import orjson
 from kvindex.base import PrefixIndex
 from router.compose import picker_from, pool_from
 from router.config import LinksConfig, PoolConfig, parse_config
-from router.extension import Producer
 from router.flow.flight import RequestFlow
 from router.observe.metrics import RouterMetrics
-from router.picker import Picker
 from router.request.types import EngineMetrics, RouteRequest
+from router.scheduling.extension import Producer
+from router.scheduling.picker import Picker
 from router.state.pool import Pool
 
 # Two prefill and two decode pods on two racks (link labels "a" and "b").

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Candidates, EngineModel, Objectives, RequestCtx, View
-from scorers.cost import CostModel, WeightedTerm, derive
-from scorers.link import LinkCosts
-from scorers.registry import DEFAULT_WEIGHTS, load_term
+from router.scheduling.costmodel.link import LinkCosts
+from router.scheduling.costmodel.matrix import CostModel, WeightedTerm, derive
+from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, load_term
+from router.scheduling.costmodel.view import Candidates, EngineModel, Objectives, RequestCtx, View
 
 MODEL = EngineModel(
     prefill_tokens_per_s=10000.0,

@@ -1,5 +1,5 @@
 """The import arrows of docs/architecture.md (its table, parsed here), read from the source:
-adapters → flow → picker → scorers → kvindex, never back. A module may import its own package and
+adapters → flow → scheduling → costmodel → kvindex, never back. A module may import its own package and
 what its row allows."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("router", "scorers", "kvindex", "loadtests")
-COMPOSITION = {"router", "scorers", "kvindex"}
+PACKAGES = ("router", "kvindex", "loadtests")
+COMPOSITION = {"router", "kvindex"}
 
-TOP_LEVEL = {"scorers", "kvindex", "loadtests"}
+TOP_LEVEL = {"kvindex", "loadtests"}
 
 
 def _group(name: str) -> str:
-    """A name as the table writes it (``router/observe/``, ``pool``, ``scorers``) → dotted."""
+    """A name as the table writes it (``router/observe/``, ``state``, ``scheduling/costmodel``) → dotted."""
     name = name.strip("/").replace("/", ".")
     return name if name.split(".")[0] in TOP_LEVEL or name.startswith("router") else f"router.{name}"
 
@@ -35,7 +35,7 @@ def doc_table(text: str) -> dict[str, set[str]]:
         may = cells[2]
         if may == "anything":  # tests/
             continue
-        # "everything in router/, scorers/, kvindex/" (the composition root), "everything above"
+        # "everything in router/, kvindex/" (the composition root), "everything above"
         # (loadtests/): what the service is made of, never tests/.
         targets = (
             COMPOSITION
@@ -121,8 +121,11 @@ def test_every_import_points_down_the_table() -> None:
 @pytest.mark.parametrize(
     ("importer", "source"),
     [
-        ("scorers.queue", "from router.flow.flight import RequestFlow"),  # scorers -> the flow above them
-        ("router.picker", "from router.flow.flight import Flight"),  # picker -> flow
+        (
+            "router.scheduling.costmodel.terms.queue",
+            "from router.flow.flight import RequestFlow",
+        ),  # a term -> the flow
+        ("router.scheduling.picker", "from router.flow.flight import Flight"),  # picker -> flow
         ("router.flow.flight", "import router.adapters.openai"),  # flow -> an adapter
         ("kvindex.memory", "from router.state.pool import Pool"),  # the index -> the pool
         ("router.sidecar.server", "from router.adapters.openai import Proxy"),  # sidecar -> proxy internals
@@ -130,7 +133,7 @@ def test_every_import_points_down_the_table() -> None:
         ("loadtests.bench.envoy", "import tests.helpers"),  # anything -> tests/
         (
             "router.state.pool",
-            "if TYPE_CHECKING:\n    from router.picker import Picker",
+            "if TYPE_CHECKING:\n    from router.scheduling.picker import Picker",
         ),  # type-only counts too
     ],
 )
@@ -153,12 +156,13 @@ def test_the_documented_table_is_read_whole() -> None:
     # A table the parser silently lost rows of would allow nothing or check nothing.
     assert {
         "kvindex",
-        "scorers",
-        "router.picker",
+        "router.scheduling.costmodel",
+        "router.scheduling",
         "router.flow",
         "router.adapters",
         "loadtests",
     } <= set(ALLOWED)
-    assert ALLOWED["router.picker"] >= {"router.state", "scorers", "kvindex"}
+    assert ALLOWED["router.scheduling"] >= {"router.state", "kvindex"}
+    assert ALLOWED["router.scheduling.costmodel"] == set()
     assert ALLOWED["kvindex"] == set()
     assert ALLOWED["router.cli"] == COMPOSITION

@@ -24,7 +24,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from router.config import PoolConfig, load_config, parse_config
-from scorers.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS
+from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pool.yaml"
 

@@ -12,8 +12,8 @@ from router.adapters.keda.scaler import SIGNALS
 from router.config import GateCheck, PoolConfig, Role
 from router.control import model
 from router.control.gate import Gate, GateSettings
+from router.scheduling.costmodel.policies import POLICIES
 from router.state.pool import Pool
-from scorers.pair_pickers import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -26,8 +26,8 @@ import numpy as np
 from kvindex.memory import MemoryPrefixIndex
 from router.compose import picker_from, pool_from
 from router.config import parse_config
-from router.picker import Picker
 from router.request.types import EngineMetrics, RouteRequest
+from router.scheduling.picker import Picker
 
 INDEX_BLOCKS = 1_000_000
 PROMPT_BLOCKS = 256

@@ -581,12 +581,18 @@ def _variants(raw: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
+_TREE_PACKAGES = ("router", "kvindex", "scorers")
+
+
 def _router_tree_env(tree: Path, work: Path) -> Path:
-    """A directory whose ``router``, ``scorers`` and ``kvindex`` are ``tree``'s and whose
-    ``loadtests`` is this checkout's: the import path of the subprocess."""
+    """A directory whose ``router`` and ``kvindex`` (and ``scorers``, in trees from before the cost
+    model moved into ``router/scheduling/``) are ``tree``'s and whose ``loadtests`` is this
+    checkout's: the import path of the subprocess."""
     here = Path(__file__).resolve().parents[2]
-    for name in ("router", "scorers", "kvindex"):
+    for name in _TREE_PACKAGES:
         if not (tree / name / "__init__.py").exists():
+            if name == "scorers":
+                continue
             raise SystemExit(f"--router-tree {tree}: no {name}/ package there")
         (work / name).symlink_to(tree / name)
     (work / "loadtests").symlink_to(here / "loadtests")
@@ -603,7 +609,7 @@ import numpy as np
 tree, here = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
 # An editable install's finder would supply the modules the tree lacks from this checkout.
 sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-for name in ("router", "scorers", "kvindex"):
+for name in ("router", "kvindex", *(["scorers"] if (tree / "scorers").is_dir() else [])):
     where = Path(importlib.import_module(name).__file__).resolve()
     if tree not in where.parents:
         sys.exit(f"--router-tree: {name} was imported from {where}, not from {tree}")

@@ -14,7 +14,7 @@ exact state (cache contents, queues, running batches, free KV, transfers in flig
 engine's batching loop forward with the simulator's own time model, choosing the route (one pod,
 or a prefill → decode pair with its real transfer) with the smallest true TTFT. It is the
 physical bound pd-router is measured against (``p90/ref``, ``p99/ref``); it runs in-process and
-is registered here only, never in ``scorers.pair_pickers.POLICIES``.
+is registered here only, never in ``router.scheduling.costmodel.policies.POLICIES``.
 
 Goodput is the share of requests answered within the scenario's SLOs (TTFT ≤ 1 s and TPOT ≤ 20 ms
 unless the scenario says otherwise, divided by ``--speed`` like every simulated time). Under each
@@ -75,10 +75,10 @@ from loadtests.workloads.scenarios import (  # noqa: F401 (report, scaling and s
 from router.app import App
 from router.config import LinksConfig, PoolConfig, parse_config
 from router.request.types import RouteRequest
+from router.scheduling.costmodel.matrix import PairCosts
+from router.scheduling.costmodel.policies import PairChoice
+from router.scheduling.costmodel.view import Candidates
 from router.state.pool import Pool
-from scorers.base import Candidates
-from scorers.cost import PairCosts
-from scorers.pair_pickers import PairChoice
 
 MS = 1000.0
 

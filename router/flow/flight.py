@@ -18,15 +18,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from router.extension import Producer
 from router.flow.hold_queue import FlowControl
 from router.observe.metrics import RouterMetrics
-from router.picker import Picker, RouteDecision
 from router.request.meter import ResponseMeter, Usage, usage_of
 from router.request.parse import headers_only_request, parse_request
 from router.request.rejections import UPSTREAM_DISCONNECTED, Answer, NoCapacity, Rejection, Saturated, answer
 from router.request.rewrite import ModelRewrites
 from router.request.types import RequestLimits, RouteRequest
+from router.scheduling.extension import Producer
+from router.scheduling.picker import Picker, RouteDecision
 from router.signals.calibration import evicted_blocks
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from scorers.link import LinkCosts
+from router.scheduling.costmodel.link import LinkCosts
 
 # Below this a transfer is latency, whatever the link: nothing to learn a bandwidth from.
 MIN_BYTES = 1 << 20

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from scorers.base import EngineModel
+from router.scheduling.costmodel.view import EngineModel
 
 PREFILL_TERMS = ("base_seconds", "seconds_per_token")
 DECODE_TERMS = ("base_seconds", "seconds_per_seq", "seconds_per_kv_token")

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from router.scheduling.costmodel.matrix import CostModel, derive
+from router.scheduling.costmodel.view import RequestCtx
 from router.state.pool import Pool
-from scorers.base import RequestCtx
-from scorers.cost import CostModel, derive
 
 STAGES = ("prefill", "decode")
 

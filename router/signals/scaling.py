@@ -60,13 +60,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from router.scheduling.costmodel.matrix import CostModel
 from router.signals.calibration import TokenCalibration
 from router.signals.perf import PerformanceModel
 from router.signals.pool import SaturationSettings, predicted_latency, stage_signals
 from router.signals.shared import Rates, SharedDemand
 from router.signals.streams import LiveStreams
 from router.state.pool import Pool
-from scorers.cost import CostModel
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ endpoint nobody has measured holds.
 The pool allocates one numpy array per feature (``Pool.<name>``, indexed by slot); the scrape
 parser (``router/observe/scrape.py``) reads each scraped feature from the vLLM metric names
 declared here, and a scrape copies it into the pool; every candidate feature is gathered into
-``scorers.base.Candidates`` under the same name for the scorers. Adding a feature, scraped or
-not, is one line here.
+``router.scheduling.costmodel.view.Candidates`` under the same name for the cost terms.
+Adding a feature, scraped or not, is one line here.
 """
 
 from __future__ import annotations

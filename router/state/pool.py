@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from router.scheduling.costmodel.view import Candidates
 from router.state.features import CANDIDATE, FEATURES, SCRAPED
-from scorers.base import Candidates
 
 if TYPE_CHECKING:
     from router.config import EndpointConfig

@@ -34,7 +34,8 @@ def test_minimal_config_gets_sane_defaults() -> None:
         ),
         (
             {**MINIMAL, "weights": {"nosuch": 1}},
-            "weights: nosuch: no scorer 'nosuch': expected a module scorers.nosuch with a term() function",
+            "weights: nosuch: no scorer 'nosuch': expected a module "
+            "router.scheduling.costmodel.terms.nosuch with a term() function",
         ),
         ({**MINIMAL, "picker": {"policy": "random"}}, "picker.policy: Input should be 'joint',"),
         (

@@ -48,7 +48,7 @@ from loadtests.servers.ports import free_port
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("router", "scorers", "kvindex", "loadtests")
+PACKAGES = ("router", "kvindex", "loadtests")
 # The sub-commands below give each a real effect; a new one fails the coverage test until it has one.
 SMOKED_COMMANDS = {"serve", "check-config", "sidecar", "demo", "sim"}
 STARTUP_S = 30.0  # a server that is not answering after this is broken, not slow

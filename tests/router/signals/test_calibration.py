@@ -18,10 +18,10 @@ from helpers import SINGLE_PODS, eventually, make_config, make_picker, make_pool
 import router.flow.flight
 from loadtests.sim.engine import EngineSpec
 from router.compose import learn_settings_from
-from router.extension import Producer
 from router.flow.flight import RequestFlow
 from router.observe.metrics import RouterMetrics
 from router.request.types import RouteRequest
+from router.scheduling.extension import Producer
 from router.signals.calibration import TokenCalibration, evicted_blocks, pool_ratio
 from router.signals.perf import PerformanceModel
 from router.signals.scaling import PoolSignals
@@ -113,7 +113,7 @@ def test_an_engine_reporting_one_prompt_token_does_not_move_the_ratio_for_the_ot
 
 
 async def test_precise_mode_and_exact_counts_are_never_rescaled(monkeypatch: pytest.MonkeyPatch) -> None:
-    class PreciseKeys:  # what ``router.producers.PreciseKeys`` gives a request: vLLM block keys
+    class PreciseKeys:  # what ``router.scheduling.producers.PreciseKeys`` gives a request: vLLM block keys
         name = "precise_keys"
 
         async def produce(self, request: RouteRequest) -> None:

@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.compose import learn_settings_from
 from router.config import parse_config
+from router.scheduling.costmodel.view import EngineModel
 from router.signals.perf import LearnSettings, PerformanceModel, SampleBuckets, fit_linear, physical
-from scorers.base import EngineModel
 
 CONFIGURED = EngineModel(
     prefill_tokens_per_s=20000.0,

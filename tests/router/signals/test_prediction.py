@@ -7,7 +7,7 @@ import dataclasses
 
 from helpers import SINGLE_PODS, Metrics, make_config, make_flow, make_pool
 
-from router.picker import Prediction
+from router.scheduling.picker import Prediction
 
 
 def test_the_decision_carries_a_typed_prediction_of_what_the_breakdown_shows() -> None:

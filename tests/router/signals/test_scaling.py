@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from helpers import PD_TWO_RACKS, Metrics, make_config, make_picker, make_pool
 
+from router.scheduling.costmodel.view import EngineModel
 from router.signals.perf import LearnSettings, PerformanceModel
 from router.signals.scaling import (
     PoolSignals,
@@ -20,7 +21,6 @@ from router.signals.scaling import (
     decode_capacity,
     prefill_capacity,
 )
-from scorers.base import EngineModel
 
 SETTINGS = ScalingSettings(scale_down_window_s=60.0, min_replicas=(1, 1), max_replicas=(10, 10))
 ENGINE = EngineModel(

@@ -10,8 +10,8 @@ from helpers import PD_TWO_RACKS, DictIndex, Metrics, make_config, make_picker, 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.picker import Picker
 from router.request.rejections import BadRequest, NoCapacity, Shed
+from router.scheduling.picker import Picker
 
 NOW = 100.0
 SLOW_CROSS_LINK = {
@@ -119,14 +119,14 @@ def test_unknown_metrics_count_as_the_pool_worst_not_as_idle() -> None:
     picker = picker_for(endpoints, metrics)
     assert picker.pick(make_request(100), now=NOW).decode.id == "e2"
     cand = picker.pool.candidates(np.array([0, 1]))
-    from scorers import load, queue
+    from router.scheduling.costmodel.terms import load, queue
 
     assert load.batch_size(cand)[0] == 30  # unknown running -> worst known (30), not 0
     assert queue.queued_tokens(cand, _ctx(picker))[0] == queue.queued_tokens(cand, _ctx(picker))[1]
 
 
 def _ctx(picker: Picker):
-    from scorers.base import RequestCtx
+    from router.scheduling.costmodel.view import RequestCtx
 
     return RequestCtx(100, 16, 16, picker.pool.typical_prompt_tokens)
 

@@ -30,7 +30,7 @@ when the cheapest is that same pod). One row per class instead of one per pod ke
 at a (1 + classes) × 256 matrix. A decode pod the request could never fit on, and a pair without a
 distinct prefill pod, cost +inf. One argmin compares "skip the prefill leg" with every pair.
 
-``pair_costs`` is the runner of the cost terms and enforces their contract (``scorers.base.CostTerm``).
+``pair_costs`` is the runner of the cost terms and enforces their contract (``view.CostTerm``).
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scorers import kv_headroom, link, load, prefix, queue
-from scorers.base import Candidates, CostTerm, EngineModel, Objectives, RequestCtx, View
-from scorers.link import LinkCosts, LinkTable
+from router.scheduling.costmodel import link, prefix
+from router.scheduling.costmodel.link import LinkCosts, LinkTable
+from router.scheduling.costmodel.terms import kv_headroom, load, queue
+from router.scheduling.costmodel.view import Candidates, CostTerm, EngineModel, Objectives, RequestCtx, View
 
 _ZEROS = np.float64(0.0)  # the empty sum; adding a (k,) array to it gives a new (k,) array
 

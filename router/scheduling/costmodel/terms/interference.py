@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Side, View
+from router.scheduling.costmodel.view import Side, View
 
 
 class DecodeStall:

@@ -23,9 +23,9 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from scorers import queue
-from scorers.base import fill_unknown
-from scorers.cost import PairCosts
+from router.scheduling.costmodel.matrix import PairCosts
+from router.scheduling.costmodel.terms import queue
+from router.scheduling.costmodel.view import fill_unknown
 
 # Relative jitter that only breaks exact ties (an idle pool) without reordering real differences.
 _TIE_JITTER = 1e-9
@@ -49,7 +49,7 @@ class PairChoice:
 class PairPicker(Protocol):
     """Chooses the route for one request from its cost matrix.
 
-    Contract, checked by ``router.picker.Picker``: returns ``None`` when no route is feasible
+    Contract, checked by ``router.scheduling.picker.Picker``: returns ``None`` when no route is feasible
     (the runner answers 503), else a ``PairChoice`` whose ``decode`` is a column of ``costs``,
     whose ``prefill`` is -1 or one of ``costs.prefill`` other than the decode pod (always -1 on a
     column that is not ``costs.pairable``), and with at most ``fallbacks`` entries per fallback

@@ -1,12 +1,12 @@
-"""The candidate filters the router ships (``router.extension.CandidateFilter``)."""
+"""The candidate filters the router ships (``router.scheduling.extension.CandidateFilter``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from router.request.types import RouteRequest
+from router.scheduling.costmodel.view import Candidates
 from router.state.pool import Pool
-from scorers.base import Candidates
 
 
 class SubsetHint:

@@ -12,8 +12,8 @@ from typing import Protocol
 import numpy as np
 
 from router.request.types import RouteRequest
-from scorers.base import Candidates, CostTerm
-from scorers.pair_pickers import PairPicker
+from router.scheduling.costmodel.policies import PairPicker
+from router.scheduling.costmodel.view import Candidates, CostTerm
 
 __all__ = ["CandidateFilter", "CostTerm", "PairPicker", "Producer"]
 

@@ -2,7 +2,8 @@ import math
 
 from scorer_cases import MODEL, cands, ctx
 
-from scorers import kv_headroom, load, prefix
+from router.scheduling.costmodel import prefix
+from router.scheduling.costmodel.terms import kv_headroom, load
 
 
 def test_tpot_grows_with_the_batch_and_uses_our_inflight_when_larger() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Side, View, fill_unknown
+from router.scheduling.costmodel.view import Side, View, fill_unknown
 
 
 class PrefillPodDecodes:

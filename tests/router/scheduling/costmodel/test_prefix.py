@@ -1,7 +1,7 @@
 import numpy as np
 from scorer_cases import cands, ctx
 
-from scorers import prefix
+from router.scheduling.costmodel import prefix
 
 
 def test_cached_prefix_lowers_uncached_tokens_by_whole_blocks() -> None:

@@ -1,6 +1,6 @@
 """Term ``prefill`` (prefill side): the time to compute the part of the prompt a pod has not cached.
 
-``prefill_s = uncached / prefill_tokens_per_s`` with ``uncached`` from ``scorers/prefix.py``
+``prefill_s = uncached / prefill_tokens_per_s`` with ``uncached`` from ``costmodel/prefix.py``
 (prefix locality after the fairness cap). Units: seconds. Consumes: ``cached_blocks`` and, through
 the fairness cap, the queue wait.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Side, View
+from router.scheduling.costmodel.view import Side, View
 
 
 class PrefillCompute:

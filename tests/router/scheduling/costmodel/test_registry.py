@@ -10,8 +10,8 @@ import pytest
 from helpers import SINGLE_PODS, make_config, make_picker, make_pool, make_request
 
 from router.config import ConfigError
-from scorers.base import Side, View
-from scorers.registry import DEFAULT_WEIGHTS, load_term
+from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, load_term
+from router.scheduling.costmodel.view import Side, View
 
 NOW = 100.0
 
@@ -28,10 +28,10 @@ class AvoidE0:
 
 @pytest.fixture
 def avoid_e0(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What dropping ``scorers/avoid_e0.py`` (the class and a ``term()``) into the tree does."""
-    module = types.ModuleType("scorers.avoid_e0")
+    """What dropping ``terms/avoid_e0.py`` (the class and a ``term()``) into the tree does."""
+    module = types.ModuleType("router.scheduling.costmodel.terms.avoid_e0")
     module.term = AvoidE0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "scorers.avoid_e0", module)
+    monkeypatch.setitem(sys.modules, "router.scheduling.costmodel.terms.avoid_e0", module)
 
 
 def test_every_built_in_term_loads_by_name() -> None:
@@ -52,10 +52,11 @@ def test_a_scorer_named_in_weights_changes_the_choice(avoid_e0: None) -> None:
 
 
 def test_a_broken_scorer_module_is_a_configuration_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = types.ModuleType("scorers.no_factory")
-    monkeypatch.setitem(sys.modules, "scorers.no_factory", module)
+    module = types.ModuleType("router.scheduling.costmodel.terms.no_factory")
+    monkeypatch.setitem(sys.modules, "router.scheduling.costmodel.terms.no_factory", module)
     with pytest.raises(
-        ConfigError, match=r"weights: no_factory: scorer module scorers\.no_factory has no term"
+        ConfigError,
+        match=r"no_factory: scorer module router\.scheduling\.costmodel\.terms\.no_factory has no term",
     ):
         make_config(SINGLE_PODS, weights={"no_factory": 1.0})
     with pytest.raises(ConfigError, match="weights: Bad-Name: 'Bad-Name' is not a scorer name"):

@@ -1,4 +1,4 @@
-"""Cost terms by name: ``weights.<name>`` in the configuration selects ``scorers/<name>.py``.
+"""Cost terms by name: ``weights.<name>`` in the configuration selects ``terms/<name>.py``.
 
 A scorer module offers its term through a ``term()`` function (no arguments: a term reads what it
 needs from the ``View``). Nothing registers at import time: a name is resolved when the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import re
 
-from scorers.base import CostTerm
+from router.scheduling.costmodel.view import CostTerm
 
 # Weights that tune the cost model itself rather than add a term.
 MODEL_WEIGHTS = frozenset({"prefix", "link"})
@@ -22,10 +22,10 @@ _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 def load_term(name: str) -> CostTerm:
-    """The term ``name`` from ``scorers/<name>.py``; ``ValueError`` saying why when there is none."""
+    """The term ``name`` from ``terms/<name>.py``; ``ValueError`` saying why when there is none."""
     if not _NAME.fullmatch(name):
         raise ValueError(f"{name!r} is not a scorer name (lower-case letters, digits, _)")
-    module_name = f"scorers.{_MODULES.get(name, name)}"
+    module_name = f"router.scheduling.costmodel.terms.{_MODULES.get(name, name)}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

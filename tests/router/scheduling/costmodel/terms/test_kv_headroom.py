@@ -3,8 +3,9 @@ import math
 import numpy as np
 from scorer_cases import cands, ctx
 
-from scorers import kv_headroom, prefix
-from scorers.base import Candidates, RequestCtx
+from router.scheduling.costmodel import prefix
+from router.scheduling.costmodel.terms import kv_headroom
+from router.scheduling.costmodel.view import Candidates, RequestCtx
 
 
 def need_of(c: Candidates, cx: RequestCtx) -> np.ndarray:

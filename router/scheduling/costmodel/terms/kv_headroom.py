@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Candidates, RequestCtx, Side, View, fill_unknown
+from router.scheduling.costmodel.view import Candidates, RequestCtx, Side, View, fill_unknown
 
 
 def used_tokens(cand: Candidates) -> np.ndarray:

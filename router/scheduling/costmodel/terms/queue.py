@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Candidates, EngineModel, RequestCtx, Side, View, fill_unknown
+from router.scheduling.costmodel.view import Candidates, EngineModel, RequestCtx, Side, View, fill_unknown
 
 
 def queued_tokens(cand: Candidates, ctx: RequestCtx) -> np.ndarray:

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 from scorer_cases import LINKS, MODEL, cands, cost_model, ctx
 
-from scorers.base import RequestCtx, Side, View
-from scorers.cost import PairCosts, TermContractError, WeightedTerm, derive, pair_costs
+from router.scheduling.costmodel.matrix import PairCosts, TermContractError, WeightedTerm, derive, pair_costs
+from router.scheduling.costmodel.view import RequestCtx, Side, View
 
 TABLE = LINKS.table({"a": 0, "b": 1})
 

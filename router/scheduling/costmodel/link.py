@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from scorers.base import EngineModel, RequestCtx
+from router.scheduling.costmodel.view import EngineModel, RequestCtx
 
 
 @dataclass(frozen=True, slots=True)

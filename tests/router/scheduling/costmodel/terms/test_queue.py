@@ -2,7 +2,7 @@ import math
 
 from scorer_cases import MODEL, cands, ctx
 
-from scorers import queue
+from router.scheduling.costmodel.terms import queue
 
 
 def test_our_queued_tokens_count_even_before_the_engine_reports_them() -> None:

@@ -3,9 +3,9 @@ import math
 import numpy as np
 from scorer_cases import MODEL, cands, ctx
 
-from scorers import link
-from scorers.link import LinkTable
-from scorers.prefix import cached_tokens
+from router.scheduling.costmodel import link
+from router.scheduling.costmodel.link import LinkTable
+from router.scheduling.costmodel.prefix import cached_tokens
 
 TABLE = LinkTable.build(
     {"a": 0, "b": 1, "c": 2},
@@ -42,7 +42,7 @@ def test_a_decode_pod_holding_the_prefix_only_receives_the_rest() -> None:
 
 
 def test_between_reads_one_pair_as_the_table_lays_it_out() -> None:
-    from scorers.link import LinkCosts
+    from router.scheduling.costmodel.link import LinkCosts
 
     costs = LinkCosts(same=(0.001, 50e9), default=(0.005, 1e9), pairs=((("a", "b"), (0.002, 10e9)),))
     labels = {"a": 0, "b": 1, "c": 2}

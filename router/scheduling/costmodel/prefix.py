@@ -5,14 +5,14 @@ prefix (in blocks × block size), capped at ``prompt_tokens - 1`` because an eng
 at least the last token. ``trust`` in [0, 1] is ``weights.prefix``, zeroed by the fairness cap on
 candidates whose predicted queue wait is far above the least-loaded one, so a warm cache cannot
 pin traffic on a hot pod. Units: tokens. Consumes: ``cached_blocks``. The seconds this saves are
-the ``prefill`` term's (``scorers/prefill.py``).
+the ``prefill`` term's (``router/scheduling/costmodel/terms/prefill.py``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from scorers.base import Candidates, RequestCtx
+from router.scheduling.costmodel.view import Candidates, RequestCtx
 
 
 def cached_tokens(cand: Candidates, ctx: RequestCtx) -> np.ndarray:

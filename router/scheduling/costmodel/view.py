@@ -10,7 +10,7 @@ idle herds traffic onto pods nobody has measured.
 prefill time, batch, KV use, TPOT) so that cost terms stay one-liners over shared quantities.
 
 Contracts (``CostTerm``, ``PairPicker``) are stated here and enforced once by their runner
-(``scorers.cost.pair_costs``, ``router.picker.Picker``), not by each implementation.
+(``matrix.pair_costs``, ``router.scheduling.picker.Picker``), not by each implementation.
 """
 
 from __future__ import annotations

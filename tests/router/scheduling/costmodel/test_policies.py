@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 from helpers import PD_TWO_RACKS, SINGLE_PODS, Metrics, make_config, make_picker, make_pool, make_request
 
-from router.picker import PickerContractError
-from scorers.pair_pickers import POLICIES, PairChoice
+from router.scheduling.costmodel.policies import POLICIES, PairChoice
+from router.scheduling.picker import PickerContractError
 
 NOW = 100.0
 

@@ -2,7 +2,7 @@
 
 The runner of the extension points, and where their contracts are enforced: gather the candidate
 features from the pool, apply the ``CandidateFilter``s, one prefix-index lookup for the survivors,
-the cost terms into one cost matrix (``scorers.cost``), the ``PairPicker``'s choice, then reserve.
+the cost terms into one cost matrix (``costmodel.matrix``), the ``PairPicker``'s choice, then reserve.
 Synchronous and vectorised; it never awaits. The pick charges its predicted work to the pool
 before returning, so a burst between two scrapes spreads out instead of herding.
 """
@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvindex.base import PrefixIndex
-from router.extension import CandidateFilter
 from router.request.rejections import BadRequest, NoCapacity, Saturated, Shed
 from router.request.types import RouteRequest
+from router.scheduling.costmodel.link import LinkOverlay, LinkTable
+from router.scheduling.costmodel.matrix import CostModel, PairCosts, derive, pair_costs
+from router.scheduling.costmodel.policies import PairChoice, PairPicker
+from router.scheduling.costmodel.view import RequestCtx
+from router.scheduling.extension import CandidateFilter
 from router.state.pool import Endpoint, Pool, Reservation
-from scorers.base import RequestCtx
-from scorers.cost import CostModel, PairCosts, derive, pair_costs
-from scorers.link import LinkOverlay, LinkTable
-from scorers.pair_pickers import PairChoice, PairPicker
 
 log = logging.getLogger(__name__)
 

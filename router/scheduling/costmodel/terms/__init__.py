@@ -1,0 +1,1 @@
+"""One module per cost term; ``weights.<name>`` selects ``terms/<name>.py`` (``registry``)."""
