@@ -15,9 +15,9 @@ from loadtests.sim.cluster import engine_model_for, link_cost_from
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.workloads.client import Result, Summary, run_workload
 from loadtests.workloads.generate import shared_prefix
-from router.app import App
-from router.cli import run
-from router.config import LinksConfig, PoolConfig, parse_config
+from router.server.app import App
+from router.server.cli import run
+from router.server.config import LinksConfig, PoolConfig, parse_config
 
 DEMO_LINKS = {
     "same": {"latency_ms": 0.2, "bandwidth_gbytes_per_s": 25.0},

@@ -31,9 +31,9 @@ from loadtests.demo import DEMO_LINKS, DEMO_TIME, KV_BYTES_PER_TOKEN, demo_specs
 from loadtests.servers import envoy
 from loadtests.sim.cluster import engine_model_for, link_cost_from
 from loadtests.sim.engine import SimCluster, TimeModel
-from router.app import App
-from router.cli import run
-from router.config import LinksConfig, PoolConfig, parse_config
+from router.server.app import App
+from router.server.cli import run
+from router.server.config import LinksConfig, PoolConfig, parse_config
 from router.sidecar.server import SidecarServer
 
 MODEL = "sim-model"

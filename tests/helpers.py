@@ -14,13 +14,13 @@ import numpy as np
 import orjson
 
 from kvindex.base import PrefixIndex
-from router.compose import picker_from, pool_from
-from router.config import LinksConfig, PoolConfig, parse_config
 from router.flow.flight import RequestFlow
 from router.observe.metrics import RouterMetrics
 from router.request.types import EngineMetrics, RouteRequest
 from router.scheduling.extension import Producer
 from router.scheduling.picker import Picker
+from router.server.compose import picker_from, pool_from
+from router.server.config import LinksConfig, PoolConfig, parse_config
 from router.state.pool import Pool
 
 # Two prefill and two decode pods on two racks (link labels "a" and "b").
@@ -201,7 +201,7 @@ async def router_on_sim(
 @contextlib.asynccontextmanager
 async def router_for(sections: dict[str, Any]) -> AsyncIterator[tuple[Any, str]]:
     """An ``App`` on a free loopback port with test-friendly scrape settings; yields (app, base_url)."""
-    from router.app import App
+    from router.server.app import App
 
     scrape = {"interval_ms": 50, "timeout_ms": 300, "stale_after_ms": 1000, "eject_after_failures": 2}
     proxy = {"port": 0, "debug_headers": True, "drain_timeout_s": 2}

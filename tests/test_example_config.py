@@ -1,5 +1,5 @@
 """examples/pool.yaml stays what the README says it is: a valid configuration that shows every
-field of ``PoolConfig`` with its default. A field added to router/config.py fails here until the
+field of ``PoolConfig`` with its default. A field added to router/server/config.py fails here until the
 example shows it; a changed default fails until the example follows (or the field is listed in
 ``EXAMPLE_VALUES`` with the reason it differs).
 
@@ -23,8 +23,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
-from router.config import PoolConfig, load_config, parse_config
 from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS
+from router.server.config import PoolConfig, load_config, parse_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pool.yaml"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any, get_args
 
 from router.adapters.keda.scaler import SIGNALS
-from router.config import GateCheck, PoolConfig, Role
 from router.control import model
 from router.control.gate import Gate, GateSettings
 from router.scheduling.costmodel.policies import POLICIES
+from router.server.config import GateCheck, PoolConfig, Role
 from router.state.pool import Pool
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@ Processes, all on 127.0.0.1:
 
 * **null engine** — ``bench_proxy``'s zero-delay engine app, one process listening on
   ``--endpoints`` ports (4 by default): the pool's endpoints.
-* **pd-router** — ``router.app.App`` with the proxy off and the ext_proc gRPC server on, its pool the
+* **pd-router** — ``router.server.app.App`` with the proxy off and the ext_proc gRPC server on, its pool the
   null engine's ports (``prefill-decode``). Three of them: TLS to Envoy with response processing
   (the default), the same in cleartext (h2c), and TLS with ``response_processing: false`` (the
   stream closed once routed).
@@ -117,8 +117,8 @@ def router_main(
     """pd-router as an ext_proc endpoint picker only (as ``pd-router serve`` runs it, uvloop if present)."""
     _pin(cpu)
     logging.basicConfig(level=logging.WARNING)
-    from router.app import App  # the router is imported in its own child only
-    from router.config import parse_config
+    from router.server.app import App  # the router is imported in its own child only
+    from router.server.config import parse_config
 
     config = parse_config(
         {

@@ -11,7 +11,7 @@ Processes, all on 127.0.0.1:
 * **consumer** (this process, the one measured): ``KVEventConsumer`` with its defaults, driving
 
   - ``null``: a sink that only counts (consumer + framing + decode cost);
-  - ``memory``: ``router.app.IndexEventSink`` over a ``MemoryPrefixIndex`` and a ``Pool`` built
+  - ``memory``: ``router.server.app.IndexEventSink`` over a ``MemoryPrefixIndex`` and a ``Pool`` built
     from a small config (the service's precise path);
   - ``redis``: the same ``IndexEventSink`` over ``SharedPrefixIndex`` (a real redis-server, a local
     ``MemoryPrefixIndex`` mirror) through a 4-line adapter: ``IndexEventSink`` calls
@@ -58,7 +58,7 @@ from kvindex.events import BlockRemoved, BlockStored, KVEventBatch, KVEventConsu
 from kvindex.memory import MemoryPrefixIndex
 from kvindex.redis_index import SharedPrefixIndex
 from loadtests.servers.redis import RedisServer
-from router.config import parse_config
+from router.server.config import parse_config
 from router.state.kv_sink import IndexEventSink
 from router.state.pool import Pool
 

@@ -27,9 +27,9 @@ import aiohttp
 
 from loadtests.servers.kube import LWS_INDEX, LWS_KEY, LWS_SIZE, NS, pod, pool, serving
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from router.app import App
-from router.config import parse_config
 from router.control.discovery.kubernetes import KubernetesDiscovery
+from router.server.app import App
+from router.server.config import parse_config
 
 
 def worker(ready: bool) -> dict[str, Any]:

@@ -24,10 +24,10 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from kvindex.memory import MemoryPrefixIndex
-from router.compose import picker_from, pool_from
-from router.config import parse_config
 from router.request.types import EngineMetrics, RouteRequest
 from router.scheduling.picker import Picker
+from router.server.compose import picker_from, pool_from
+from router.server.config import parse_config
 
 INDEX_BLOCKS = 1_000_000
 PROMPT_BLOCKS = 256

@@ -30,8 +30,8 @@ from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.sim.tiny_tokenizer import train_tiny_tokenizer
 from loadtests.workloads.client import Summary, run_workload
 from loadtests.workloads.generate import shared_prefix
-from router.app import App
-from router.config import parse_config
+from router.server.app import App
+from router.server.config import parse_config
 
 BLOCKS_PER_ENGINE = 512  # 8k tokens of KV: the 24 prefixes below (~24k tokens) do not fit on one
 PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS = 24, 768, 48

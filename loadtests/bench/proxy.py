@@ -5,7 +5,7 @@ Three processes, all on 127.0.0.1:
 * **null engine** — a minimal aiohttp server that answers instantly: ``/metrics`` with a static
   vLLM exposition (``SimEngine.metrics_text``'s shape), completions with a fixed small JSON or a
   fixed 8-chunk SSE stream (chunks ``x-null-gap-ms`` apart when that header is sent).
-* **proxy** — ``router.app.App`` with a ``prefill-decode`` pool of that ONE engine, run the way
+* **proxy** — ``router.server.app.App`` with a ``prefill-decode`` pool of that ONE engine, run the way
   ``pd-router serve`` runs it (uvloop when installed).
 * **client** (this process) — a closed loop of ``c`` keep-alive connections written on raw asyncio
   streams (a minimal HTTP/1.1 client, far cheaper per request than aiohttp's), a fixed number of
@@ -163,8 +163,8 @@ def null_engine_main(conn: Connection, cpu: int | None) -> None:
 def proxy_main(conn: Connection, engine: str, cpu: int | None, profile_path: str) -> None:
     _pin(cpu)
     logging.basicConfig(level=logging.WARNING)
-    from router.app import App  # the router is imported in its own child only
-    from router.config import parse_config
+    from router.server.app import App  # the router is imported in its own child only
+    from router.server.config import parse_config
 
     config = parse_config(
         {

@@ -237,7 +237,7 @@ async def open_router(
 ) -> AsyncIterator[RouterUnderTest]:
     """The router of whichever tree is importable, started as the service starts (``App``), its
     engine session answered in-process by ``session``."""
-    from router import app as app_module
+    app_module = tree_module("router.server.app")
 
     with mock.patch.object(app_module, "upstream_session", lambda: session):
         if _flow_api():
@@ -280,8 +280,10 @@ async def _flow_router(
     reference: bool,
 ) -> AsyncIterator[RouterUnderTest]:
     from router.adapters.openai import Proxy
-    from router.config import PoolConfig, parse_config
     from router.http.exchange import TwoLegExchange
+
+    config_module = tree_module("router.server.config")
+    PoolConfig, parse_config = config_module.PoolConfig, config_module.parse_config
 
     data = json.loads(json.dumps(data))
     pruned = tuple(prune_unknown(data, PoolConfig))  # an older tree may not know every section
@@ -302,7 +304,7 @@ async def _flow_router(
 @contextlib.contextmanager
 def _tap_predictions(out: list[PredictionError]) -> Iterator[None]:
     """Each answered request's prediction against what happened, as learning sees it."""
-    from router.flow import flight as flow
+    flow = tree_module("router.flow.flight")
 
     learn = getattr(getattr(flow, "Flight", None), "_learn", None)
     if learn is None:  # an older tree learns elsewhere: no predictions from it
@@ -331,8 +333,8 @@ async def _legacy_router(
 ) -> AsyncIterator[RouterUnderTest]:
     """A tree from before ``RequestFlow`` (e304d75 and its time): ``router.proxy.Proxy`` over the
     ``App``'s pool and picker."""
-    from router.config import PoolConfig, parse_config
-
+    config_module = tree_module("router.server.config")
+    PoolConfig, parse_config = config_module.PoolConfig, config_module.parse_config
     try:
         from router.proxy import Proxy, TwoLegExchange
     except ImportError as exc:
@@ -354,6 +356,25 @@ async def _legacy_router(
         proxy = Proxy(config, app.pool, app.picker, exchange, app.metrics, lambda: app.ready, prepare)
         proxy.debug_headers = True
         yield RouterUnderTest(proxy.completions, config.limits.max_body_bytes, "legacy", pruned, app)
+
+
+# Where older trees kept the modules the harness drives (before router/ was packaged by stage).
+_OLDER_LAYOUT = {
+    "router.server.app": "router.app",
+    "router.server.config": "router.config",
+    "router.flow.flight": "router.flow",
+}
+
+
+def tree_module(name: str) -> Any:
+    """The module ``name`` of the router under test, or where an older tree kept it."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        older = _OLDER_LAYOUT.get(name)
+        if older is None or not name.startswith(str(exc.name)):
+            raise
+        return importlib.import_module(older)
 
 
 class UnsupportedTree(RuntimeError):
@@ -428,7 +449,7 @@ async def _drive(router: RouterUnderTest, workload: Workload, name: str) -> Summ
 async def _run(
     scn: Scenario, pol: Policy, workload: Workload, tm: TimeModel, seed: int, hop_s: float
 ) -> PolicyRun:
-    from router.config import LinksConfig
+    LinksConfig = tree_module("router.server.config").LinksConfig
 
     physical, links = scaled_links(scn.links, tm.speed), router_links(scn, tm.speed)
     link_cost = link_cost_from(LinksConfig.model_validate(physical)) if physical else None

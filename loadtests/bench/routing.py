@@ -72,12 +72,12 @@ from loadtests.workloads.scenarios import (  # noqa: F401 (report, scaling and s
     router_links,
     scaled_links,
 )
-from router.app import App
-from router.config import LinksConfig, PoolConfig, parse_config
 from router.request.types import RouteRequest
 from router.scheduling.costmodel.matrix import PairCosts
 from router.scheduling.costmodel.policies import PairChoice
 from router.scheduling.costmodel.view import Candidates
+from router.server.app import App
+from router.server.config import LinksConfig, PoolConfig, parse_config
 from router.state.pool import Pool
 
 MS = 1000.0

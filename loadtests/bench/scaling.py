@@ -77,8 +77,8 @@ from loadtests.sim.engine import EngineSpec, TimeModel
 from loadtests.sim.fleet import Fleet
 from loadtests.workloads.client import Result, Summary, run_workload
 from loadtests.workloads.generate import Phase, WorkItem, Workload, phased
-from router.app import App
-from router.config import LinksConfig, PoolConfig, parse_config
+from router.server.app import App
+from router.server.config import LinksConfig, PoolConfig, parse_config
 
 ROLES = ("prefill", "decode")
 

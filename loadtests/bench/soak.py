@@ -1,7 +1,7 @@
 """Soak: minutes of sustained open-loop load through the proxy and/or a real Envoy, with periodic faults.
 
 One process holds the simulated engines (``SimCluster``: 4 ``prefill-decode`` pods), the router
-(``router.app.App`` with both the OpenAI proxy and the ext_proc server on) and the load client;
+(``router.server.app.App`` with both the OpenAI proxy and the ext_proc server on) and the load client;
 Envoy (``loadtests.servers.envoy``, the ``full-duplex`` example config) is the only child.
 
 Each path runs for its share of ``--minutes`` (``both``: the proxy first, then Envoy, the same
@@ -50,8 +50,8 @@ from loadtests.sim.cluster import engine_model_for
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.workloads.client import Result, percentile, run_workload
 from loadtests.workloads.generate import Workload, shared_prefix
-from router.app import App
-from router.config import parse_config
+from router.server.app import App
+from router.server.config import parse_config
 
 MS = 1000.0
 ENGINES = 4

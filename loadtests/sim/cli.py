@@ -7,8 +7,8 @@ import sys
 
 from loadtests.sim.cluster import link_cost_from, specs_from
 from loadtests.sim.engine import TimeModel, run_sim
-from router.cli import config_args, config_from, run
-from router.config import ConfigError
+from router.server.cli import config_args, config_from, run
+from router.server.config import ConfigError
 
 
 def command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,6 +1,6 @@
 """The routing benchmarks' scenarios: cluster shapes, seeded workloads, the router configuration
 each policy runs with, and goodput. Shared by ``loadtests.bench.routing`` (wall-clock, real HTTP)
-and ``loadtests.bench.quality`` (virtual clock, in-process). Of the router only ``router.config``
+and ``loadtests.bench.quality`` (virtual clock, in-process). Of the router only ``router.server.config``
 is imported (through ``loadtests.sim.cluster``), which every checkout has, so ``quality`` can also
 run a router from another checkout (``--router-tree``).
 

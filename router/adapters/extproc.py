@@ -42,11 +42,11 @@ from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 
 from router.adapters.health import HealthState
-from router.config import ExtProcConfig
 from router.flow.flight import ROUTED, Flight, RequestFlow
 from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUBSET, PREFILLER, ROUTER_HEADERS
 from router.request.rejections import BadRequest, BodyTooLarge, Rejection
 from router.scheduling.picker import RouteDecision
+from router.server.config import ExtProcConfig
 from router.transport.h2grpc import INTERNAL, INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer, H2Limits
 from router.transport.tls import ServerTls, started
 

@@ -18,7 +18,6 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router.config import ProxyConfig
 from router.flow.flight import CLIENT_GONE, Flight, RequestFlow
 from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
@@ -26,6 +25,7 @@ from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwa
 from router.http.server import bearer_ok, http_runner
 from router.request.parse import COMPLETION_PATHS
 from router.request.rejections import Rejection, UpstreamFailed
+from router.server.config import ProxyConfig
 from router.transport.tls import HTTP1_ALPN, ServerTls, started
 
 log = logging.getLogger(__name__)

@@ -29,10 +29,10 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from kvindex.aio import stop_task
-from router.config import EndpointConfig
 from router.control.gate import CheckResult, Gate, GateFailed
 from router.control.model import GroupSpec
 from router.control.shared import SharedGateResults, SharedVerdict
+from router.server.config import EndpointConfig
 from router.state.pool import Pool
 
 log = logging.getLogger(__name__)

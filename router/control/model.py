@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.config import Role
+from router.server.config import Role
 
 
 @dataclass(frozen=True, slots=True)

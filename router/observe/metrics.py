@@ -20,9 +20,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from router.http.server import bearer_ok, http_runner
 
 if TYPE_CHECKING:
-    from router.config import MetricsConfig
     from router.request.types import RouteRequest
     from router.scheduling.picker import Picker, RouteDecision
+    from router.server.config import MetricsConfig
     from router.state.pool import Pool
 
 _GATE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)

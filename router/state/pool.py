@@ -20,8 +20,8 @@ from router.scheduling.costmodel.view import Candidates
 from router.state.features import CANDIDATE, FEATURES, SCRAPED
 
 if TYPE_CHECKING:
-    from router.config import EndpointConfig
     from router.request.types import EngineMetrics
+    from router.server.config import EndpointConfig
 
 log = logging.getLogger(__name__)
 

@@ -129,7 +129,7 @@ class PickerProcess:
     async def start(self) -> None:
         with self.log.open("ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                *(sys.executable, "-m", "router.cli", "--log-level", "warning"),
+                *(sys.executable, "-m", "router.server.cli", "--log-level", "warning"),
                 *("serve", "--config", str(self.config)),
                 cwd=ROOT,
                 stdout=log,

@@ -5,7 +5,7 @@ of any type (huge numbers, NaN, infinities, wrong containers); YAML documents ar
 dumped and then mutated. Property: a ``PoolConfig`` or a ``ConfigError`` whose message names a
 field (``section.field: ...``), never another exception.
 
-The bugs this found in ``router/config.py`` (``--set`` errors, YAML that is not UTF-8, nested too
+The bugs this found in ``router/server/config.py`` (``--set`` errors, YAML that is not UTF-8, nested too
 deeply or refused by PyYAML's constructors, non-finite numbers, huge inputs echoed in messages)
 each have a reproducer at the end.
 
@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from fuzz import fuzz_settings
-from router.config import ConfigError, PoolConfig, load_config, parse_config
 from router.request.parse import parse_request
+from router.server.config import ConfigError, PoolConfig, load_config, parse_config
 
 VALID = {"model": "m", "endpoints": [{"address": "10.0.0.1:8000"}]}
 
@@ -203,7 +203,7 @@ def test_any_yaml_file_is_a_config_or_a_config_error(config_path: Path, text: st
         assert str(error).startswith(f"{config_path}: "), str(error)[:300]
 
 
-# -- bugs this found in router/config.py, one reproducer each ------------------------------------------
+# -- bugs this found in router/server/config.py, one reproducer each -----------------------------------
 
 
 def _config_error_or_raise(call: Any) -> ConfigError:

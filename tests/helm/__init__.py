@@ -282,7 +282,7 @@ def picker_config(docs: Sequence[dict[str, Any]], tmp_path: Path) -> Any:
     """The PoolConfig the picker starts with: its own command-line parser and configuration loader
     on the rendered arguments and ConfigMap, and its secret files read as ``serve`` reads them
     (raises ConfigError as the picker would exit on)."""
-    from router.cli import _parser, config_from
+    from router.server.cli import _parser, config_from
 
     args = _parser().parse_args(picker_command(docs, tmp_path))
     assert args.command == "serve"

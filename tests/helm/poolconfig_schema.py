@@ -1,7 +1,7 @@
 """The chart's values.schema.json checks ``inferenceExtension.poolConfig`` against the picker's own
 configuration model: its ``definitions`` marked ``x-generated-from`` are generated from
-``router.config.PoolConfig`` (the rest of the file is written by hand). After a change to
-router/config.py, regenerate them with
+``router.server.config.PoolConfig`` (the rest of the file is written by hand). After a change to
+router/server/config.py, regenerate them with
 
     python3 tests/helm/poolconfig_schema.py
 
@@ -48,7 +48,7 @@ def generated_definitions() -> dict[str, Any]:
     """PoolConfig and every model it uses, as draft-07 ``definitions`` (Helm 3 and 4 read them)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from router.config import PoolConfig
+    from router.server.config import PoolConfig
 
     schema = PoolConfig.model_json_schema(ref_template="#/definitions/{model}")
     definitions = schema.pop("$defs", {})
@@ -61,7 +61,7 @@ def generated_definitions() -> dict[str, Any]:
     out = {}
     for name in sorted(definitions):
         body = _tidy(definitions[name])
-        out[name] = {MARK: f"router.config.{name}", **body}
+        out[name] = {MARK: f"router.server.config.{name}", **body}
     return out
 
 

@@ -82,7 +82,7 @@ def test_strict_validation_refuses_an_unknown_field() -> None:
 
 
 def test_decode_sidecar_snippet_is_a_valid_container_the_cli_accepts() -> None:
-    from router.cli import _parser
+    from router.server.cli import _parser
 
     docs = render(value_set("pd-sidecar"))
     snippet = one(docs, "ConfigMap", f"{RELEASE}-epp-decode-sidecar")["data"]["container.yaml"]

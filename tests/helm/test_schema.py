@@ -94,7 +94,7 @@ def test_the_chart_refuses_what_would_not_work(sets: tuple[str, ...], named: str
 
 
 def test_the_pool_config_schema_is_generated_from_the_picker() -> None:
-    """values.schema.json's PoolConfig definitions match router/config.py."""
+    """values.schema.json's PoolConfig definitions match router/server/config.py."""
     text = (CHART / "values.schema.json").read_text(encoding="utf-8")
     assert updated(text) == text, "values.schema.json is stale: run python3 tests/helm/poolconfig_schema.py"
 

@@ -18,7 +18,7 @@ from loadtests.bench import routing
 from loadtests.sim.engine import EngineSnapshot, EngineSpec, SimCluster, SimJob, TimeModel
 from loadtests.workloads.client import Result, send
 from loadtests.workloads.generate import WorkItem
-from router.app import App
+from router.server.app import App
 
 pytestmark = pytest.mark.integration
 

@@ -28,8 +28,8 @@ from loadtests.sim.engine import SimEngine
 from loadtests.sim.fleet import Replica
 from loadtests.workloads.client import Result, send
 from loadtests.workloads.generate import WorkItem
-from router.app import App
 from router.control.gate import CANARY_HEADER
+from router.server.app import App
 
 pytestmark = pytest.mark.integration
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError, Message
 
 from router.adapters.keda import externalscaler_pb2 as pb
-from router.config import KedaConfig
+from router.server.config import KedaConfig
 from router.signals.pool import STAGES, SaturationSettings, stage_signals
 from router.signals.scaling import PoolSignals
 from router.state.pool import Pool

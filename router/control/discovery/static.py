@@ -15,8 +15,8 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from router.config import ConfigError, EndpointConfig, load_config
 from router.control.model import GroupSpec, Member, Publish
+from router.server.config import ConfigError, EndpointConfig, load_config
 
 
 def groups_from(endpoints: Sequence[EndpointConfig]) -> list[GroupSpec]:

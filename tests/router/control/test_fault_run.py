@@ -17,10 +17,10 @@ from helpers import eventually
 
 from loadtests.servers.kube import LWS_INDEX, LWS_KEY, LWS_REVISION, LWS_SIZE, NS, pod, pool, serving
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from router.app import App
-from router.config import parse_config
 from router.control.discovery.kubernetes import KubernetesDiscovery
 from router.control.gate import CANARY_HEADER
+from router.server.app import App
+from router.server.config import parse_config
 
 GROUPS = 3
 FAULTS = 24

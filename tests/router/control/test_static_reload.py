@@ -10,9 +10,9 @@ import yaml
 from helpers import eventually
 
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from router.app import App
-from router.config import load_config
 from router.control.discovery.static import StaticDiscovery
+from router.server.app import App
+from router.server.config import load_config
 
 
 def write(path: Path, endpoints: list[dict]) -> None:

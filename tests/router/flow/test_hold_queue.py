@@ -19,12 +19,12 @@ from helpers import SINGLE_PODS, Metrics, eventually, make_config, make_picker, 
 
 from loadtests.sim.engine import EngineSpec
 from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
-from router.compose import flow_settings_from
 from router.flow.flight import RequestFlow
 from router.flow.hold_queue import FlowControl, FlowSettings
 from router.observe.metrics import RouterMetrics
 from router.request.rejections import NoCapacity, QueueFull, QueueTimeout, Saturated, Shed, answer
 from router.request.types import RouteRequest
+from router.server.compose import flow_settings_from
 from router.state.pool import Pool
 
 

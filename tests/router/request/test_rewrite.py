@@ -7,11 +7,11 @@ import random
 import orjson
 import pytest
 
-from router.config import parse_config
 from router.request.parse import parse_request
 from router.request.rejections import BadRequest, UnknownModel
 from router.request.rewrite import HEADER_RULE, ModelRewrites
 from router.request.types import RequestLimits
+from router.server.config import parse_config
 from router.state.pool import Pool
 
 LIMITS = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0, served_model="base")

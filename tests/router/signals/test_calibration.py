@@ -17,11 +17,11 @@ from helpers import SINGLE_PODS, eventually, make_config, make_picker, make_pool
 
 import router.flow.flight
 from loadtests.sim.engine import EngineSpec
-from router.compose import learn_settings_from
 from router.flow.flight import RequestFlow
 from router.observe.metrics import RouterMetrics
 from router.request.types import RouteRequest
 from router.scheduling.extension import Producer
+from router.server.compose import learn_settings_from
 from router.signals.calibration import TokenCalibration, evicted_blocks, pool_ratio
 from router.signals.perf import PerformanceModel
 from router.signals.scaling import PoolSignals

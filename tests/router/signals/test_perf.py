@@ -8,9 +8,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.compose import learn_settings_from
-from router.config import parse_config
 from router.scheduling.costmodel.view import EngineModel
+from router.server.compose import learn_settings_from
+from router.server.config import parse_config
 from router.signals.perf import LearnSettings, PerformanceModel, SampleBuckets, fit_linear, physical
 
 CONFIGURED = EngineModel(

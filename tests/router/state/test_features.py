@@ -8,8 +8,8 @@ import math
 import numpy as np
 from helpers import SINGLE_PODS, make_config
 
-from router.compose import pool_from
 from router.observe.scrape import parse_vllm_metrics
+from router.server.compose import pool_from
 from router.state.features import FEATURES, SCRAPED
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from helpers import SINGLE_PODS, make_config, make_picker, make_pool, make_request
 
-from router.config import ConfigError
 from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, load_term
 from router.scheduling.costmodel.view import Side, View
+from router.server.config import ConfigError
 
 NOW = 100.0
 

@@ -17,13 +17,13 @@ import pytest
 import yaml
 from pydantic import BaseModel, Field
 
-from router import config_reference
-from router.cli import _parser
-from router.config import ConfigError, PoolConfig, parse_config
 from router.control.admin import VERBS
 from router.request.rejections import KINDS
+from router.server import config_reference
+from router.server.cli import _parser
+from router.server.config import ConfigError, PoolConfig, parse_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 CONFIGURATION = ROOT / "docs" / "configuration.md"
 OPERATIONS = ROOT / "docs" / "operations.md"
 DEPLOYMENT = ROOT / "docs" / "deployment.md"
@@ -36,7 +36,8 @@ def test_configuration_md_is_what_the_generator_renders_now() -> None:
     expected = config_reference.render()
     actual = CONFIGURATION.read_text(encoding="utf-8") if CONFIGURATION.exists() else ""
     assert actual == expected, (
-        f"docs/configuration.md is stale (router/config.py changed): run `{config_reference.REGENERATE}`"
+        "docs/configuration.md is stale (router/server/config.py changed): "
+        f"run `{config_reference.REGENERATE}`"
     )
 
 

@@ -3,13 +3,13 @@
 It walks ``PoolConfig`` (pydantic v2 ``model_fields``, into nested models, lists of models and
 dict values that are models) and renders one section per top-level block and one table per model:
 field path, a readable type, the default as YAML writes it, and the field's description. Nothing
-is written by hand, so a field added to ``router/config.py`` appears here when it is regenerated:
+is written by hand, so a field added to ``router/server/config.py`` appears here when it is regenerated:
 
-    python -m router.config_reference --write docs/configuration.md
-    python -m router.config_reference > docs/configuration.md
-    python -m router.config_reference --undocumented     # fields without a description
+    python -m router.server.config_reference --write docs/configuration.md
+    python -m router.server.config_reference > docs/configuration.md
+    python -m router.server.config_reference --undocumented     # fields without a description
 
-``tests/test_config_reference.py`` fails when the file differs from what this renders now.
+``tests/router/server/test_config_reference.py`` fails when the file differs from what this renders now.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
-from router.config import PoolConfig
+from router.server.config import PoolConfig
 
-REGENERATE = "python -m router.config_reference --write docs/configuration.md"
+REGENERATE = "python -m router.server.config_reference --write docs/configuration.md"
 
-# The listener and discovery flags of ``pd-router serve`` and the fields each sets (router/cli.py);
-# tests/test_config_reference.py checks both columns against the parser and the model.
+# The listener and discovery flags of ``pd-router serve`` and the fields each sets (router/server/cli.py);
+# tests/router/server/test_config_reference.py checks both columns against the parser and the model.
 CLI_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--host HOST", "proxy.host", ""),
     ("--port PORT", "proxy.port", ""),
@@ -62,8 +62,8 @@ EXAMPLE_ERROR = (
 _INTRO = """\
 # Configuration reference
 
-<!-- Generated from router/config.py by `{regenerate}`.
-     Do not edit by hand: tests/test_config_reference.py fails when this file is stale. -->
+<!-- Generated from router/server/config.py by `{regenerate}`.
+     Do not edit by hand: tests/router/server/test_config_reference.py fails when this file is stale. -->
 
 pd-router reads one YAML file per pool: `pd-router serve --config pool.yaml` (and
 `pd-router check-config --config pool.yaml` to validate one and exit). `examples/pool.yaml` is a
@@ -438,7 +438,7 @@ def undocumented(root: type[BaseModel] = PoolConfig) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m router.config_reference", description=__doc__.splitlines()[0]
+        prog="python -m router.server.config_reference", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--write", metavar="PATH", help="write the reference here instead of stdout")
     parser.add_argument(

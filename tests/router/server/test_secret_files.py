@@ -11,7 +11,7 @@ from helpers import router_for, router_on_sim
 
 from loadtests.servers.redis import RedisServer
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from router.config import ConfigError, parse_config
+from router.server.config import ConfigError, parse_config
 
 BASE = {"model": "m", "endpoints": [{"address": "10.0.0.1:8000"}]}
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from router.config import ConfigError, PoolConfig, load_config
+from router.server.config import ConfigError, PoolConfig, load_config
 
 log = logging.getLogger("router")
 
@@ -190,8 +190,8 @@ def _kubernetes_overrides(args: argparse.Namespace) -> list[str]:
 
 async def serve(config: PoolConfig, args: argparse.Namespace | None = None) -> int:
     """Run until SIGTERM/SIGINT, then drain: not ready, stop accepting, finish streams, exit."""
-    from router.app import App
     from router.control.discovery.static import StaticDiscovery
+    from router.server.app import App
 
     discovery = None
     if config.kubernetes is None and args is not None:  # the file's endpoints, re-read on change

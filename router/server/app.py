@@ -1,10 +1,10 @@
 """The composition root's owner of lifecycle: build from the configuration, start in order, stop in
 reverse.
 
-Build: pool → prefix indexes → picker (``router.compose``) → producers → ``RequestFlow``.
+Build: pool → prefix indexes → picker (``router.server.compose``) → producers → ``RequestFlow``.
 Start: engine session → first scrape round (so the pool has candidates before traffic) → scrape
 loop → KV events / shared index → each enabled listener (proxy, ext_proc, metrics) → ready.
-Stop (SIGTERM): not ready (still serving for ``shutdown.lame_duck_s``, ``router.cli``) → listeners
+Stop (SIGTERM): not ready (still serving for ``shutdown.lame_duck_s``, ``router.server.cli``) → listeners
 drain in-flight requests → loops stop → session closes.
 Adding an adapter is its module plus one ``enter_async_context`` line in ``start``.
 """
@@ -32,17 +32,6 @@ from router.adapters.extproc import ExtProcListener
 from router.adapters.health import HealthState
 from router.adapters.keda.scaler import KedaListener, KedaScaler, ScalerSignals
 from router.adapters.openai import ProxyListener
-from router.compose import (
-    empty_pool,
-    flow_settings_from,
-    gate_settings_from,
-    learn_settings_from,
-    link_costs_from,
-    model_rewrites_from,
-    picker_from,
-    scaling_settings_from,
-)
-from router.config import PoolConfig, RedisConfig
 from router.control.admin import control_routes
 from router.control.discovery.static import StaticDiscovery
 from router.control.gate import Gate
@@ -67,6 +56,17 @@ from router.request.types import EngineMetrics
 from router.scheduling.costmodel.matrix import CostModel
 from router.scheduling.extension import Producer
 from router.scheduling.producers import PreciseKeys, SharedLookup
+from router.server.compose import (
+    empty_pool,
+    flow_settings_from,
+    gate_settings_from,
+    learn_settings_from,
+    link_costs_from,
+    model_rewrites_from,
+    picker_from,
+    scaling_settings_from,
+)
+from router.server.config import PoolConfig, RedisConfig
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
 from router.signals.perf import PerformanceModel

@@ -1,7 +1,7 @@
 """From a validated ``PoolConfig`` to the domain objects, units converted once (ms → s, GB/s → B/s).
 
-Part of the composition root with ``router.app`` and ``router.cli``: the domain modules below take
-plain values in seconds and never see the configuration's shape.
+Part of the composition root with ``app`` and ``cli``: the domain modules below take plain values
+in seconds and never see the configuration's shape.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import random
 from collections.abc import Callable
 
 from kvindex.base import PrefixIndex
-from router.config import PoolConfig
 from router.control.gate import GateSettings
 from router.flow.hold_queue import FlowSettings
 from router.request.rewrite import ModelRewrites
@@ -21,6 +20,7 @@ from router.scheduling.costmodel.registry import load_term
 from router.scheduling.costmodel.view import EngineModel, Objectives
 from router.scheduling.filters import SubsetHint
 from router.scheduling.picker import Picker, PickerSettings
+from router.server.config import PoolConfig
 from router.signals.perf import LearnSettings
 from router.signals.scaling import ScalingSettings
 from router.state.pool import Pool
@@ -59,7 +59,7 @@ def gate_settings_from(config: PoolConfig) -> GateSettings:
 
 def empty_pool(config: PoolConfig) -> Pool:
     """The pool's settings from the configuration, no endpoint yet: the service fills it from
-    discovery and the gate (``router.app``)."""
+    discovery and the gate (``router.server.app``)."""
     return Pool(
         stale_after_s=config.scrape.stale_after_ms / 1000.0,
         eject_after_failures=config.scrape.eject_after_failures,

@@ -24,7 +24,7 @@ from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 
-METRICS = (Path(__file__).parents[1] / "data" / "vllm_metrics.txt").read_text()
+METRICS = (Path(__file__).parents[2] / "data" / "vllm_metrics.txt").read_text()
 # Odd chunk boundaries, a multi-byte character split across chunks, and no trailing [DONE]
 # newline convention assumed: the proxy must not re-frame anything.
 CHUNKS = [b'data: {"choices":[{"text":"h', b"\xc3", b'\xa9llo"}]}\n', b"\n", b"data: [DONE]\n\n", b": tail\n"]
@@ -83,7 +83,7 @@ async def test_serve_drains_in_flight_streams_on_sigterm(tmp_path: Path) -> None
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "router.cli", "serve", "--config", str(config),
+            sys.executable, "-m", "router.server.cli", "serve", "--config", str(config),
             stderr=asyncio.subprocess.PIPE, env=env,
         )  # fmt: skip
         try:
@@ -123,7 +123,7 @@ async def extproc_serve(
     )
     args = ["--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port)]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.cli", "serve", "--config", str(config), *args,
+        sys.executable, "-m", "router.server.cli", "serve", "--config", str(config), *args,
         stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     try:

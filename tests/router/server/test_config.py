@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import main
-from router.config import ConfigError, load_config, parse_config
+from router.server.cli import main
+from router.server.config import ConfigError, load_config, parse_config
 
 MINIMAL = {"model": "m", "endpoints": [{"address": "127.0.0.1:8001", "role": "prefill"}]}
 
@@ -92,7 +92,7 @@ def test_cli_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_the_example_pool_file_is_valid() -> None:
-    config = load_config(Path(__file__).parents[2] / "examples" / "pool.yaml")
+    config = load_config(Path(__file__).parents[3] / "examples" / "pool.yaml")
     assert {e.role for e in config.endpoints} == {"prefill", "decode"}
 
 
@@ -109,7 +109,7 @@ def test_the_example_pool_file_is_valid() -> None:
     ],
 )
 def test_the_reference_pickers_discovery_flags(tmp_path, capsys, monkeypatch, flags, env, expected) -> None:
-    from router.cli import main
+    from router.server.cli import main
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -124,8 +124,8 @@ async def test_every_pool_built_from_a_config_carries_all_its_pool_settings() ->
     none drops a setting (``typical_prompt_tokens`` was lost by two of three)."""
     from helpers import make_pool
 
-    from router.app import App
-    from router.compose import pool_from
+    from router.server.app import App
+    from router.server.compose import pool_from
 
     config = parse_config(
         {

@@ -13,10 +13,10 @@ from helpers import eventually, router_for
 from kvindex.chat_template import ChatTemplate
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.sim.tiny_tokenizer import tiny_corpus, train_tiny_tokenizer
-from router.app import App
-from router.config import parse_config
 from router.request.parse import parse_request
 from router.request.types import RequestLimits
+from router.server.app import App
+from router.server.config import parse_config
 
 pytestmark = pytest.mark.integration
 
