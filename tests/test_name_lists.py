@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from router.adapters.keda.scaler import SIGNALS
-from router.control import model
+from router.control import topology
 from router.control.gate import Gate, GateSettings
 from router.scheduling.costmodel.policies import POLICIES
 from router.server.config import GateCheck, PoolConfig, Role
@@ -29,7 +29,7 @@ def test_every_configurable_gate_check_is_one_the_gate_runs_and_back() -> None:
 
 
 def test_discovery_and_the_configuration_share_one_role_type() -> None:
-    assert model.Role is Role
+    assert topology.Role is Role
 
 
 def _enums_under(node: Any, key: str) -> list[list[str]]:

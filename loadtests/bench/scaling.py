@@ -270,7 +270,7 @@ SCENARIOS: dict[str, Scenario] = {
 
 @dataclass(frozen=True, slots=True)
 class RoleReading:
-    """The router's per-role pool signals (router/signals/pool.py) at one tick."""
+    """The router's per-role pool signals (router/signals/saturation.py) at one tick."""
 
     fresh: float  # admitted endpoints with fresh metrics
     waiting: float  # requests queued at the engines, summed

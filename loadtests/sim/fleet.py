@@ -1,6 +1,6 @@
 """A simulated autoscaled fleet: replicas an autoscaler asks for, published to the router as discovery.
 
-``Fleet`` plays both the cluster and the router's discovery source (``router.control.model.
+``Fleet`` plays both the cluster and the router's discovery source (``router.control.topology.
 DiscoverySource``): each replica is one simulated engine and one group of ``ranks`` ranks (rank 0
 serves; the others are worker ranks with no address, Ready ``rank_stagger_s`` apart, as a
 LeaderWorkerSet's workers).
@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import cast
 
 from loadtests.sim.engine import EngineSpec, LinkCost, SimCluster, SimEngine
-from router.control.model import GroupSpec, Member, Publish, Role
+from router.control.topology import GroupSpec, Member, Publish, Role
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from router.control.model import GroupSpec
+from router.control.topology import GroupSpec
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
 from router.observe.scrape import ScrapeError, Scraper
 from router.state.pool import Pool

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 
 from kvindex.aio import stop_task
 from router.control.gate import CheckResult, Gate, GateFailed
-from router.control.model import GroupSpec
 from router.control.shared import SharedGateResults, SharedVerdict
+from router.control.topology import GroupSpec
 from router.server.config import EndpointConfig
 from router.state.pool import Pool
 

@@ -36,8 +36,8 @@ from router.control.admin import control_routes
 from router.control.discovery.static import StaticDiscovery
 from router.control.gate import Gate
 from router.control.groups import ControlSettings, GroupController
-from router.control.model import DiscoverySource
 from router.control.shared import SharedGateResults
+from router.control.topology import DiscoverySource
 from router.flow.flight import RequestFlow
 from router.flow.hold_queue import FlowControl
 from router.http.exchange import TwoLegExchange
@@ -70,7 +70,7 @@ from router.server.config import PoolConfig, RedisConfig
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
 from router.signals.perf import PerformanceModel
-from router.signals.pool import SignalsCollector
+from router.signals.saturation import SignalsCollector
 from router.signals.scaling import PoolSignals
 from router.signals.shared import SharedDemand
 from router.state.kv_sink import IndexEventSink

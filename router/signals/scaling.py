@@ -63,7 +63,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from router.scheduling.costmodel.matrix import CostModel
 from router.signals.calibration import TokenCalibration
 from router.signals.perf import PerformanceModel
-from router.signals.pool import SaturationSettings, predicted_latency, stage_signals
+from router.signals.saturation import SaturationSettings, predicted_latency, stage_signals
 from router.signals.shared import Rates, SharedDemand
 from router.signals.streams import LiveStreams
 from router.state.pool import Pool

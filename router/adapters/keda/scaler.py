@@ -35,7 +35,7 @@ from google.protobuf.message import DecodeError, Message
 
 from router.adapters.keda import externalscaler_pb2 as pb
 from router.server.config import KedaConfig
-from router.signals.pool import STAGES, SaturationSettings, stage_signals
+from router.signals.saturation import STAGES, SaturationSettings, stage_signals
 from router.signals.scaling import PoolSignals
 from router.state.pool import Pool
 from router.transport.h2grpc import INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer

@@ -1,4 +1,4 @@
-"""Discovery sources: where groups of ranks come from (``router.control.model.DiscoverySource``).
+"""Discovery sources: where groups of ranks come from (``router.control.topology.DiscoverySource``).
 
 * ``static.StaticDiscovery``: the endpoints of the configuration file, published once.
 * ``kubernetes.KubernetesDiscovery``: lists and watches an InferencePool (or a plain label

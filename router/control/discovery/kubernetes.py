@@ -50,7 +50,7 @@ from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvindex.aio import stop_task
-from router.control.model import GroupSpec, Member, Publish, Role
+from router.control.topology import GroupSpec, Member, Publish, Role
 
 log = logging.getLogger(__name__)
 

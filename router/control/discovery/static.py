@@ -15,7 +15,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from router.control.model import GroupSpec, Member, Publish
+from router.control.topology import GroupSpec, Member, Publish
 from router.server.config import ConfigError, EndpointConfig, load_config
 
 

@@ -78,7 +78,7 @@ async def test_a_group_with_a_missing_rank_gets_no_traffic_until_the_rank_exists
             view = await debug_pool(app)
             assert view["tp"]["state"] == "discovered" and view["tp"]["checks"] == []
             # The last rank comes up: the group is gated and admitted.
-            from router.control.model import GroupSpec, Member
+            from router.control.topology import GroupSpec, Member
 
             spec = app.control.groups["tp"].spec
             late = Member("e0-worker", "uid-w", 1, True, (), None, "prefill-decode")
@@ -258,7 +258,7 @@ async def test_a_runaway_answer_fails_the_check_instead_of_filling_memory() -> N
     from aiohttp import web
 
     from router.control.gate import MAX_ANSWER_BYTES, Gate, GateFailed, GateSettings
-    from router.control.model import GroupSpec, Member
+    from router.control.topology import GroupSpec, Member
     from router.state.pool import Pool
 
     async def models(_: web.Request) -> web.StreamResponse:

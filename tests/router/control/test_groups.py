@@ -10,7 +10,7 @@ from helpers import eventually
 
 from router.control.gate import CheckResult, GateFailed
 from router.control.groups import ControlSettings, GroupController, GroupState
-from router.control.model import GroupSpec, Member
+from router.control.topology import GroupSpec, Member
 from router.state.pool import Pool
 
 

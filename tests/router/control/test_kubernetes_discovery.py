@@ -31,7 +31,7 @@ from loadtests.servers.kube import (
     serving,
 )
 from router.control.discovery.kubernetes import KubernetesDiscovery
-from router.control.model import GroupSpec, Member
+from router.control.topology import GroupSpec, Member
 
 
 class Recorder:

@@ -8,7 +8,7 @@ import pytest
 from helpers import PD_TWO_RACKS, SINGLE_PODS, Metrics, make_config, make_pool
 from prometheus_client import CollectorRegistry, generate_latest
 
-from router.signals.pool import SaturationSettings, SignalsCollector, stage_signals
+from router.signals.saturation import SaturationSettings, SignalsCollector, stage_signals
 
 NOW = 100.0
 S = SaturationSettings(queue_threshold=5.0, kv_threshold=0.8)
@@ -83,7 +83,7 @@ def test_the_exposition_has_both_families_with_their_labels() -> None:
 def test_predicted_latency_follows_the_queue_and_the_batch() -> None:
     from helpers import make_picker
 
-    from router.signals.pool import predicted_latency
+    from router.signals.saturation import predicted_latency
 
     config = make_config(PD_TWO_RACKS, slo={"ttft_ms": 500, "tpot_ms": 50})
     idle = make_pool(config, {}, NOW)
