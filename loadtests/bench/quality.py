@@ -221,7 +221,12 @@ class RouterUnderTest:
 
 
 def _flow_api() -> bool:
-    return importlib.util.find_spec("router.flow.flight") is not None
+    """Whether the router under test has ``RequestFlow`` (trees before it drive ``router.proxy``)."""
+    try:
+        tree_module("router.flow.flight")
+    except ModuleNotFoundError:
+        return False
+    return True
 
 
 @contextlib.asynccontextmanager

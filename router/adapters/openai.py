@@ -84,10 +84,7 @@ class Proxy:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         flight = self.flow.start(request.headers)
         try:
-            route = flight.parse(await read_body(request, self.max_body_bytes))
-            if self.flow.prepares:
-                await self.flow.prepare(route)
-            await self.flow.admit(flight)
+            await self.flow.route(flight, await read_body(request, self.max_body_bytes))
             return await self._forward(request, flight)
         except Rejection as rejection:
             return answer_response(flight.reject(rejection))

@@ -5,6 +5,9 @@
     start ─ parse (or headers_only) ─ prepare (producers: I/O before the pick) ─ pick (sync,
     reserves) ─ [the adapter forwards, or Envoy does] ─ responded / retarget / upstream_failed ─ close
 
+``RequestFlow.route`` is that story up to the pick in one function (the proxy calls it; ext_proc
+runs the same steps message by message, awaiting only when a producer or flow control must).
+
 An adapter (the OpenAI proxy, the ext_proc picker) only translates its protocol into these calls
 and calls ``Flight.close()`` from one ``finally``: the reservation is given back and the outcome
 counted exactly once, whatever happened (answered, rejected, engine failed, client gone).
@@ -111,6 +114,15 @@ class RequestFlow:
     def start(self, headers: Mapping[str, str]) -> Flight:
         """A request arrived (its headers): the flight that carries it to ``close``."""
         return Flight(self, headers)
+
+    async def route(self, flight: Flight, body: bytes) -> RouteDecision:
+        """A request's way to its pods, top to bottom (a rejection on the way raises)."""
+        request = flight.parse(body)  # OpenAI body -> RouteRequest: limits, model, rewrite
+        if self.prepares:
+            await self.prepare(request)  # I/O before the pick: the tokenizer, the shared index
+        await self.admit(flight)  # pick now (sync, reserves), or held until a pod has room
+        assert flight.decision is not None
+        return flight.decision
 
     async def prepare(self, request: RouteRequest) -> None:
         """Run every producer; one that fails is logged and the pick goes on without it."""
