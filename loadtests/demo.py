@@ -17,6 +17,7 @@ from loadtests.workloads.client import Result, Summary, run_workload
 from loadtests.workloads.generate import shared_prefix
 from router.server.app import App
 from router.server.cli import run
+from router.server.compose import build
 from router.server.config import LinksConfig, PoolConfig, parse_config
 
 DEMO_LINKS = {
@@ -104,7 +105,7 @@ def render(summary: Summary) -> str:
 async def run_demo(requests: int = 120, keep: bool = False, port: int = 0, seed: int = 0) -> int:
     async with SimCluster(demo_specs(), link_cost_from(LinksConfig.model_validate(DEMO_LINKS))) as cluster:
         config = demo_config(cluster, port)
-        async with App(config, seed=seed) as app:
+        async with App(build(config, seed=seed)) as app:
             base = f"http://127.0.0.1:{app.proxy_port}"
             sys.stderr.write(f"pd-router proxy on {base}; sending {requests} requests\n")
             workload = shared_prefix(

@@ -33,6 +33,7 @@ from loadtests.sim.cluster import engine_model_for, link_cost_from
 from loadtests.sim.engine import SimCluster, TimeModel
 from router.server.app import App
 from router.server.cli import run
+from router.server.compose import build
 from router.server.config import LinksConfig, PoolConfig, parse_config
 from router.sidecar.server import SidecarServer
 
@@ -81,7 +82,7 @@ async def serve_target(
             for s in specs
         ]
         if not use_envoy:
-            app = await stack.enter_async_context(App(_config(endpoints, time, port, False), seed=0))
+            app = await stack.enter_async_context(App(build(_config(endpoints, time, port, False), seed=0)))
             url = f"http://127.0.0.1:{app.proxy_port}"
             # 200 once the pool has admitted engines with fresh metrics.
             await envoy.wait_ok(f"{url}/health", READY_DEADLINE_S)
@@ -96,7 +97,7 @@ async def serve_target(
                 await stack.enter_async_context(sidecar)
                 endpoint["address"] = f"127.0.0.1:{sidecar.port}"
                 endpoint["sidecar"] = True  # so the picker pairs towards it
-        app = await stack.enter_async_context(App(_config(endpoints, time, 0, True), seed=0))
+        app = await stack.enter_async_context(App(build(_config(endpoints, time, 0, True), seed=0)))
         assert app.extproc_port is not None
         # Fail-open goes to a port nobody listens on: a picker failure shows as failed requests
         # in locust instead of passing for routing.

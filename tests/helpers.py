@@ -19,7 +19,7 @@ from router.observe.metrics import RouterMetrics
 from router.request.types import EngineMetrics, RouteRequest
 from router.scheduling.extension import Producer
 from router.scheduling.picker import Picker
-from router.server.compose import picker_from, pool_from
+from router.server.compose import build, picker_from, pool_from
 from router.server.config import LinksConfig, PoolConfig, parse_config
 from router.state.pool import Pool
 
@@ -206,7 +206,7 @@ async def router_for(sections: dict[str, Any]) -> AsyncIterator[tuple[Any, str]]
     scrape = {"interval_ms": 50, "timeout_ms": 300, "stale_after_ms": 1000, "eject_after_failures": 2}
     proxy = {"port": 0, "debug_headers": True, "drain_timeout_s": 2}
     data = {"model": "sim-model", "scrape": scrape, "proxy": proxy, **sections}
-    async with App(parse_config(data), seed=0) as app:
+    async with App(build(parse_config(data), seed=0)) as app:
         yield app, f"http://127.0.0.1:{app.proxy_port}"
 
 

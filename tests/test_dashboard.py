@@ -59,7 +59,7 @@ async def test_every_queried_metric_is_exported_by_a_running_router() -> None:
         body = {"model": "sim-model", "prompt": "hello " * 40, "max_tokens": 4, "stream": True}
         async with http.post(f"{base}/v1/completions", json=body) as resp:
             await resp.read()
-        await eventually(lambda: app.scaling.latest, 5.0, "a signals tick")
+        await eventually(lambda: app.parts.scaling.latest, 5.0, "a signals tick")
         async with http.get(f"{base}/metrics") as resp:
             text = await resp.text()
     exported = set()

@@ -53,14 +53,14 @@ async def one_run(phase: Phase, settings: Settings, seed: int) -> BurstRun:
 
         async def watch() -> None:
             while not done.is_set():
-                latest = app.scaling.latest
+                latest = app.parts.scaling.latest
                 for role in peaks:
                     if role in latest:
                         peaks[role] = max(peaks[role], latest[role].recommended)
                 prefill = latest.get("prefill")
                 if prefill is not None and prefill.demand > 0:  # the router's seconds are wall seconds
                     capacities.append(float(prefill.capacity) / settings.speed)
-                await asyncio.sleep(app.scaling.settings.tick_s)
+                await asyncio.sleep(app.parts.scaling.settings.tick_s)
 
         watcher = asyncio.create_task(watch())
         loop = asyncio.get_running_loop()
@@ -74,7 +74,7 @@ async def one_run(phase: Phase, settings: Settings, seed: int) -> BurstRun:
             )
             elapsed_sim = (loop.time() - started) * settings.speed
             # The recommendation a few ticks after the last answer still counts (late observations).
-            await asyncio.sleep(5 * app.scaling.settings.tick_s)
+            await asyncio.sleep(5 * app.parts.scaling.settings.tick_s)
         finally:
             done.set()
             await watcher

@@ -118,6 +118,7 @@ def router_main(
     _pin(cpu)
     logging.basicConfig(level=logging.WARNING)
     from router.server.app import App  # the router is imported in its own child only
+    from router.server.compose import build
     from router.server.config import parse_config
 
     config = parse_config(
@@ -139,7 +140,7 @@ def router_main(
     )
 
     async def serve() -> None:
-        async with App(config) as app:
+        async with App(build(config)) as app:
             assert app.extproc_port is not None
             port = app.extproc_port
 

@@ -29,6 +29,7 @@ from loadtests.servers.kube import LWS_INDEX, LWS_KEY, LWS_SIZE, NS, pod, pool, 
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.discovery.kubernetes import KubernetesDiscovery
 from router.server.app import App
+from router.server.compose import build
 from router.server.config import parse_config
 
 
@@ -84,10 +85,10 @@ async def run(cycles: int, checks: list[str], gap_s: float) -> None:
         source = KubernetesDiscovery(api, NS, pool_name="qwen", backoff_initial_s=0.01)
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(api.close)
-            app = await stack.enter_async_context(App(config, discovery=source))
+            app = await stack.enter_async_context(App(build(config, discovery=source)))
             assert app.control is not None
             group = app.control.groups["g1"]
-            slot = app.pool.endpoints[next(iter(app.pool.endpoints))].slot
+            slot = app.parts.pool.endpoints[next(iter(app.parts.pool.endpoints))].slot
             answered: list[float] = []
             stop = asyncio.Event()
             load = asyncio.create_task(client(f"http://127.0.0.1:{app.proxy_port}", answered, stop, gap_s))
@@ -96,7 +97,7 @@ async def run(cycles: int, checks: list[str], gap_s: float) -> None:
                 for _ in range(cycles):
                     await until(lambda: group.state.value == "admitted", 10)
                     kube.put("pods", worker(ready=False))
-                    revoke.append(await until(lambda: not app.pool.admitted[slot], 10))
+                    revoke.append(await until(lambda: not app.parts.pool.admitted[slot], 10))
                     await asyncio.sleep(0.05)
                     seen = len(answered)
                     kube.put("pods", worker(ready=True))

@@ -31,6 +31,7 @@ from loadtests.sim.tiny_tokenizer import train_tiny_tokenizer
 from loadtests.workloads.client import Summary, run_workload
 from loadtests.workloads.generate import shared_prefix
 from router.server.app import App
+from router.server.compose import build
 from router.server.config import parse_config
 
 BLOCKS_PER_ENGINE = 512  # 8k tokens of KV: the 24 prefixes below (~24k tokens) do not fit on one
@@ -81,7 +82,9 @@ async def run_mode(precise: bool, tokenizer: str, requests: int, rate: float, se
     time_model = TimeModel(speed=1.0)
     async with contextlib.AsyncExitStack() as stack:
         cluster = await stack.enter_async_context(SimCluster(specs(tokenizer, time_model)))
-        app = await stack.enter_async_context(App(config(cluster, tokenizer, time_model, precise), seed=seed))
+        app = await stack.enter_async_context(
+            App(build(config(cluster, tokenizer, time_model, precise), seed=seed))
+        )
         if precise:
             await _until_covered(app, cluster)
         workload = shared_prefix(
@@ -102,9 +105,9 @@ async def run_mode(precise: bool, tokenizer: str, requests: int, rate: float, se
 
 
 async def _until_covered(app: App, cluster: SimCluster) -> None:
-    slots = [e.slot for e in app.pool.endpoints.values()]
+    slots = [e.slot for e in app.parts.pool.endpoints.values()]
     for _ in range(500):  # a subscriber misses batches published before it joined: publish until seen
-        if app.pool.kv_covered[slots].all():
+        if app.parts.pool.kv_covered[slots].all():
             return
         for engine in cluster.engines.values():
             engine.reset_prefix_cache()

@@ -164,6 +164,7 @@ def proxy_main(conn: Connection, engine: str, cpu: int | None, profile_path: str
     _pin(cpu)
     logging.basicConfig(level=logging.WARNING)
     from router.server.app import App  # the router is imported in its own child only
+    from router.server.compose import build
     from router.server.config import parse_config
 
     config = parse_config(
@@ -175,7 +176,7 @@ def proxy_main(conn: Connection, engine: str, cpu: int | None, profile_path: str
     )
 
     async def serve() -> None:
-        async with App(config) as app:
+        async with App(build(config)) as app:
             assert app.proxy_port is not None
             port = app.proxy_port
             await _serve_until_term(lambda: _const(port), conn)

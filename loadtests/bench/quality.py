@@ -216,7 +216,7 @@ class RouterUnderTest:
     def observed(self) -> dict[str, int]:
         """Answers the performance model compared with its predictions, per measure (TTFT, TPOT,
         ...), where the router has one."""
-        ratios = getattr(getattr(getattr(self.app, "scaling", None), "perf", None), "ratios", {})
+        ratios = getattr(getattr(getattr(parts_of(self.app), "scaling", None), "perf", None), "ratios", {})
         return {measure: int(counts.sum()) for measure, counts in ratios.items()}
 
 
@@ -248,7 +248,7 @@ async def open_router(
         if _flow_api():
             async with _flow_router(app_module, data, overrides, seed, session, cluster, reference) as r:
                 if true_cache:
-                    _install_true_cache(r.app.picker, cluster)
+                    _install_true_cache(parts_of(r.app).picker, cluster)
                 yield r
         else:
             if true_cache:
@@ -293,14 +293,14 @@ async def _flow_router(
     data = json.loads(json.dumps(data))
     pruned = tuple(prune_unknown(data, PoolConfig))  # an older tree may not know every section
     config = parse_config(data, [*VIRTUAL_OVERRIDES, *overrides])
-    async with app_module.App(config, seed=seed) as app:
+    async with started_app(app_module, config, seed) as app:
         if reference:
             from loadtests.bench.routing import install_reference
 
             install_reference(app, cluster)
         cfg = config.proxy
         exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)  # type: ignore[arg-type]
-        proxy = Proxy(app.flow, exchange, lambda: app.ready, debug_headers=True)
+        proxy = Proxy(parts_of(app).flow, exchange, lambda: app.ready, debug_headers=True)
         router = RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", pruned, app)
         with _tap_predictions(router.predictions):
             yield router
@@ -354,7 +354,7 @@ async def _legacy_router(
     if params[:4] != ["config", "pool", "picker", "exchange"]:
         raise UnsupportedTree(f"router.proxy.Proxy{tuple(params)}: an interface this harness does not know")
     config = parse_config(data, [*VIRTUAL_OVERRIDES, *overrides])
-    async with app_module.App(config, seed=seed) as app:
+    async with started_app(app_module, config, seed) as app:
         cfg = config.proxy
         exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)
         prepare = app._prepare_hook() if hasattr(app, "_prepare_hook") else None
@@ -368,6 +368,7 @@ _OLDER_LAYOUT = {
     "router.server.app": "router.app",
     "router.server.config": "router.config",
     "router.flow.flight": "router.flow",
+    "router.server.compose": "router.compose",
 }
 
 
@@ -380,6 +381,18 @@ def tree_module(name: str) -> Any:
         if older is None or not name.startswith(str(exc.name)):
             raise
         return importlib.import_module(older)
+
+
+def started_app(app_module: Any, config: Any, seed: int) -> Any:
+    """The tree's ``App`` (an async context manager) as the tree builds it: from
+    ``compose.build``'s parts, or from the configuration itself in older trees."""
+    build = getattr(tree_module("router.server.compose"), "build", None)
+    return app_module.App(config, seed=seed) if build is None else app_module.App(build(config, seed=seed))
+
+
+def parts_of(app: Any) -> Any:
+    """What the tree's ``App`` was built from (older trees' ``App`` held the parts itself)."""
+    return getattr(app, "parts", app)
 
 
 class UnsupportedTree(RuntimeError):

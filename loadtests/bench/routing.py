@@ -77,6 +77,7 @@ from router.scheduling.costmodel.matrix import PairCosts
 from router.scheduling.costmodel.policies import PairChoice
 from router.scheduling.costmodel.view import Candidates
 from router.server.app import App
+from router.server.compose import build
 from router.server.config import LinksConfig, PoolConfig, parse_config
 from router.state.pool import Pool
 
@@ -441,9 +442,9 @@ class ReferencePicker:
 
 def install_reference(app: App, cluster: SimCluster) -> ReferencePicker:
     """Make ``app``'s picker the full-information reference over ``cluster`` (same process)."""
-    reference = ReferencePicker(cluster, app.pool)
-    app.picker.pair_picker = reference
-    app.picker.filters = (*app.picker.filters, RequestTap(reference))
+    reference = ReferencePicker(cluster, app.parts.pool)
+    app.parts.picker.pair_picker = reference
+    app.parts.picker.filters = (*app.parts.picker.filters, RequestTap(reference))
     return reference
 
 
@@ -489,12 +490,12 @@ async def run_policy(
             misconfigure=misconfigure,
             learn={"pd-router-learning": True, "pd-router-static": False}.get(policy),
         )
-        async with App(config, seed=seed) as app:
+        async with App(build(config, seed=seed)) as app:
             reference = install_reference(app, cluster) if policy == "reference" else None
             base = f"http://127.0.0.1:{app.proxy_port}"
             run = run_workload(base, workload, name=policy, timeout_s=timeout_s)
             summary = await asyncio.wait_for(run, timeout=timeout_s + workload.items[-1].at_s + 10.0)
-            perf = app.scaling.perf
+            perf = app.parts.scaling.perf
             ratios = {measure: counts.copy() for measure, counts in perf.ratios.items()}
             bounds = tuple(perf.ratio_buckets)
         busy: dict[str, list[float]] = {}
@@ -528,7 +529,7 @@ async def unloaded_ttft(scn: Scenario, tm: TimeModel, seed: int, k: int = 6) -> 
     async with SimCluster(scn.specs(tm), link_cost) as cluster:
         config = make_config(cluster, tm, links)
         async with (
-            App(config, seed=seed) as app,
+            App(build(config, seed=seed)) as app,
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60.0)) as session,
         ):
             base = f"http://127.0.0.1:{app.proxy_port}"

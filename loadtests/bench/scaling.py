@@ -78,6 +78,7 @@ from loadtests.sim.fleet import Fleet
 from loadtests.workloads.client import Result, Summary, run_workload
 from loadtests.workloads.generate import Phase, WorkItem, Workload, phased
 from router.server.app import App
+from router.server.compose import build
 from router.server.config import LinksConfig, PoolConfig, parse_config
 
 ROLES = ("prefill", "decode")
@@ -289,7 +290,7 @@ SIGNALS = {
 def read_roles(app: App) -> dict[str, RoleReading]:
     """What Prometheus would scrape from the router now, per role (the ``stat="mean"`` KV series)."""
     values: dict[str, dict[str, float]] = {role: {} for role in ROLES}
-    for family in app.metrics.registry.collect():
+    for family in app.parts.metrics.registry.collect():
         for sample in family.samples:
             attr = SIGNALS.get(sample.name)
             role = sample.labels.get("role")
@@ -518,8 +519,8 @@ def templates(tm: TimeModel) -> dict[str, EngineSpec]:
 
 def router_busy(app: App, name: str) -> bool:
     """Whether the router still has a request of its own in flight to endpoint ``name``."""
-    endpoint = app.pool.endpoints.get(name)
-    return endpoint is not None and app.pool.busy([endpoint.slot])
+    endpoint = app.parts.pool.endpoints.get(name)
+    return endpoint is not None and app.parts.pool.busy([endpoint.slot])
 
 
 def admitted(app: App) -> dict[str, int]:
@@ -584,7 +585,7 @@ async def serving(
         rank_stagger_s=settings.wall(RANK_STAGGER_S),
     ) as fleet:
         await fleet.start(initial)
-        async with App(make_config(fleet, tm, settings), discovery=fleet, seed=seed) as app:
+        async with App(build(make_config(fleet, tm, settings), discovery=fleet, seed=seed)) as app:
             fleet.busy = functools.partial(router_busy, app)
             yield fleet, app
 

@@ -17,7 +17,7 @@ router all along). The load is ``loadtests.workloads.generate.shared_prefix`` at
 Every second: requests finished ok / failed in that second, the p99 TTFT of that second's
 successes, the RSS of this process (``VmRSS``: router + engines + client; the engines keep no
 request log here, their prefix caches and the router's index are bounded, so sustained growth
-is a leak), and ``app.pool.outstanding``. The report is a table per
+is a leak), and ``app.parts.pool.outstanding``. The report is a table per
 window (default one minute): requests, error rate, error rate outside faults, p99 TTFT outside
 faults, RSS; then the drift (last-window p99 / first-window p99, RSS growth). A request "overlaps
 a fault" when its lifetime [sent, finished] meets [fault start, fault end + ``--grace-s``].
@@ -51,6 +51,7 @@ from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.workloads.client import Result, percentile, run_workload
 from loadtests.workloads.generate import Workload, shared_prefix
 from router.server.app import App
+from router.server.compose import build
 from router.server.config import parse_config
 
 MS = 1000.0
@@ -239,7 +240,7 @@ async def _sampler(soak: Soak, app: App, t0: float, path: str, window: list[Done
                 len(batch) - len(ok),
                 percentile(ok, 0.99) * MS,
                 rss_mb(),
-                app.pool.outstanding,
+                app.parts.pool.outstanding,
             )
         )
 
@@ -310,9 +311,9 @@ async def _settle(app: App, deadline_s: float) -> int:
     """Poll until the router holds no reservation, up to ``deadline_s``; the last value seen."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s
-    while app.pool.outstanding != 0 and loop.time() < deadline:
+    while app.parts.pool.outstanding != 0 and loop.time() < deadline:
         await asyncio.sleep(0.02)
-    return app.pool.outstanding
+    return app.parts.pool.outstanding
 
 
 async def run_soak(
@@ -335,7 +336,7 @@ async def run_soak(
     # The engines' logs of requests seen (for tests: the last 1,000 bodies each, ~30 MB here, and
     # anew after each restart) would fill during the run and pass for the router's growth.
     cluster = SimCluster(specs, seen_limit=8)
-    async with cluster, App(_config(cluster, tm, "envoy" in paths), seed=seed) as app:
+    async with cluster, App(build(_config(cluster, tm, "envoy" in paths), seed=seed)) as app:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         soak.rss_start_mb = rss_mb()

@@ -192,13 +192,14 @@ async def serve(config: PoolConfig, args: argparse.Namespace | None = None) -> i
     """Run until SIGTERM/SIGINT, then drain: not ready, stop accepting, finish streams, exit."""
     from router.control.discovery.static import StaticDiscovery
     from router.server.app import App
+    from router.server.compose import build
 
     discovery = None
     if config.kubernetes is None and args is not None:  # the file's endpoints, re-read on change
         discovery = StaticDiscovery(config.endpoints, path=args.config, overrides=config_overrides(args))
     # The drop-in pool series are labelled with the InferencePool's name, as the reference pickers do.
     pool_name = (config.kubernetes.pool_name if config.kubernetes else None) or "pd-router"
-    app = App(config, discovery=discovery, pool_name=pool_name)
+    app = App(build(config, discovery=discovery, pool_name=pool_name))
     return await until_signal(app, lame_duck_s=config.shutdown.lame_duck_s)
 
 

@@ -1,28 +1,53 @@
-"""From a validated ``PoolConfig`` to the domain objects, units converted once (ms → s, GB/s → B/s).
+"""The composition root: a validated ``PoolConfig`` becomes every component, built once, with every
+unit converted here (ms → s, GB/s → B/s) and nowhere else.
 
-Part of the composition root with ``app`` and ``cli``: the domain modules below take plain values
-in seconds and never see the configuration's shape.
+``build(config, discovery)`` returns the ``Parts``; ``router.server.app.App`` only starts and stops
+them. Tests and benchmarks build through ``build`` too, so they run what the service runs. The
+domain modules take plain values in seconds and never see the configuration's shape.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from kvindex.base import PrefixIndex
+from kvindex.chat_template import ChatTemplate
+from kvindex.events import KVEventConsumer
+from kvindex.memory import MemoryPrefixIndex
+from kvindex.redis_index import SharedPrefixIndex
+from kvindex.tokenize import PromptTokenizer
+from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
+from router.adapters.health import HealthState
+from router.adapters.keda.scaler import KedaScaler, ScalerSignals
+from router.control.discovery.static import StaticDiscovery
 from router.control.gate import GateSettings
-from router.flow.hold_queue import FlowSettings
+from router.control.groups import ControlSettings
+from router.control.shared import SharedGateResults
+from router.control.topology import DiscoverySource
+from router.flow.flight import RequestFlow
+from router.flow.hold_queue import FlowControl, FlowSettings
+from router.observe.metrics import ControlMetrics, FlowMetrics, IndexCollector, PickerCollector, RouterMetrics
 from router.request.rewrite import ModelRewrites
 from router.scheduling.costmodel.link import LinkCosts, LinkOverlay
 from router.scheduling.costmodel.matrix import CostModel, WeightedTerm
 from router.scheduling.costmodel.policies import POLICIES
 from router.scheduling.costmodel.registry import load_term
 from router.scheduling.costmodel.view import EngineModel, Objectives
+from router.scheduling.extension import Producer
 from router.scheduling.filters import SubsetHint
 from router.scheduling.picker import Picker, PickerSettings
-from router.server.config import PoolConfig
-from router.signals.perf import LearnSettings
-from router.signals.scaling import ScalingSettings
+from router.scheduling.producers import PreciseKeys, SharedLookup
+from router.server.config import KubernetesConfig, PoolConfig, RedisConfig, Secrets
+from router.signals.engines import EngineSpeeds
+from router.signals.links import LinkLearner
+from router.signals.perf import LearnSettings, PerformanceModel
+from router.signals.saturation import SignalsCollector
+from router.signals.scaling import PoolSignals, ScalingSettings
+from router.signals.shared import SharedDemand
+from router.state.kv_sink import IndexEventSink
 from router.state.pool import Pool
 
 # A file's endpoints are what the operator wrote: cheap checks. A cluster's pods come and go with
@@ -181,3 +206,262 @@ def scaling_settings_from(config: PoolConfig) -> ScalingSettings:
 def flow_settings_from(config: PoolConfig) -> FlowSettings:
     flow = config.flow_control
     return FlowSettings(flow.max_queue, flow.queue_timeout_ms / 1000.0, flow.poll_ms / 1000.0)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """What the service's loops and clients wait, in seconds."""
+
+    scrape_interval_s: float
+    scrape_timeout_s: float
+    tick_s: float
+    connect_timeout_s: float
+    request_timeout_s: float
+    initial_wait_s: float
+
+
+@dataclass
+class Parts:
+    """Everything one configuration makes; ``App`` starts them in order and stops them in reverse.
+
+    What needs the engine session or the cluster (the scraper, the gate, the group controller, a
+    Kubernetes watch) is made at start from the settings here."""
+
+    config: PoolConfig
+    secrets: Secrets
+    pool: Pool
+    discovery: DiscoverySource | None  # None: Kubernetes, whose credentials are read at start
+    index: PrefixIndex  # the approximate index: local, or mirrored through Redis (``shared``)
+    shared: SharedPrefixIndex | None
+    precise_index: MemoryPrefixIndex | None  # fed by the engines' KV events
+    precise_keys: PreciseKeys | None
+    kv_events: KVEventConsumer | None
+    links: LinkLearner
+    picker: Picker
+    metrics: RouterMetrics
+    control_metrics: ControlMetrics
+    scaling: PoolSignals
+    engine_speeds: EngineSpeeds | None
+    flow_control: FlowControl | None
+    flow: RequestFlow
+    health: HealthState
+    keda: KedaScaler
+    gate: GateSettings
+    control: ControlSettings
+    gate_results: SharedGateResults | None  # verdicts shared between replicas through Redis
+    timing: Timing
+    redis_clients: tuple[Any, ...]  # closed at stop
+
+
+def build(
+    config: PoolConfig,
+    discovery: DiscoverySource | None = None,
+    *,
+    pool_name: str = "pd-router",
+    seed: int | None = None,
+) -> Parts:
+    """Every component of the service for ``config``. ``discovery``: where groups come from; the
+    configured ``endpoints`` by default, Kubernetes (made at start) when ``kubernetes`` is set."""
+    secrets = config.read_secrets()  # tokens and passwords from their files, once
+    # Empty until discovery publishes: endpoints join unadmitted, and only a group epoch that
+    # passed the ready gate is ever a candidate.
+    pool = empty_pool(config)
+    if discovery is None and config.kubernetes is None:
+        discovery = StaticDiscovery(config.endpoints)
+    redis = config.index.redis
+    password = secrets.redis_password
+    local = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
+    # Several replicas share what each routed where through Redis; pick() reads a local mirror.
+    shared = None if redis is None else shared_index(redis, password, local, pool)
+    index: PrefixIndex = local if shared is None else shared
+    # Precise mode: a second index fed by the engines' KV events, keyed by vLLM's own block
+    # hashes of the tokenized prompt; the approximate one still covers engines without events.
+    capacity = config.index.capacity_blocks_per_endpoint
+    precise_index = None if config.index.precise is None else MemoryPrefixIndex(capacity)
+    precise_keys = None if precise_index is None else precise_keys_from(config)
+    kv_events = None if precise_index is None else kv_events_from(config, pool, precise_index)
+    producers: list[Producer] = [p for p in (precise_keys,) if p is not None]
+    if shared is not None:
+        producers.append(SharedLookup(shared, pool))
+
+    def forget_slot(slot: int) -> None:
+        # An endpoint left (or a new engine replaced it): its slot's entries go before reuse.
+        index.drop_slot(slot)
+        if precise_index is not None:
+            precise_index.drop_slot(slot)
+
+    pool.on_removed = forget_slot
+    # Link bandwidths from answered pairs: always observed and exported, applied per signals.learn.
+    links = LinkLearner(link_costs_from(config), apply=config.signals.learns("links"))
+    picker = picker_from(config, pool, index, precise=precise_index, seed=seed, links=links)
+
+    def cost_model() -> CostModel:
+        return picker.cost_model
+
+    def reprice(model: CostModel) -> None:  # each accepted fit of the performance model
+        picker.cost_model = model
+
+    metrics = RouterMetrics(pool, pool_name)
+    limits = config.limits
+    control_metrics = ControlMetrics(metrics.registry)
+    scaling = PoolSignals(
+        pool,
+        PerformanceModel(picker.cost_model.model, learn_settings_from(config)),
+        cost_model,
+        reprice,
+        scaling_settings_from(config),
+        ready_times=lambda: control_metrics.ready_times,
+        typical_max_tokens=limits.default_max_tokens,
+        block_tokens=limits.block_tokens,
+    )
+    clients: list[Any] = []  # closed at stop
+    if redis is not None and config.signals.share_demand:
+        clients.append(_redis_client(redis.url, password))
+        # A replica missing three ticks has stopped routing (or lost Redis): its rates drop out.
+        stale_after_s = 3 * config.signals.tick_ms / 1000.0
+        scaling.shared = SharedDemand(clients[-1], redis.namespace, stale_after_s=stale_after_s)
+    for collector in (
+        SignalsCollector(
+            pool,
+            pool_name,
+            cost_model,
+            typical_max_tokens=limits.default_max_tokens,
+            block_tokens=limits.block_tokens,
+        ),
+        PickerCollector(picker),
+        links,
+        scaling,
+    ):
+        metrics.registry.register(collector)
+    if kv_events is not None or shared is not None:
+        metrics.registry.register(IndexCollector(kv_events, shared, pool))
+    # Per-engine speed against the pool's model; learned only while signals.learn has it.
+    engine_speeds = EngineSpeeds() if scaling.perf.settings.engine_speed else None
+    flow_control = None
+    if config.flow_control.enabled:
+        flow_control = FlowControl(
+            flow_settings_from(config), FlowMetrics(metrics.registry, pool_name, metrics.per_request)
+        )
+        pool.on_free = flow_control.capacity_freed
+    flow = RequestFlow(
+        picker,
+        metrics,
+        config.request_limits(),
+        config.model,
+        producers,
+        scaling,
+        flow_control,
+        engine_speeds,
+        model_rewrites_from(config, seed),
+        links,
+    )
+    gate_results = None
+    if redis is not None and config.gate.share_results:
+        clients.append(_redis_client(redis.url, password))
+        gate_results = SharedGateResults(clients[-1], redis.namespace)
+    gate = config.gate
+    return Parts(
+        config=config,
+        secrets=secrets,
+        pool=pool,
+        discovery=discovery,
+        index=index,
+        shared=shared,
+        precise_index=precise_index,
+        precise_keys=precise_keys,
+        kv_events=kv_events,
+        links=links,
+        picker=picker,
+        metrics=metrics,
+        control_metrics=control_metrics,
+        scaling=scaling,
+        engine_speeds=engine_speeds,
+        flow_control=flow_control,
+        flow=flow,
+        health=HealthState(),
+        keda=KedaScaler(ScalerSignals(pool, scaling).value),
+        gate=gate_settings_from(config),
+        control=ControlSettings(gate.retry_base_s, gate.retry_max_s, gate.drain_timeout_s),
+        gate_results=gate_results,
+        timing=Timing(
+            scrape_interval_s=config.scrape.interval_ms / 1000.0,
+            scrape_timeout_s=config.scrape.timeout_ms / 1000.0,
+            tick_s=config.signals.tick_ms / 1000.0,
+            connect_timeout_s=config.proxy.connect_timeout_s,
+            request_timeout_s=config.proxy.request_timeout_s,
+            initial_wait_s=gate.initial_wait_s,
+        ),
+        redis_clients=tuple(clients),
+    )
+
+
+def shared_index(
+    cfg: RedisConfig, password: str | None, local: MemoryPrefixIndex, pool: Pool
+) -> SharedPrefixIndex:
+    def slot_of(name: str) -> int | None:
+        endpoint = pool.endpoints.get(name)
+        return None if endpoint is None else endpoint.slot
+
+    return SharedPrefixIndex(
+        _redis_client(cfg.url, password),
+        local,
+        namespace=cfg.namespace,
+        ttl_s=cfg.ttl_s,
+        lookup_timeout_s=cfg.lookup_timeout_ms / 1000.0,
+        slot_names=lambda slot: pool.by_slot[slot].id,  # type: ignore[union-attr]
+        slot_of=slot_of,
+    )
+
+
+def precise_keys_from(config: PoolConfig) -> PreciseKeys:
+    precise = config.index.precise
+    assert precise is not None
+    hasher = VllmBlockHasher(
+        HashAlgo(precise.hash_algo), config.limits.block_tokens, precise.python_hash_seed
+    )
+    tokenizer = PromptTokenizer(precise.tokenizer, hasher, add_special_tokens=precise.add_special_tokens)
+    template = chat_tokenizer = None
+    if precise.chat_template is not None:
+        template = ChatTemplate(precise.chat_template)
+        # The template writes BOS itself; vLLM tokenizes its output without adding any.
+        chat_tokenizer = PromptTokenizer(precise.tokenizer, hasher, add_special_tokens=False)
+    return PreciseKeys(tokenizer, template, chat_tokenizer)
+
+
+def kv_events_from(config: PoolConfig, pool: Pool, index: MemoryPrefixIndex) -> KVEventConsumer:
+    precise = config.index.precise
+    assert precise is not None
+    consumer = KVEventConsumer(
+        IndexEventSink(pool, index),
+        replay_timeout_s=precise.replay_timeout_s,
+        rebuild_after_s=precise.rebuild_after_s,
+    )
+    for endpoint in config.endpoints:
+        if endpoint.kv_events is not None:
+            consumer.add_engine(endpoint.id, endpoint.kv_events.endpoint, endpoint.kv_events.replay_endpoint)
+    return consumer
+
+
+def kubernetes_discovery(kube: KubernetesConfig, api: Any) -> DiscoverySource:
+    """The InferencePool (or label selector) watch over an API client made at start."""
+    from router.control.discovery.kubernetes import KubernetesDiscovery
+
+    return KubernetesDiscovery(
+        api,
+        kube.namespace,
+        pool_name=kube.pool_name,
+        selector=kube.selector or None,
+        target_ports=kube.target_ports,
+        workers_serve=kube.workers_serve,
+        **({"group_label": kube.group_label} if kube.group_label else {}),
+    )
+
+
+def _redis_client(url: str, password: str | None) -> Any:
+    from redis.asyncio import Redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # No client retries: every call has its own timeout, and each user has its own fallback.
+    options: dict[str, Any] = {} if password is None else {"password": password}
+    return Redis.from_url(url, decode_responses=False, retry=Retry(NoBackoff(), 0), **options)

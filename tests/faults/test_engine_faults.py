@@ -96,7 +96,7 @@ async def test_an_engine_answering_500s_costs_no_request_and_is_avoided() -> Non
         ):
             cluster.engines["e0"].set_failing(500)
             assert await completions(http, base, 20) == [200] * 20  # failed over to e1 each time
-            assert app.pool.outstanding == 0
+            assert app.parts.pool.outstanding == 0
             served = Counter(e for e in ("e0", "e1") for _ in range(cluster.engines[e].stats.requests_served))
             assert served["e0"] == 0 and served["e1"] == 20
 
@@ -122,10 +122,10 @@ async def test_an_engine_killed_mid_stream_ends_that_stream_with_an_error_event_
             )
             # Everyone after it is served by the survivor; the dead one takes nothing more.
             assert await completions(http, base, 10) == [200] * 10
-            await eventually(lambda: app.pool.outstanding == 0, 5.0, "reservations released")
-            assert app.pool.endpoints[victim].failures >= 1
+            await eventually(lambda: app.parts.pool.outstanding == 0, 5.0, "reservations released")
+            assert app.parts.pool.endpoints[victim].failures >= 1
             # Counted as what it was: begun with a 200, ended by the engine, not answered.
-            assert outcomes(app.metrics) == {"ok": 10, "upstream_disconnected": 1}
+            assert outcomes(app.parts.metrics) == {"ok": 10, "upstream_disconnected": 1}
 
 
 async def test_a_hung_engine_fails_over_before_the_first_byte_and_is_released() -> None:
@@ -143,7 +143,7 @@ async def test_a_hung_engine_fails_over_before_the_first_byte_and_is_released() 
                 statuses == [200] * 6
             )  # each request that met the hung pod timed out there, then e1 served it
             await eventually(lambda: front.hanging == 0, 5.0, "the hung calls cancelled")
-            assert app.pool.outstanding == 0
+            assert app.parts.pool.outstanding == 0
 
 
 async def test_a_ten_times_slower_engine_is_learned_and_gets_little_traffic() -> None:
@@ -153,11 +153,11 @@ async def test_a_ten_times_slower_engine_is_learned_and_gets_little_traffic() ->
         endpoints = [{"address": cluster.address(s.name), "name": s.name} for s in specs]
         sections = {"endpoints": endpoints, "scrape": SCRAPE, "signals": {"tick_ms": 50, "learn": True}}
         async with router_for(sections) as (app, base), aiohttp.ClientSession() as http:
-            slowness = app.pool.slowness
-            fast, slow = (app.pool.endpoints[n].slot for n in ("fast", "slow"))
+            slowness = app.parts.pool.slowness
+            fast, slow = (app.parts.pool.endpoints[n].slot for n in ("fast", "slow"))
             for _ in range(10):  # in waves: each engine answers a few, and how fast it did is learned
                 assert await completions(http, base, 10, stream=True) == [200] * 10
-                app.engine_speeds.apply(app.pool)  # what the signals tick does
+                app.parts.engine_speeds.apply(app.parts.pool)  # what the signals tick does
                 if slowness[slow] > 2 * slowness[fast]:
                     break
             assert slowness[slow] > 2 * slowness[fast], "the slow engine was not learned as slow"
@@ -166,7 +166,7 @@ async def test_a_ten_times_slower_engine_is_learned_and_gets_little_traffic() ->
                 assert await completions(http, base, 10, stream=True) == [200] * 10
             served = {n: cluster.engines[n].stats.requests_served - before[n] for n in ("fast", "slow")}
             assert served["fast"] >= 2 * served["slow"], served
-            assert app.pool.outstanding == 0
+            assert app.parts.pool.outstanding == 0
 
 
 async def test_an_engine_whose_metrics_hang_gets_no_traffic_until_they_answer_again() -> None:
@@ -180,14 +180,16 @@ async def test_an_engine_whose_metrics_hang_gets_no_traffic_until_they_answer_ag
             aiohttp.ClientSession() as http,
         ):
             front.hang_metrics = True
-            slot = app.pool.endpoints["blind"].slot
-            await eventually(lambda: slot not in app.pool.candidate_slots().tolist(), 5.0, "blind is stale")
+            slot = app.parts.pool.endpoints["blind"].slot
+            await eventually(
+                lambda: slot not in app.parts.pool.candidate_slots().tolist(), 5.0, "blind is stale"
+            )
             before = cluster.engines["e0"].stats.requests_served
             assert await completions(http, base, 10) == [200] * 10
             assert cluster.engines["e0"].stats.requests_served == before  # unknown is never idle
             front.hang_metrics = False
-            await eventually(lambda: slot in app.pool.candidate_slots().tolist(), 5.0, "blind is back")
-            assert app.pool.outstanding == 0
+            await eventually(lambda: slot in app.parts.pool.candidate_slots().tolist(), 5.0, "blind is back")
+            assert app.parts.pool.outstanding == 0
 
 
 async def test_a_flapping_engine_costs_no_request() -> None:
@@ -207,4 +209,4 @@ async def test_a_flapping_engine_costs_no_request() -> None:
                 await engine.start()
                 statuses += await completions(http, base, 5)
             assert statuses == [200] * 30
-            assert app.pool.outstanding == 0
+            assert app.parts.pool.outstanding == 0

@@ -87,14 +87,14 @@ async def test_envoy_restarted_with_streams_open(tmp_path: Path) -> None:
                     streams = [
                         asyncio.create_task(post(http, url, i, max_tokens=400, stream=True)) for i in range(4)
                     ]
-                    await eventually(lambda: app.pool.outstanding == 4, 10.0, "four streams open")
+                    await eventually(lambda: app.parts.pool.outstanding == 4, 10.0, "four streams open")
                 # Envoy is gone with the streams open: they fail, and the picker gives back all.
                 results = await asyncio.gather(*streams, return_exceptions=True)
                 assert all(isinstance(r, aiohttp.ClientError) for r in results), results
-                await eventually(lambda: app.pool.outstanding == 0, 10.0, "reservations released")
+                await eventually(lambda: app.parts.pool.outstanding == 0, 10.0, "reservations released")
                 async with run_envoy(config, tmp_path, admin):  # a new Envoy, the same picker
                     assert await asyncio.gather(*(post(http, url, 10 + i) for i in range(4))) == [200] * 4
-            await eventually(lambda: app.pool.outstanding == 0, what="reservations released")
+            await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -456,9 +456,9 @@ async def test_garbage_streams_then_a_valid_one_on_the_real_server() -> None:
                 except grpc.aio.AioRpcError as exc:
                     assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
                     assert not all(decodes(m) for m in messages)
-            await eventually(lambda: app.pool.outstanding == 0, what="every garbage stream released")
+            await eventually(lambda: app.parts.pool.outstanding == 0, what="every garbage stream released")
             messages = valid_start(Mode.FULL_DUPLEX_STREAMED)
             responses = [r async for r in pb_grpc.ExternalProcessorStub(channel).Process(iter(messages))]
             routing = responses[0].request_headers.response.header_mutation.set_headers
             assert [h.header.key for h in routing] == [DESTINATION]
-            await eventually(lambda: app.pool.outstanding == 0, what="release at stream end")
+            await eventually(lambda: app.parts.pool.outstanding == 0, what="release at stream end")

@@ -326,7 +326,7 @@ from loadtests.sim.engine import EngineSpec
 async def main():
     specs = [EngineSpec("p0", "prefill"), EngineSpec("d0", "decode")]
     async with router_on_sim(specs, SECTIONS) as (_, app, _base):
-        await eventually(lambda: len(app.pool.candidate_slots()) == 2, what="both engines admitted")
+        await eventually(lambda: len(app.parts.pool.candidate_slots()) == 2, what="both engines admitted")
         print(app.proxy_port, flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the test ends
 

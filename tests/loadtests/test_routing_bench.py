@@ -19,6 +19,7 @@ from loadtests.sim.engine import EngineSnapshot, EngineSpec, SimCluster, SimJob,
 from loadtests.workloads.client import Result, send
 from loadtests.workloads.generate import WorkItem
 from router.server.app import App
+from router.server.compose import build
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +73,7 @@ async def _measured(busy: bool, name: str) -> float:
 
 async def _routed(busy: bool) -> tuple[Result, routing.ReferencePicker]:
     """PROMPT routed by the reference through the proxy in the hand-built state."""
-    async with _cluster() as cluster, App(routing.make_config(cluster, TM, {}), seed=0) as app:
+    async with _cluster() as cluster, App(build(routing.make_config(cluster, TM, {}), seed=0)) as app:
         reference = routing.install_reference(app, cluster)
         async with _session() as session:
             queued = await _build(busy, cluster, session)

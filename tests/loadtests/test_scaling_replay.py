@@ -37,8 +37,8 @@ FAST = Settings(speed=20.0, ready_s=30.0)  # a replica is Ready 1.5 s (wall) aft
 
 
 def admitted(app: App, name: str) -> bool:
-    endpoint = app.pool.endpoints.get(name)
-    return endpoint is not None and bool(app.pool.admitted[endpoint.slot])
+    endpoint = app.parts.pool.endpoints.get(name)
+    return endpoint is not None and bool(app.parts.pool.admitted[endpoint.slot])
 
 
 def served(engine: SimEngine) -> int:
@@ -63,7 +63,7 @@ async def test_a_new_replica_takes_traffic_only_after_its_ready_time_and_the_gat
         await fleet.scale("decode", 2)
         new = next(r for r in fleet.active("decode") if not r.ready)
         assert fleet.count("decode") == 2
-        await eventually(lambda: new.name in app.pool.endpoints, 2, "the new replica discovered")
+        await eventually(lambda: new.name in app.parts.pool.endpoints, 2, "the new replica discovered")
         results = await complete(base, 6, 4)  # while it is starting: all served by the old one
         assert all(r.ok for r in results)
         assert not admitted(app, new.name) and served(new.engine) == 0
@@ -100,7 +100,7 @@ async def test_a_removed_replica_drains_its_streams_and_stops_once_idle() -> Non
         assert [r.ok for r in results] == [True] * 8, [r.completion_tokens for r in results]
         await eventually(lambda: victim.stopped_at is not None, 5, "the drained replica stopped")
         assert not victim.engine.alive and victim.engine.stats.requests_served > 0
-        await eventually(lambda: victim.name not in app.pool.endpoints, 5, "the victim left the pool")
+        await eventually(lambda: victim.name not in app.parts.pool.endpoints, 5, "the victim left the pool")
 
 
 async def test_a_rolling_upgrade_takes_one_multi_rank_group_away_at_a_time_and_cuts_nothing() -> None:

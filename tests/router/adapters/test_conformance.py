@@ -89,7 +89,7 @@ async def test_each_selected_endpoint_serves_and_is_reported_back(tmp_path: Path
                 assert served == pod  # the header the suite checks
                 assert f"127.0.0.1:{answer['httpPort']}" == pod  # and who really answered
                 assert answer["bodyBytes"] > 0 and answer["headers"].get(SELECT) == pod
-        await eventually(lambda: app.pool.outstanding == 0, what="reservations released")
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
 
 
 async def test_a_list_of_endpoints_or_a_bare_ip_keeps_every_request_inside_it(tmp_path: Path) -> None:
@@ -108,7 +108,7 @@ async def test_a_list_of_endpoints_or_a_bare_ip_keeps_every_request_inside_it(tm
         assert status == 200
         status, _, answer = await post(http, url, "10.255.255.1,10.255.255.2:3000")
         assert status == 503 and "no_capacity" in answer
-        await eventually(lambda: app.pool.outstanding == 0, what="reservations released")
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
 
 
 async def test_requests_without_a_body_and_without_the_header_are_routed(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ async def test_requests_are_routed_to_the_picked_engine_in_both_body_modes(tmp_p
                 answer = await resp.json()
                 assert answer["usage"]["completion_tokens"] == 8
         assert sum(gw.served_by().values()) == 6
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservations released")
 
 
 async def test_sse_is_streamed_through_incrementally(tmp_path: Path) -> None:
@@ -50,9 +50,9 @@ async def test_sse_is_streamed_through_incrementally(tmp_path: Path) -> None:
             assert sum(e.num_running for e in gw.cluster.engines.values()) == 1
             rest = await resp.read()
         assert rest.rstrip().endswith(b"data: [DONE]")
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservation released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservation released")
         # Response processing saw the tokens go by: TTFT and TPOT reached the performance model.
-        perf = gw.app.scaling.perf
+        perf = gw.app.parts.scaling.perf
         await eventually(lambda: perf.tpot.count == 1 and perf.ttft.count == 1, what="TTFT and TPOT observed")
         assert int(perf.ratios["tpot"].sum()) == 1
 
@@ -112,7 +112,7 @@ async def test_client_errors_get_json_answers_and_the_next_request_works(tmp_pat
                 assert resp.headers["x-pd-router-reject"] == code
         async with http.post(f"{gw.url}/v1/completions", json=completion()) as resp:
             assert resp.status == 200
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservations released")
 
 
 async def test_sheddable_requests_get_429_when_the_pool_is_saturated(tmp_path: Path) -> None:
@@ -130,7 +130,7 @@ async def test_header_only_get_is_routed(tmp_path: Path) -> None:
         async with http.get(f"{gw.url}/v1/models") as resp:
             assert resp.status == 200
             assert (await resp.json())["data"][0]["id"] == "sim-model"
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservation released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservation released")
 
 
 async def test_200_concurrent_requests_all_succeed(tmp_path: Path) -> None:
@@ -144,15 +144,15 @@ async def test_200_concurrent_requests_all_succeed(tmp_path: Path) -> None:
 
         statuses = await asyncio.gather(*(one(i) for i in range(200)))
         assert statuses == [200] * 200
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="all reservations released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="all reservations released")
 
 
 async def test_killing_an_engine_moves_traffic_away(tmp_path: Path) -> None:
     async with gateway(tmp_path) as gw, aiohttp.ClientSession() as http:
         await gw.cluster.kill("e0")
-        e0 = gw.app.pool.endpoints["e0"]
+        e0 = gw.app.parts.pool.endpoints["e0"]
         await eventually(
-            lambda: e0.slot not in gw.app.pool.candidate_slots(), what="e0 leaves the candidates"
+            lambda: e0.slot not in gw.app.parts.pool.candidate_slots(), what="e0 leaves the candidates"
         )
         before = gw.served_by()
         for i in range(10):
@@ -165,7 +165,7 @@ async def test_killing_an_engine_moves_traffic_away(tmp_path: Path) -> None:
 async def test_cancelled_and_failed_streams_release_their_reservations(tmp_path: Path) -> None:
     slow = [dataclasses.replace(s, time=TimeModel(speed=2.0)) for s in SINGLE]
     async with gateway(tmp_path, specs=slow) as gw, aiohttp.ClientSession() as http:
-        pool = gw.app.pool
+        pool = gw.app.parts.pool
         # Cancelled: the client hangs up mid-stream.
         resp = await http.post(f"{gw.url}/v1/completions", json=completion(max_tokens=500, stream=True))
         await resp.content.readline()
@@ -243,7 +243,7 @@ def decisions(app: Any) -> dict[str, float]:
     """``pd_router_decisions_total`` by kind."""
     return {
         sample.labels["kind"]: sample.value
-        for family in app.metrics.registry.collect()
+        for family in app.parts.metrics.registry.collect()
         if family.name == "pd_router_decisions"
         for sample in family.samples
         if sample.name == "pd_router_decisions_total"
@@ -268,7 +268,7 @@ async def test_without_a_sidecar_envoy_gets_single_pod_decisions_only(tmp_path: 
         for engine in gw.cluster.engines.values():
             for _, headers, body in engine.requests_seen:
                 assert "x-prefiller-host-port" not in headers and "kv_transfer_params" not in body
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservations released")
 
 
 async def test_a_sidecar_in_front_of_every_pod_serves_pairs_through_envoy(tmp_path: Path) -> None:
@@ -302,7 +302,7 @@ async def test_a_sidecar_in_front_of_every_pod_serves_pairs_through_envoy(tmp_pa
                     assert resp.headers["x-pd-sidecar-prefill"] == "remote"
                     await resp.read()
             assert decisions(app) == {"pd-pair": 4}
-            await eventually(lambda: app.pool.outstanding == 0, what="reservations released")
+            await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
     by_name = engines.engines
     assert sum(e.stats.remote_prefills_served for e in by_name.values()) == 4
     assert sum(e.stats.remote_prefills_received for e in by_name.values()) == 4
@@ -321,11 +321,11 @@ async def test_flow_control_holds_the_ext_proc_stream_until_a_pod_has_room(tmp_p
                 return resp.status
 
         tasks = [asyncio.create_task(one_request(i)) for i in range(10)]
-        control = gw.app.flow_control
+        control = gw.app.parts.flow_control
         await eventually(lambda: control.size > 0, 5.0, "an ext_proc stream held")
         assert next(iter(gw.cluster.engines.values())).num_waiting <= 2  # held by us, not the engine
         assert await asyncio.gather(*tasks) == [200] * 10
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservations released")
 
 
 @pytest.mark.parametrize("tls", [True, False], ids=["tls-default", "h2c"])
@@ -345,4 +345,4 @@ async def test_envoy_reaches_the_picker_over_tls_by_default_or_in_cleartext(
             c.transport.get_extra_info("ssl_object") is not None for c in server.connections if c.transport
         ]
         assert secured and all(secure == tls for secure in secured)  # Envoy's connections, all as configured
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservations released")

@@ -400,4 +400,4 @@ async def test_body_modes_that_cannot_route_on_the_body_are_routed_on_headers(
         stats = await gw.extproc_stats()
         watched = ("message_timeouts", "failure_mode_allowed", "spurious_msgs_received")
         assert {name: stats.get(name, 0) for name in watched} == dict.fromkeys(watched, 0), stats
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="released")

@@ -61,7 +61,7 @@ async def test_health_answers_every_name_on_both_ports_and_readiness_follows_the
                 **dict.fromkeys(NAMES, SERVING),
                 "liveness": SERVING,
             }
-        app.health.set_ready(False)  # what stop() does first
+        app.parts.health.set_ready(False)  # what stop() does first
         assert await status(app.health_port, "readiness") == NOT_SERVING
         assert await status(app.health_port, "liveness") == SERVING
 
@@ -85,7 +85,7 @@ async def test_garbage_on_the_stream_is_a_grpc_error_and_the_server_keeps_servin
         responses = [r async for r in pb_grpc.ExternalProcessorStub(channel).Process(iter(messages))]
         routing = responses[0].request_headers.response.header_mutation.set_headers
         assert [h.header.key for h in routing] == ["x-gateway-destination-endpoint"]
-        await eventually(lambda: app.pool.outstanding == 0, what="release at stream end")
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="release at stream end")
 
 
 async def test_metrics_listener_serves_the_router_metrics() -> None:

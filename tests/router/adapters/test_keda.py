@@ -53,7 +53,7 @@ async def test_the_scaler_answers_keda_per_role_and_signal() -> None:
         assert value.metricName == "decode-load" and 0 < value.metricValueFloat < 1  # an idle pool
         assert value.metricValue == 1  # rounded up for KEDA ≤ 2.16
         # Queue up prompts on the prefill pod: its signal moves, the decode pod's does not.
-        app.pool.queued_prefill_tokens[app.pool.endpoints["p0"].slot] = 50_000.0
+        app.parts.pool.queued_prefill_tokens[app.parts.pool.endpoints["p0"].slot] = 50_000.0
         prefill = pb.GetMetricsRequest(scaledObjectRef=ref(role="prefill", signal="queuedPromptTokens"))
         queued = (await metrics(prefill)).metricValues[0]
         assert queued.metricValueFloat == 50_000.0 and queued.metricValue == 50_000
@@ -69,18 +69,20 @@ async def test_the_scaler_answers_keda_per_role_and_signal() -> None:
             response_deserializer=pb.IsActiveResponse.FromString,
         )(ref(role="prefill", signal="queuedPromptTokens", activation="1000"))
         assert (await stream.read()).result is True
-        app.pool.queued_prefill_tokens[app.pool.endpoints["p0"].slot] = 0.0
+        app.parts.pool.queued_prefill_tokens[app.parts.pool.endpoints["p0"].slot] = 0.0
         assert (await stream.read()).result is False
         stream.cancel()
         # The recommendation per role, as the signals tick computed it (the queued prompts above
         # made the prefill backlog something one replica cannot drain in time).
-        app.pool.queued_prefill_tokens[app.pool.endpoints["p0"].slot] = 5_000_000.0
-        await eventually(lambda: app.scaling.latest["prefill"].recommended > 1, 5.0, "a prefill scale-up")
+        app.parts.pool.queued_prefill_tokens[app.parts.pool.endpoints["p0"].slot] = 5_000_000.0
+        await eventually(
+            lambda: app.parts.scaling.latest["prefill"].recommended > 1, 5.0, "a prefill scale-up"
+        )
         for role in ("prefill", "decode"):
             request = pb.GetMetricsRequest(scaledObjectRef=ref(role=role, signal="recommendedReplicas"))
             (value,) = (await metrics(request)).metricValues
-            assert value.metricValueFloat == app.scaling.latest[role].recommended
-        assert app.scaling.latest["decode"].recommended == 1
+            assert value.metricValueFloat == app.parts.scaling.latest[role].recommended
+        assert app.parts.scaling.latest["decode"].recommended == 1
 
 
 @pytest.mark.parametrize(
@@ -184,7 +186,7 @@ async def test_recommended_replicas_scale_a_role_to_zero_and_its_first_request_w
 
         for role, stream in streams.items():  # a fresh router holds what runs for one window
             await asyncio.wait_for(inactive(stream), 10.0)
-            assert app.scaling.latest[role].recommended == 0
+            assert app.parts.scaling.latest[role].recommended == 0
         async with aiohttp.ClientSession() as http:
             body = {"model": "sim-model", "prompt": "wake up " * 100, "max_tokens": 8}
             async with http.post(f"{base}/v1/completions", json=body) as resp:
@@ -202,7 +204,8 @@ async def test_a_pool_at_zero_replicas_wakes_on_the_request_it_could_not_serve()
     async with router_for(sections) as (app, base):
         await eventually(
             lambda: (
-                app.scaling.latest.get("decode") is not None and app.scaling.latest["decode"].recommended == 0
+                app.parts.scaling.latest.get("decode") is not None
+                and app.parts.scaling.latest["decode"].recommended == 0
             ),
             10.0,
             "an idle pool at zero",
@@ -212,7 +215,7 @@ async def test_a_pool_at_zero_replicas_wakes_on_the_request_it_could_not_serve()
             async with http.post(f"{base}/v1/completions", json=body) as resp:
                 assert resp.status == 503
         await eventually(
-            lambda: all(app.scaling.latest[role].recommended >= 1 for role in ("prefill", "decode")),
+            lambda: all(app.parts.scaling.latest[role].recommended >= 1 for role in ("prefill", "decode")),
             5.0,
             "both roles asked for",
         )

@@ -31,7 +31,7 @@ def models_seen(cluster: SimCluster) -> list[str]:
 
 def rewrites_counted(app: Any, rule: str, asked: str, target: str) -> float:
     labels = {"model_rewrite_name": rule, "model_name": asked, "target_model": target}
-    registry = app.metrics.registry
+    registry = app.parts.metrics.registry
     return registry.get_sample_value("inference_extension_model_rewrite_decisions_total", labels) or 0.0
 
 
@@ -60,7 +60,7 @@ async def test_the_proxy_splits_a_public_name_and_honours_the_header() -> None:
             assert resp.status == 404
             assert "'x' (rewritten from 'public') is not served" in (await resp.json())["error"]["message"]
         assert len(models_seen(cluster)) == before
-        await eventually(lambda: app.pool.outstanding == 0, what="reservations released")
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
 
 
 @pytest.mark.parametrize("mode", ["full-duplex", "buffered"])
@@ -77,4 +77,4 @@ async def test_envoy_forwards_the_rewritten_body_in_both_body_modes(tmp_path: Pa
         assert len(seen) == 13 and set(seen) == {"sim-model", "lora-a"}
         # The engine parsed every rewritten body: its length was sent along with it.
         assert rewrites_counted(gw.app, "header", "public", "lora-a") == 1
-        await eventually(lambda: gw.app.pool.outstanding == 0, what="reservations released")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservations released")

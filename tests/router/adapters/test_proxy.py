@@ -49,7 +49,7 @@ async def test_pd_request_runs_prefill_leg_then_decode_leg_with_the_transfer_par
         assert params["do_remote_prefill"] is True and params["remote_engine_id"] == prefill_name
         assert params["remote_port"] == engines[prefill_name].port
         assert engines[decode_name].stats.remote_prefills_received == 1
-        await eventually(lambda: app.pool.outstanding == 0, what="reservation released")
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservation released")
 
 
 async def test_prefill_decode_pool_sends_one_plain_request_to_one_pod() -> None:
@@ -121,14 +121,14 @@ async def test_bad_requests_get_openai_errors_and_the_next_request_succeeds(
             assert error["code"] == code and error["message"]
         async with http.post(f"{base}/v1/completions", json=completion()) as resp:
             assert resp.status == 200
-        assert app.pool.outstanding == 0
+        assert app.parts.pool.outstanding == 0
 
 
 async def test_no_capacity_is_503_with_retry_after() -> None:
     async with router_on_sim(SINGLE_SPECS) as (cluster, app, base), aiohttp.ClientSession() as http:
         for name in list(cluster.engines):
             await cluster.kill(name)
-        await eventually(lambda: len(app.pool.candidate_slots()) == 0, what="all endpoints ejected")
+        await eventually(lambda: len(app.parts.pool.candidate_slots()) == 0, what="all endpoints ejected")
         async with http.post(f"{base}/v1/completions", json=completion()) as resp:
             assert resp.status == 503
             assert int(resp.headers["Retry-After"]) >= 1
@@ -143,7 +143,7 @@ async def test_dead_decode_pod_fails_over_before_the_first_byte() -> None:
     async with router_on_sim(SINGLE_SPECS, sections) as (cluster, app, base), aiohttp.ClientSession() as http:
         await cluster.kill("e0")
         await cluster.kill("e1")
-        pool = app.pool
+        pool = app.parts.pool
 
         def ejected() -> set[str]:
             return {e.id for e in pool.endpoints.values() if pool.ejected[e.slot]}
@@ -175,7 +175,7 @@ async def test_dead_prefill_pod_fails_over_to_the_next_prefill() -> None:
                 assert resp.status == 200
                 assert resp.headers["x-pd-router-prefill"] == "p1"
         assert cluster.engines["p1"].stats.remote_prefills_served >= 4
-        assert app.pool.outstanding == 0
+        assert app.parts.pool.outstanding == 0
 
 
 async def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
@@ -190,7 +190,7 @@ async def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> 
             await cluster.kill(chosen)
             events = await sse_events(resp)
         assert isinstance(events[-1], dict) and events[-1]["error"]["code"] == "upstream_disconnected"
-        await eventually(lambda: app.pool.outstanding == 0, what="reservation released")
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservation released")
 
 
 async def test_client_disconnect_cancels_upstream_and_releases_the_reservation() -> None:
@@ -199,26 +199,28 @@ async def test_client_disconnect_cancels_upstream_and_releases_the_reservation()
             resp = await http.post(f"{base}/v1/completions", json=completion(max_tokens=2000, stream=True))
             chosen = resp.headers["x-pd-router-decode"]
             await resp.content.readline()
-            assert app.pool.outstanding == 1
+            assert app.parts.pool.outstanding == 1
             engine = cluster.engines[chosen]
             assert engine.num_running == 1
             resp.close()  # hang up mid-stream
-        await eventually(lambda: app.pool.outstanding == 0, what="reservation released")
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservation released")
         await eventually(lambda: engine.num_running == 0, what="upstream request cancelled")
-        slot = app.pool.endpoints[chosen].slot
-        assert app.pool.inflight_requests[slot] == 0 and app.pool.reserved_kv_tokens[slot] == 0
+        slot = app.parts.pool.endpoints[chosen].slot
+        assert app.parts.pool.inflight_requests[slot] == 0 and app.parts.pool.reserved_kv_tokens[slot] == 0
 
 
 async def test_stale_endpoint_gets_no_traffic_and_returns_when_fresh() -> None:
     async with router_on_sim(SINGLE_SPECS) as (cluster, app, base), aiohttp.ClientSession() as http:
         cluster.engines["e0"].set_stall(2.0)  # every scrape of e0 now times out
-        e0 = app.pool.endpoints["e0"]
-        await eventually(lambda: e0.slot not in app.pool.candidate_slots(), what="e0 leaves the candidates")
+        e0 = app.parts.pool.endpoints["e0"]
+        await eventually(
+            lambda: e0.slot not in app.parts.pool.candidate_slots(), what="e0 leaves the candidates"
+        )
         for i in range(6):
             async with http.post(f"{base}/v1/completions", json=completion(f"prompt {i} " * 30)) as resp:
                 assert resp.status == 200 and resp.headers["x-pd-router-decode"] != "e0"
         cluster.engines["e0"].set_stall(0.0)
-        await eventually(lambda: e0.slot in app.pool.candidate_slots(), what="e0 returns")
+        await eventually(lambda: e0.slot in app.parts.pool.candidate_slots(), what="e0 returns")
 
 
 async def test_streaming_is_passed_through_unchanged_and_concurrent_requests_all_succeed() -> None:
@@ -237,7 +239,7 @@ async def test_streaming_is_passed_through_unchanged_and_concurrent_requests_all
             assert events[-1] == "[DONE]"
             assert events[-2]["usage"]["completion_tokens"] == 8
             assert sum(1 for e in events if isinstance(e, dict) and e.get("choices")) == 8
-        assert app.pool.outstanding == 0
+        assert app.parts.pool.outstanding == 0
 
 
 async def test_models_health_and_metrics() -> None:

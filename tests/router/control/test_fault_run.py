@@ -20,6 +20,7 @@ from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.discovery.kubernetes import KubernetesDiscovery
 from router.control.gate import CANARY_HEADER
 from router.server.app import App
+from router.server.compose import build
 from router.server.config import parse_config
 
 GROUPS = 3
@@ -73,7 +74,7 @@ async def test_no_request_reaches_a_group_outside_an_admitted_epoch() -> None:
         )
         source = KubernetesDiscovery(kube.client(), NS, pool_name="qwen", backoff_initial_s=0.01)
         broken: dict[int, list[tuple[float, float]]] = {g: [] for g in range(GROUPS)}  # forbidden windows
-        async with App(config, discovery=source) as app:
+        async with App(build(config, discovery=source)) as app:
             assert app.control is not None
             base = f"http://127.0.0.1:{app.proxy_port}"
             await eventually(
@@ -91,7 +92,7 @@ async def test_no_request_reaches_a_group_outside_an_admitted_epoch() -> None:
                     await eventually(
                         lambda r=record: r.state.value == "admitted", 5, "admitted before a fault"
                     )
-                    slots = [app.pool.endpoints[i].slot for i in record.endpoint_ids]
+                    slots = [app.parts.pool.endpoints[i].slot for i in record.endpoint_ids]
                     fault = rng.choice(["not-ready", "revision", "drain"])
                     if fault == "not-ready":
                         kube.put("pods", rank(g, 1, ports[g], ready=False))
@@ -99,7 +100,7 @@ async def test_no_request_reaches_a_group_outside_an_admitted_epoch() -> None:
                         kube.put("pods", rank(g, 1, ports[g], revision="r2"))
                     else:
                         kube.put("pods", rank(g, 0, ports[g], draining=True))
-                    await eventually(lambda s=slots: not app.pool.admitted[s].any(), 5, "revoked")
+                    await eventually(lambda s=slots: not app.parts.pool.admitted[s].any(), 5, "revoked")
                     revoked = time.monotonic()
                     # traffic keeps flowing meanwhile, past the in-flight allowance
                     await asyncio.sleep(IN_FLIGHT_S + rng.uniform(0.05, 0.15))

@@ -167,7 +167,7 @@ async def test_a_pair_canary_against_a_broken_peer_does_not_fail_the_group(fault
         gate = {"checks": ["ranks", "kv_capacity", "canary_pair"], "retry_base_s": 0.05}
         async with router_for({"endpoints": eps, "gate": gate, **SECTIONS}) as (app, base):
             await eventually(lambda: app.control.groups["p0"].state.value == "admitted", 5, "pair admitted")
-            pool = app.pool
+            pool = app.parts.pool
             p0_slot = pool.endpoints["p0"].slot
             if fault == "ejected":
                 await cluster.engines["p0"].shutdown()

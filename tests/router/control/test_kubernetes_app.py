@@ -15,6 +15,7 @@ from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.discovery.kubernetes import KubernetesDiscovery
 from router.control.gate import CANARY_HEADER
 from router.server.app import App
+from router.server.compose import build
 from router.server.config import parse_config
 
 FAST = TimeModel(speed=20.0)
@@ -63,7 +64,7 @@ async def router_on_kube() -> AsyncIterator[tuple[FakeKube, SimCluster, App, str
             }
         )
         source = KubernetesDiscovery(kube.client(), NS, pool_name="qwen", backoff_initial_s=0.01)
-        async with App(config, discovery=source) as app:
+        async with App(build(config, discovery=source)) as app:
             yield kube, cluster, app, f"http://127.0.0.1:{app.proxy_port}"
 
 
@@ -74,7 +75,7 @@ async def test_traffic_follows_the_admitted_epoch_of_a_kubernetes_group() -> Non
 
         kube.put("pods", lws("g1-0-1", 1))  # the last rank is Ready: gated, then admitted
         await eventually(lambda: app.control.groups["g1"].state.value == "admitted", 5, "admitted")
-        await eventually(lambda: len(app.pool.candidate_slots()) == 2, 5, "both ports scraped")
+        await eventually(lambda: len(app.parts.pool.candidate_slots()) == 2, 5, "both ports scraped")
         assert set(await statuses(base)) == {200} and served(cluster) == 4
 
         kube.put("pods", lws("g1-0-1", 1, uid="uid-replaced"))  # the worker was replaced
@@ -111,11 +112,11 @@ async def test_not_ready_until_the_pool_has_been_read_once() -> None:
             }
         )
         source = KubernetesDiscovery(kube.client(), NS, pool_name="qwen", backoff_initial_s=0.01)
-        async with App(config, discovery=source) as app:  # the InferencePool does not exist yet
+        async with App(build(config, discovery=source)) as app:  # the InferencePool does not exist yet
             assert not app.ready
-            assert app.health.statuses["readiness"] != serving_status
+            assert app.parts.health.statuses["readiness"] != serving_status
             kube.put("pools", pool("qwen", ports=(port,)))
             kube.put("pods", pod("solo", "127.0.0.1"))
             await eventually(lambda: app.ready, 5, "ready once the pool was read")
-            assert app.health.statuses["readiness"] == serving_status
+            assert app.parts.health.statuses["readiness"] == serving_status
             assert set(await statuses(f"http://127.0.0.1:{app.proxy_port}", 2)) == {200}

@@ -12,6 +12,7 @@ from helpers import eventually
 from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.discovery.static import StaticDiscovery
 from router.server.app import App
+from router.server.compose import build
 from router.server.config import load_config
 
 
@@ -49,7 +50,7 @@ async def test_the_static_file_plays_a_late_rank_a_restart_a_revision_and_a_fail
         write(path, [leader])
         config = load_config(path)
         source = StaticDiscovery(config.endpoints, path=path, poll_s=0.02)
-        async with App(config, discovery=source) as app:
+        async with App(build(config, discovery=source)) as app:
             group = app.control.groups["tp"]
             assert group.state.value == "discovered"  # one rank of two: waits at the barrier
             write(path, [leader, worker])  # the late rank
@@ -83,13 +84,13 @@ async def test_a_restarted_engine_leaves_nothing_cached_in_the_index(tmp_path: P
         write(path, [e0])
         config = load_config(path)
         source = StaticDiscovery(config.endpoints, path=path, poll_s=0.02)
-        async with App(config, discovery=source) as app, aiohttp.ClientSession() as http:
+        async with App(build(config, discovery=source)) as app, aiohttp.ClientSession() as http:
             base = f"http://127.0.0.1:{app.proxy_port}"
             body = {"model": "sim-model", "prompt": "a long shared system prompt " * 40, "max_tokens": 2}
             async with http.post(f"{base}/v1/completions", json=body) as resp:
                 assert resp.status == 200
-            old = app.pool.endpoints["e0"]
-            await eventually(lambda: len(app.index) > 0, 2, "the prompt recorded")
+            old = app.parts.pool.endpoints["e0"]
+            await eventually(lambda: len(app.parts.index) > 0, 2, "the prompt recorded")
             write(path, [{**e0, "incarnation": "2"}])
-            await eventually(lambda: app.pool.endpoints.get("e0") is not old, 5, "a new engine")
-            assert len(app.index) == 0  # nothing of the old engine's cache is believed any more
+            await eventually(lambda: app.parts.pool.endpoints.get("e0") is not old, 5, "a new engine")
+            assert len(app.parts.index) == 0  # nothing of the old engine's cache is believed any more

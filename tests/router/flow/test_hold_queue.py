@@ -155,7 +155,7 @@ async def test_a_saturated_pool_holds_requests_in_the_router_and_serves_them_all
                 return resp.status
 
         tasks = [asyncio.create_task(one(i)) for i in range(12)]
-        await eventually(lambda: app.flow_control.size > 0, 5.0, "a held request")
+        await eventually(lambda: app.parts.flow_control.size > 0, 5.0, "a held request")
         # Held in the router, not queued at the engine: it only ever has about one prompt waiting.
         engine = cluster.engines["e0"]
         assert engine.num_waiting <= 2

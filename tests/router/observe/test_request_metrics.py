@@ -11,7 +11,7 @@ from router.observe.metrics import MAX_MODEL_LABELS, MAX_PRIORITY_LABELS, Reques
 
 
 def sample(app, name: str, **labels: str) -> float:
-    value = app.metrics.registry.get_sample_value(name, labels)
+    value = app.parts.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
 
 

@@ -124,8 +124,7 @@ async def test_every_pool_built_from_a_config_carries_all_its_pool_settings() ->
     none drops a setting (``typical_prompt_tokens`` was lost by two of three)."""
     from helpers import make_pool
 
-    from router.server.app import App
-    from router.server.compose import pool_from
+    from router.server.compose import build, pool_from
 
     config = parse_config(
         {
@@ -136,7 +135,7 @@ async def test_every_pool_built_from_a_config_carries_all_its_pool_settings() ->
             "limits": {"default_max_tokens": 99},
         }
     )
-    pools = [pool_from(config), make_pool(config), App(config).pool]
+    pools = [pool_from(config), make_pool(config), build(config).pool]
     for pool in pools:
         assert (pool.typical_prompt_tokens, pool.stale_after_s, pool.eject_after_failures) == (3000, 1.234, 7)
         assert pool.typical_answer_tokens == 99

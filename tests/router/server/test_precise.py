@@ -15,7 +15,7 @@ from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from loadtests.sim.tiny_tokenizer import tiny_corpus, train_tiny_tokenizer
 from router.request.parse import parse_request
 from router.request.types import RequestLimits
-from router.server.app import App
+from router.server.compose import Parts, build
 from router.server.config import parse_config
 
 pytestmark = pytest.mark.integration
@@ -56,10 +56,10 @@ def _sections(cluster: SimCluster, tokenizer: str) -> dict:
 async def _until_covered(app, cluster: SimCluster) -> None:
     # Engines only publish when something happens, and a subscriber that just connected misses
     # what was published before (ZMQ's slow joiner): publish harmless resets until all are seen.
-    slots = [e.slot for e in app.pool.endpoints.values()]
+    slots = [e.slot for e in app.parts.pool.endpoints.values()]
 
     def covered() -> bool:
-        if not app.pool.kv_covered[slots].all():
+        if not app.parts.pool.kv_covered[slots].all():
             for engine in cluster.engines.values():
                 engine.reset_prefix_cache()
             return False
@@ -81,11 +81,13 @@ async def test_routes_from_reported_blocks_and_forgets_an_engine_that_restarted(
                     return resp.headers["x-pd-router-decode"], resp.headers["x-pd-router-reason"]
 
             first, _ = await ask()
-            keys = app.precise_keys.tokenizer.block_keys_sync(PROMPT)
-            slot = app.pool.endpoints[first].slot
+            keys = app.parts.precise_keys.tokenizer.block_keys_sync(PROMPT)
+            slot = app.parts.pool.endpoints[first].slot
             # The engine's BlockStored events reach the precise index (not just our optimistic record).
-            await eventually(lambda: app.kv_events.stats()[first].events > 0, 10, "events from the engine")
-            assert app.precise_index.match(keys, np.array([slot]))[0] == len(keys)
+            await eventually(
+                lambda: app.parts.kv_events.stats()[first].events > 0, 10, "events from the engine"
+            )
+            assert app.parts.precise_index.match(keys, np.array([slot]))[0] == len(keys)
             again, reason = await ask()
             assert again == first and f"{(len(keys)) * 16}/" in reason
 
@@ -93,15 +95,15 @@ async def test_routes_from_reported_blocks_and_forgets_an_engine_that_restarted(
             await cluster.revive(first)
 
             def restart_seen() -> bool:
-                if app.kv_events.stats()[first].restarts >= 1:
+                if app.parts.kv_events.stats()[first].restarts >= 1:
                     return True
                 cluster.engines[first].reset_prefix_cache()  # batches until the SUB reconnected
                 return False
 
             await eventually(restart_seen, 10, "restart detected")
-            assert app.precise_index.match(keys, np.array([slot]))[0] == 0
+            assert app.parts.precise_index.match(keys, np.array([slot]))[0] == 0
             # The approximate index still remembers our earlier picks: precise mode overrides it.
-            text_keys = app.index.match(_text_keys(app, PROMPT), np.array([slot]))
+            text_keys = app.parts.index.match(_text_keys(app, PROMPT), np.array([slot]))
             assert text_keys[0] > 0
             _, reason = await ask()
             assert reason.split(":")[1].strip().startswith("0/")
@@ -121,14 +123,14 @@ async def test_a_prompt_of_token_ids_finds_the_blocks_a_text_prompt_left(tmp_pat
                     return resp.headers["x-pd-router-decode"], resp.headers["x-pd-router-reason"]
 
             first, _ = await ask(PROMPT)
-            keys = app.precise_keys.tokenizer.block_keys_sync(PROMPT)
-            slot = np.array([app.pool.endpoints[first].slot])
+            keys = app.parts.precise_keys.tokenizer.block_keys_sync(PROMPT)
+            slot = np.array([app.parts.pool.endpoints[first].slot])
             await eventually(
-                lambda: app.precise_index.match(keys, slot)[0] == len(keys), 10, "the engine's events"
+                lambda: app.parts.precise_index.match(keys, slot)[0] == len(keys), 10, "the engine's events"
             )
             # The text's tokens (as the engine tokenized them, BOS included) but the last block, then
             # an ending of its own.
-            ids = app.precise_keys.tokenizer.token_ids(PROMPT)
+            ids = app.parts.precise_keys.tokenizer.token_ids(PROMPT)
             shared = 16 * (len(keys) - 1)
             prompt = [*ids[:shared], *reversed(ids[shared:]), *ids[:40]]
             decode, reason = await ask(prompt)
@@ -141,25 +143,25 @@ async def test_evicted_blocks_leave_the_index(tmp_path: Path) -> None:
     tokenizer, specs = await _precise_gateway(tmp_path, ["e0"], num_gpu_blocks=40)
     async with SimCluster(specs) as cluster, router_for(_sections(cluster, tokenizer)) as (app, base):
         await _until_covered(app, cluster)
-        keys = app.precise_keys.tokenizer.block_keys_sync(PROMPT)
+        keys = app.parts.precise_keys.tokenizer.block_keys_sync(PROMPT)
         async with aiohttp.ClientSession() as http:
             body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
             async with http.post(f"{base}/v1/completions", json=body) as resp:
                 assert resp.status == 200
-            await eventually(lambda: app.precise_index.match(keys, np.array([0]))[0] > 0, 10, "stored")
+            await eventually(lambda: app.parts.precise_index.match(keys, np.array([0]))[0] > 0, 10, "stored")
             other = " ".join(SENTENCES[200:230])  # a different prompt that evicts the first
             async with http.post(f"{base}/v1/completions", json={**body, "prompt": other}) as resp:
                 assert resp.status == 200
         engine_cache = cluster.engines["e0"]._cache
         await eventually(
             lambda: (
-                app.precise_index.match(keys, np.array([0]))[0]
+                app.parts.precise_index.match(keys, np.array([0]))[0]
                 == sum(1 for _ in _prefix_in(keys, engine_cache))
             ),
             10,
             "index agrees with the engine after evictions",
         )
-        assert app.precise_index.match(keys, np.array([0]))[0] < len(keys)
+        assert app.parts.precise_index.match(keys, np.array([0]))[0] < len(keys)
 
 
 def _prefix_in(keys: np.ndarray, cache: dict) -> list[int]:
@@ -200,7 +202,7 @@ async def test_the_router_hashes_chat_requests_through_the_template_and_only_the
     limits = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0)
     route = parse_request(json.dumps(chat).encode(), limits)
 
-    without = App(
+    without = build(
         parse_config({"model": "m", "endpoints": endpoints, "index": {"precise": {"tokenizer": tokenizer}}})
     )
     await without.flow.prepare(route)
@@ -209,36 +211,36 @@ async def test_the_router_hashes_chat_requests_through_the_template_and_only_the
     template_path = tmp_path / "tokenizer_config.json"
     template_path.write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>"}))
     precise = {"tokenizer": tokenizer, "chat_template": str(template_path)}
-    app = App(parse_config({"model": "m", "endpoints": endpoints, "index": {"precise": precise}}))
-    await app.flow.prepare(route)
+    parts = build(parse_config({"model": "m", "endpoints": endpoints, "index": {"precise": precise}}))
+    await parts.flow.prepare(route)
     rendered = ChatTemplate(template_path).render(CHAT * 8)
     assert route.precise_keys is not None and len(route.precise_keys) > 2
-    assert np.array_equal(route.precise_keys, app.precise_keys.chat_tokenizer.block_keys_sync(rendered))
+    assert np.array_equal(route.precise_keys, parts.precise_keys.chat_tokenizer.block_keys_sync(rendered))
     # The engine's tokenizer counted the rendered prompt: that count, not a character estimate.
-    assert route.prompt_tokens == len(app.precise_keys.chat_tokenizer.token_ids(rendered))
+    assert route.prompt_tokens == len(parts.precise_keys.chat_tokenizer.token_ids(rendered))
     assert route.exact_tokens
 
 
 LIMITS = RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0)
 
 
-def precise_app(tmp_path: Path) -> App:
-    """An ``App`` in precise mode with a tiny tokenizer trained here (never started: its flow's
-    producers are what these tests call)."""
+def precise_parts(tmp_path: Path) -> Parts:
+    """The service's parts in precise mode with a tiny tokenizer trained here (never started: its
+    flow's producers are what these tests call)."""
     tokenizer = str(train_tiny_tokenizer(tmp_path / "tokenizer.json"))
     endpoints = [{"address": "127.0.0.1:9"}]
-    return App(
+    return build(
         parse_config({"model": "m", "endpoints": endpoints, "index": {"precise": {"tokenizer": tokenizer}}})
     )
 
 
 async def test_a_tokenized_prompts_count_is_the_tokenizers_not_a_character_estimate(tmp_path: Path) -> None:
-    app = precise_app(tmp_path)
+    parts = precise_parts(tmp_path)
     text = "the quick brown fox jumps over the lazy dog " * 40
     route = parse_request(json.dumps({"model": "m", "prompt": text}).encode(), LIMITS)
     estimate = route.prompt_tokens
-    await app.flow.prepare(route)
-    exact = len(app.precise_keys.tokenizer.token_ids(text))
+    await parts.flow.prepare(route)
+    exact = len(parts.precise_keys.tokenizer.token_ids(text))
     assert exact != estimate  # the tiny tokenizer's words are not 4 characters each
     assert (route.prompt_tokens, route.exact_tokens) == (exact, True)
 
@@ -246,20 +248,20 @@ async def test_a_tokenized_prompts_count_is_the_tokenizers_not_a_character_estim
 async def test_token_ids_are_hashed_as_they_are_and_a_batch_on_the_ids_its_prompts_share(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    app = precise_app(tmp_path)
+    parts = precise_parts(tmp_path)
 
     def untokenized(text: str) -> list[int]:
         raise AssertionError("a prompt of token ids went through the tokenizer")
 
-    monkeypatch.setattr(app.precise_keys.tokenizer, "token_ids", untokenized)
-    hasher = app.precise_keys.tokenizer.hasher
+    monkeypatch.setattr(parts.precise_keys.tokenizer, "token_ids", untokenized)
+    hasher = parts.precise_keys.tokenizer.hasher
     ids = list(range(7, 90))  # five full blocks and three over
     for prompt, routed_on in (
         (ids, ids),
         ([ids, [*ids[:50], 1, 2], [*ids[:70], 3]], ids[:50]),  # three full blocks shared
     ):
         route = parse_request(json.dumps({"model": "m", "prompt": prompt}).encode(), LIMITS)
-        await app.flow.prepare(route)
+        await parts.flow.prepare(route)
         assert route.precise_keys is not None
         assert np.array_equal(route.precise_keys, hasher.keys(routed_on))
     assert len(route.precise_keys) == 3
@@ -277,7 +279,7 @@ async def test_the_gate_waits_for_a_complete_kv_event_stream(tmp_path: Path) -> 
         async with router_for(sections) as (app, _):
             group = app.control.groups["e0"]
             assert group.state.value == "gating"  # admitted only once its events are known
-            assert not app.pool.admitted[app.pool.endpoints["e0"].slot]
+            assert not app.parts.pool.admitted[app.parts.pool.endpoints["e0"].slot]
             await _until_covered(app, cluster)
             await eventually(lambda: group.state.value == "admitted", 5, "admitted once covered")
             assert group.checks[-1].name == "kv_events" and group.checks[-1].ok

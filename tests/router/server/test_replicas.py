@@ -34,7 +34,7 @@ async def test_a_replica_routes_on_what_the_other_replica_sent_where(redis: Redi
         sections = _sections(cluster, redis)
         async with router_for(sections) as (a, base_a), router_for(sections) as (_, base_b):
             first, _ = await _ask(http, base_a, PROMPT)
-            assert await a.shared.flush()  # replica A's writes are in Redis
+            assert await a.parts.shared.flush()  # replica A's writes are in Redis
             # B never routed this prompt: only Redis can tell it that `first` holds it.
             chosen, reason = await _ask(http, base_b, PROMPT + " question")
             assert chosen == first
@@ -57,9 +57,9 @@ async def test_redis_stopping_and_coming_back_fails_no_request(redis: RedisServe
         await load(10, "before")
         redis.kill()
         await asyncio.gather(load(10, "during"), load(10, "during-too"))  # every one answered 200
-        assert not app.shared.healthy
+        assert not app.parts.shared.healthy
         redis.restart()
-        await eventually(lambda: app.shared.healthy, 10, "shared index back on Redis")
+        await eventually(lambda: app.parts.shared.healthy, 10, "shared index back on Redis")
         await load(10, "after")
 
 
@@ -111,7 +111,9 @@ async def test_keda_reading_either_replica_sees_the_pool_s_demand(redis: RedisSe
 
             for start in range(0, 40, 8):
                 await asyncio.gather(*(one(i) for i in range(start, start + 8)))
-            await eventually(lambda: a.scaling.latest["prefill"].recommended > 2, 10, "A asking for prefill")
+            await eventually(
+                lambda: a.parts.scaling.latest["prefill"].recommended > 2, 10, "A asking for prefill"
+            )
             async with grpc.aio.insecure_channel(f"127.0.0.1:{b.keda.port}") as channel:
                 get_metrics = channel.unary_unary(
                     "/externalscaler.ExternalScaler/GetMetrics",
@@ -132,13 +134,13 @@ async def test_keda_reading_either_replica_sees_the_pool_s_demand(redis: RedisSe
                     await eventually(
                         lambda: b_recommends_above(b_recommends, 2), 10, "B recommending for A's arrivals"
                     )
-                    assert b.scaling.shared.replicas == 2
+                    assert b.parts.scaling.shared.replicas == 2
                 else:
-                    ticks = b.scaling.clock()
-                    await eventually(lambda: b.scaling.clock() > ticks + 0.5, 5, "B ticking")
+                    ticks = b.parts.scaling.clock()
+                    await eventually(lambda: b.parts.scaling.clock() > ticks + 0.5, 5, "B ticking")
                     # B counts no arrivals (it may still see the engines' queues, as A does).
-                    assert b.scaling.shared is None and b.scaling.own_rates.requests == 0
-                    assert await b_recommends() < a.scaling.latest["prefill"].recommended
+                    assert b.parts.scaling.shared is None and b.parts.scaling.own_rates.requests == 0
+                    assert await b_recommends() < a.parts.scaling.latest["prefill"].recommended
 
 
 async def b_recommends_above(read: object, n: float) -> bool:

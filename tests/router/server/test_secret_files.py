@@ -73,7 +73,7 @@ async def test_a_redis_that_requires_a_password_is_reached_with_the_password_fil
                     body = {"model": "sim-model", "prompt": "hello " * 40, "max_tokens": 2}
                     async with http.post(f"{base}/v1/completions", json=body) as resp:
                         assert resp.status == 200
-                assert await app.shared.flush()  # written to the password-protected Redis
-                assert app.shared.healthy
+                assert await app.parts.shared.flush()  # written to the password-protected Redis
+                assert app.parts.shared.healthy
     finally:
         redis.kill()

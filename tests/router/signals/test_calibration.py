@@ -173,9 +173,9 @@ async def test_token_estimate_calibrates_on_a_pool_whose_tokenizer_is_coarser() 
             async with http.post(f"{base}/v1/completions", json=body) as resp:
                 assert resp.status == 200
                 await resp.read()
-        assert app.scaling.tokens.ratio == pytest.approx(4 / 6, rel=0.05)
+        assert app.parts.scaling.tokens.ratio == pytest.approx(4 / 6, rel=0.05)
         # The next prompt is estimated in the engines' tokens: 6,000 characters are ~1,000.
-        flight = app.flow.start({})
+        flight = app.parts.flow.start({})
         request = flight.parse(b'{"model": "sim-model", "prompt": "' + b"x" * 6000 + b'"}')
         flight.pick()
         flight.close()
@@ -195,24 +195,26 @@ async def test_an_engine_that_evicted_makes_the_index_keep_less_for_it() -> None
         old = [f"old prompt {i} " * 100 for i in range(3)]
         for prompt in old:
             await send(prompt)
-        slot = app.pool.endpoints["e0"].slot
+        slot = app.parts.pool.endpoints["e0"].slot
         shared = "shared system prompt " * 200
         await send(shared)
-        recorded = len(app.index)  # e0's blocks: it is the only engine
+        recorded = len(app.parts.index)  # e0's blocks: it is the only engine
         assert cluster.engines["e0"].reset_prefix_cache()  # the engine drops it all behind our back
         answer = await send(shared)
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         # That answer said "nothing cached" where the index said the whole prompt: the index now
         # keeps that many blocks fewer for e0, the least recently used (the old prompts) first,
         # while the head of the prompt just recomputed stays.
-        parse = app.flow.start({}).parse
+        parse = app.parts.flow.start({}).parse
         blocks = parse(orjson.dumps({"model": "sim-model", "prompt": shared})).block_keys
-        await eventually(lambda: len(app.index) == recorded - len(blocks), 5.0, "the index shrunk for e0")
+        await eventually(
+            lambda: len(app.parts.index) == recorded - len(blocks), 5.0, "the index shrunk for e0"
+        )
         for prompt in old:
             keys = parse(orjson.dumps({"model": "sim-model", "prompt": prompt})).block_keys
-            assert int(app.index.match(keys, np.array([slot]))[0]) == 0
-        assert int(app.index.match(blocks, np.array([slot]))[0]) > 0.9 * len(blocks)
-        ratio = app.scaling.perf.ratios["cached_tokens"]
+            assert int(app.parts.index.match(keys, np.array([slot]))[0]) == 0
+        assert int(app.parts.index.match(blocks, np.array([slot]))[0]) > 0.9 * len(blocks)
+        ratio = app.parts.scaling.perf.ratios["cached_tokens"]
         assert int(ratio[0]) >= 1  # reported 0 of what the index said: the lowest bucket
 
 
@@ -226,7 +228,7 @@ async def test_streamed_answers_carry_the_usage_the_router_asked_for_and_the_cli
         assert all("usage" not in e or e["usage"] is None for e in events[:-1] if isinstance(e, dict))
         _, _, seen = cluster.engines["e0"].requests_seen[-1]
         assert seen["stream_options"] == {"include_usage": True}  # asked for on the client's behalf
-        assert app.scaling.tokens.samples == 1  # and read: the prompt's true token count
+        assert app.parts.scaling.tokens.samples == 1  # and read: the prompt's true token count
         asked = {**body, "stream_options": {"include_usage": True}}
         async with http.post(f"{base}/v1/completions", json=asked) as resp:
             events = await sse_events(resp)

@@ -47,7 +47,7 @@ async def test_streamed_answers_teach_the_model_and_reprice_the_picker() -> None
 
         for tokens in [60, 300, 1200, 2400] * 6:  # one at a time: the prefill leg is the prompt alone
             await one(tokens)
-        perf = app.scaling.perf
+        perf = app.parts.scaling.perf
         await eventually(lambda: perf.prefill.fitted, 10.0, "an accepted prefill fit")
         fitted_rate = 1.0 / float(perf.prefill.coefficients[1])
         # Closer to the engines' real speed than to the configured one (HTTP and step overheads
@@ -55,7 +55,10 @@ async def test_streamed_answers_teach_the_model_and_reprice_the_picker() -> None
         assert fitted_rate < 0.6 * configured["prefill_tokens_per_s"]
         assert fitted_rate > 0.5 * true["prefill_tokens_per_s"]
         await eventually(
-            lambda: app.picker.cost_model.model.prefill_tokens_per_s < configured["prefill_tokens_per_s"] / 2,
+            lambda: (
+                app.parts.picker.cost_model.model.prefill_tokens_per_s
+                < configured["prefill_tokens_per_s"] / 2
+            ),
             5.0,
             "the picker re-priced by the fit",
         )
@@ -97,7 +100,7 @@ async def burst_peaks(isl: int, osl: int, n: int, speed: float, tpot_ms: float) 
 
         requests = asyncio.gather(*(one(i) for i in range(n)))
         while not requests.done():
-            for role, rec in app.scaling.latest.items():
+            for role, rec in app.parts.scaling.latest.items():
                 peaks[role] = max(peaks[role], rec.desired)
             await asyncio.sleep(0.02)
         await requests

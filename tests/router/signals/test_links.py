@@ -101,10 +101,10 @@ async def test_a_router_told_only_rack_labels_learns_the_slow_link_between_them(
                     assert resp.status == 200, await resp.text()
                     assert resp.headers["x-pd-router-prefill"] == "p-a"
                     await resp.read()
-            learned = app.links.learned()[("rack-a", "rack-b")]
+            learned = app.parts.links.learned()[("rack-a", "rack-b")]
             # The configured default says 12.5 GB/s; the link does 2 (HTTP and steps add a little).
             assert 1.0 * GB < learned < 2.6 * GB
-            table = app.picker._link_table()
+            table = app.parts.picker._link_table()
             assert table.bytes_per_s[0, 1] == pytest.approx(learned)
             async with http.get(f"{base}/metrics") as resp:
                 text = await resp.text()

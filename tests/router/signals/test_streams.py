@@ -61,7 +61,7 @@ async def test_decode_load_rises_while_long_answers_stream_not_after_them() -> N
         tasks = [asyncio.create_task(stream(i)) for i in range(len(read))]
         try:
             await eventually(lambda: min(read) > 40, 20.0, "every stream well under way")
-            scaling = app.scaling
+            scaling = app.parts.scaling
             now = time.monotonic()
             assert scaling.perf.tpot.p90(now) is None  # no answer has ended
             observed = scaling.observed_latency("decode", now)
@@ -76,4 +76,4 @@ async def test_decode_load_rises_while_long_answers_stream_not_after_them() -> N
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         # Cancelled streams leave the set: nothing is held for them.
-        await eventually(lambda: len(app.scaling.streams) == 0, 10.0, "the streams forgotten")
+        await eventually(lambda: len(app.parts.scaling.streams) == 0, 10.0, "the streams forgotten")
