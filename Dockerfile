@@ -8,12 +8,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# loadtests is installed too: the CLI loads its `demo` and `sim` commands (entry points).
+# simulator is installed too: the CLI loads its `demo` and `sim` commands (entry points).
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY router ./router
 COPY kvindex ./kvindex
-COPY loadtests ./loadtests
+COPY simulator ./simulator
 RUN pip install '.[fast]' \
  && rm -rf /src
 

@@ -27,15 +27,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from loadtests.demo import DEMO_LINKS, DEMO_TIME, KV_BYTES_PER_TOKEN, demo_specs
 from loadtests.servers import envoy
-from loadtests.sim.cluster import engine_model_for, link_cost_from
-from loadtests.sim.engine import SimCluster, TimeModel
 from router.server.app import App
 from router.server.cli import run
 from router.server.compose import build
 from router.server.config import LinksConfig, PoolConfig, parse_config
 from router.sidecar.server import SidecarServer
+from simulator.cluster import engine_model_for, link_cost_from
+from simulator.demo import DEMO_LINKS, DEMO_TIME, KV_BYTES_PER_TOKEN, demo_specs
+from simulator.engine import SimCluster, TimeModel
 
 MODEL = "sim-model"
 READY_DEADLINE_S = 30.0
@@ -49,7 +49,7 @@ class Target:
 
 
 def _config(endpoints: list[dict[str, Any]], time: TimeModel, port: int, extproc: bool) -> PoolConfig:
-    # The demo's configuration (loadtests/demo.py), with the listener this run asks for.
+    # The demo's configuration (simulator/demo.py), with the listener this run asks for.
     return parse_config(
         {
             "model": MODEL,

@@ -12,7 +12,7 @@ from typing import Any
 from helpers import router_for
 
 from loadtests.servers.envoy import free_port, in_front_of_picker, render, run_envoy, with_cleartext_to_picker
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 __all__ = [
     "SINGLE",

@@ -181,8 +181,8 @@ async def router_on_sim(
     specs: list[Any], sections: dict[str, Any] | None = None, *, speed: float = 20.0
 ) -> AsyncIterator[tuple[Any, Any, str]]:
     """A simulated cluster and an ``App`` in front of it; yields (cluster, app, base_url)."""
-    from loadtests.sim.cluster import engine_model_for, link_cost_from
-    from loadtests.sim.engine import SimCluster, TimeModel
+    from simulator.cluster import engine_model_for, link_cost_from
+    from simulator.engine import SimCluster, TimeModel
 
     time_model = TimeModel(speed=speed)
     specs = [dataclasses.replace(spec, time=time_model) for spec in specs]

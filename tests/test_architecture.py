@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("router", "kvindex", "loadtests")
+PACKAGES = ("router", "kvindex", "simulator", "loadtests")
 COMPOSITION = {"router", "kvindex"}
 
-TOP_LEVEL = {"kvindex", "loadtests"}
+TOP_LEVEL = {"kvindex", "simulator", "loadtests"}
 
 
 def _group(name: str) -> str:
@@ -129,7 +129,7 @@ def test_every_import_points_down_the_table() -> None:
         ("router.flow.flight", "import router.adapters.openai"),  # flow -> an adapter
         ("kvindex.memory", "from router.state.pool import Pool"),  # the index -> the pool
         ("router.sidecar.server", "from router.adapters.openai import Proxy"),  # sidecar -> proxy internals
-        ("router.server.cli", "from loadtests.demo import run_demo"),  # the service -> the simulator
+        ("router.server.cli", "from simulator.demo import run_demo"),  # the service -> the simulator
         ("loadtests.bench.envoy", "import tests.helpers"),  # anything -> tests/
         (
             "router.state.pool",

@@ -12,7 +12,7 @@ import pytest
 from helpers import eventually, router_on_sim
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtests.sim.engine import EngineSpec
+from simulator.engine import EngineSpec
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "pd-router.json"
 _METRIC = re.compile(r"\b([a-z_][a-z0-9_:]*)\{")

@@ -32,8 +32,8 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pool.yaml"
 EXAMPLE_VALUES = {
     "model": "required: the simulated engines' model name",
     "endpoints": "the demo pool: 2 prefill + 2 decode on two racks (default: empty)",
-    "slo.ttft_ms": "the SLOs of the simulator demo and benchmarks (loadtests/demo.py)",
-    "slo.tpot_ms": "the SLOs of the simulator demo and benchmarks (loadtests/demo.py)",
+    "slo.ttft_ms": "the SLOs of the simulator demo and benchmarks (simulator/demo.py)",
+    "slo.tpot_ms": "the SLOs of the simulator demo and benchmarks (simulator/demo.py)",
     "links.same": "the demo's rack topology, which the simulator uses too",
     "links.default": "the demo's rack topology, which the simulator uses too",
     "links.pairs": "the demo's cross-rack link",

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loadtests.bench.scaling import Settings, serving
-from loadtests.workloads.client import run_workload
-from loadtests.workloads.generate import Phase, phased
+from simulator.workloads.client import run_workload
+from simulator.workloads.generate import Phase, phased
 
 SETTINGS = Settings(speed=20.0, ready_s=60.0, max_replicas=32)
 INITIAL = {"prefill": 2, "decode": 2}

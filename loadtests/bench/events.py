@@ -122,7 +122,7 @@ def publisher_main(
 async def _publish(
     conn: Connection, delivered: Any, engines: int, batches: int, window: int, seed: int
 ) -> None:
-    from loadtests.sim.kv_publisher import KVEventPublisher
+    from simulator.kv_publisher import KVEventPublisher
 
     workload = make_workload(engines, batches, seed)
     pubs = [KVEventPublisher(buffer_steps=batches // engines + 64) for _ in range(engines)]

@@ -26,11 +26,11 @@ from typing import Any
 import aiohttp
 
 from loadtests.servers.kube import LWS_INDEX, LWS_KEY, LWS_SIZE, NS, pod, pool, serving
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.discovery.kubernetes import KubernetesDiscovery
 from router.server.app import App
 from router.server.compose import build
 from router.server.config import parse_config
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 
 def worker(ready: bool) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from typing import Any
 import hpack
 
 from loadtests.bench.proxy import _run
-from loadtests.workloads.client import percentile
+from simulator.workloads.client import percentile
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = 0, 1, 3, 4, 6, 7, 8, 9

@@ -25,14 +25,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadtests.sim.cluster import engine_model_for
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from loadtests.sim.tiny_tokenizer import train_tiny_tokenizer
-from loadtests.workloads.client import Summary, run_workload
-from loadtests.workloads.generate import shared_prefix
 from router.server.app import App
 from router.server.compose import build
 from router.server.config import parse_config
+from simulator.cluster import engine_model_for
+from simulator.engine import EngineSpec, SimCluster, TimeModel
+from simulator.tiny_tokenizer import train_tiny_tokenizer
+from simulator.workloads.client import Summary, run_workload
+from simulator.workloads.generate import shared_prefix
 
 BLOCKS_PER_ENGINE = 512  # 8k tokens of KV: the 24 prefixes below (~24k tokens) do not fit on one
 PREFIXES, PREFIX_TOKENS, SUFFIX_TOKENS = 24, 768, 48

@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
-from loadtests.workloads.client import percentile
+from simulator.workloads.client import percentile
 
 MODEL = "sim-model"
 SSE_CHUNKS = 8
@@ -64,7 +64,7 @@ T = TypeVar("T")
 
 def _static_metrics() -> bytes:
     # The exact exposition a simulated engine serves when idle (same names, labels and histogram).
-    from loadtests.sim.engine import EngineSpec, SimEngine  # only the engine child needs it
+    from simulator.engine import EngineSpec, SimEngine  # only the engine child needs it
 
     return SimEngine(EngineSpec("null", "prefill-decode", model=MODEL)).metrics_text().encode()
 

@@ -2,13 +2,13 @@
 
 The routing benchmark (``loadtests.bench.routing``) runs real HTTP against engines that sleep in
 wall-clock time, so its numbers move with the machine. This one runs the same scenarios
-(``loadtests.workloads.scenarios``) with the same simulated engines (``SimEngine``'s batching,
+(``loadtests.bench.scenarios``) with the same simulated engines (``SimEngine``'s batching,
 prefix cache, KV limit and transfers) and the same router code — ``App`` (the ready gate, the
 scrape loop parsing each engine's own ``/metrics`` text at the configured interval, the signals
 tick that refits the performance model), and the proxy's own ``completions`` handler driving
 ``RequestFlow``/``Flight`` (parse, pick with its reservation, the prefill leg, the decode leg
 streamed through the ``ResponseMeter``, close and learning) — but everything in one process on a
-virtual clock (``loadtests.sim.virtual_clock``): no socket (``loadtests.sim.local_net``), no
+virtual clock (``simulator.virtual_clock``): no socket (``simulator.local_net``), no
 thread, time advanced from event to event. Each proxy → engine leg takes ``--hop-ms`` (1 ms, what
 the wall-clock benchmark measured on loopback); the router's own CPU time is not simulated (a
 pick is instantaneous), nor is the engines' (HTTP framing, JSON).
@@ -68,13 +68,7 @@ from unittest import mock
 
 import numpy as np
 
-from loadtests.sim.cluster import link_cost_from
-from loadtests.sim.engine import SimCluster, TimeModel
-from loadtests.sim.local_net import LocalClient, LocalSession
-from loadtests.sim.virtual_clock import run_virtual
-from loadtests.workloads.client import Result, StreamTally, Summary, percentile
-from loadtests.workloads.generate import Workload
-from loadtests.workloads.scenarios import (
+from loadtests.bench.scenarios import (
     HOP_S,
     MIXES,
     POLICIES,
@@ -86,6 +80,12 @@ from loadtests.workloads.scenarios import (
     router_links,
     scaled_links,
 )
+from simulator.cluster import link_cost_from
+from simulator.engine import SimCluster, TimeModel
+from simulator.local_net import LocalClient, LocalSession
+from simulator.virtual_clock import run_virtual
+from simulator.workloads.client import Result, StreamTally, Summary, percentile
+from simulator.workloads.generate import Workload
 
 MS = 1000.0
 DEFAULT_SCENARIOS = "bde"
@@ -445,7 +445,7 @@ async def _drive(router: RouterUnderTest, workload: Workload, name: str) -> Summ
                 head.append(data)
             tally.feed(data, time.perf_counter())
 
-        # As aiohttp's ``json=`` sends it (loadtests.workloads.client.send), with a request id
+        # As aiohttp's ``json=`` sends it (simulator.workloads.client.send), with a request id
         # of its own so the run does not depend on uuid4.
         raw = json.dumps(item.body).encode()
         headers = {"Content-Type": "application/json", "X-Request-Id": f"r{index:06d}"}
@@ -626,7 +626,7 @@ _TREE_PACKAGES = ("router", "kvindex", "scorers")
 def _router_tree_env(tree: Path, work: Path) -> Path:
     """A directory whose ``router`` and ``kvindex`` (and ``scorers``, in trees from before the cost
     model moved into ``router/scheduling/``) are ``tree``'s and whose ``loadtests`` is this
-    checkout's: the import path of the subprocess."""
+    checkout's, with its ``simulator``: the import path of the subprocess."""
     here = Path(__file__).resolve().parents[2]
     for name in _TREE_PACKAGES:
         if not (tree / name / "__init__.py").exists():
@@ -634,7 +634,8 @@ def _router_tree_env(tree: Path, work: Path) -> Path:
                 continue
             raise SystemExit(f"--router-tree {tree}: no {name}/ package there")
         (work / name).symlink_to(tree / name)
-    (work / "loadtests").symlink_to(here / "loadtests")
+    for name in ("simulator", "loadtests"):
+        (work / name).symlink_to(here / name)
     return work
 
 

@@ -48,8 +48,8 @@ from loadtests.bench import envoy as envoy_bench
 from loadtests.bench import pick as pick_bench
 from loadtests.bench import proxy as proxy_bench
 from loadtests.bench import routing
-from loadtests.sim.engine import TimeModel
-from loadtests.workloads.client import Result, Summary
+from simulator.engine import TimeModel
+from simulator.workloads.client import Result, Summary
 
 REPO = Path(__file__).resolve().parents[2]
 MS = 1000.0
@@ -758,7 +758,7 @@ def render_markdown(report: Report, images: dict[str, str] | str, folder: str) -
         "other work on the same machine moves absolute times; each ratio compares two things "
         "measured side by side in the same run on the same machine, so it is what carries over. "
         "The absolute numbers are context for this machine. The routing results run on simulated "
-        "engines (`loadtests/sim`: a batching time model, a prefix cache, KV transfers over modelled "
+        "engines (`simulator/`: a batching time model, a prefix cache, KV transfers over modelled "
         "links) — they compare policies, they are not GPU measurements.",
         "",
         "## Machine and run",

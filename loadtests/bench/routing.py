@@ -1,11 +1,11 @@
 """Routing quality on the simulated cluster: pd-router vs baseline policies, same seeded workload.
 
 For every scenario, every policy gets exactly the same requests at exactly the same arrival times
-(``loadtests.workloads.generate``, seeded) against a FRESH simulated cluster (empty caches, fresh counters),
+(``simulator.workloads.generate``, seeded) against a FRESH simulated cluster (empty caches, fresh counters),
 one policy after another in this process. The router is given the simulator's speed model
 (``engine_model_for``) and the same link table the simulator uses, so predictions are fair.
 
-The scenarios (a–e) are ``loadtests.workloads.scenarios``; (e) also runs pd-router-rigid, the
+The scenarios (a–e) are ``loadtests.bench.scenarios``; (e) also runs pd-router-rigid, the
 joint picker without ``picker.prefill_may_decode`` (the default lets prefill pods serve whole
 requests).
 
@@ -54,11 +54,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from loadtests.sim.cluster import link_cost_from
-from loadtests.sim.engine import EngineSnapshot, SimCluster, SimEngine, SimJob, TimeModel
-from loadtests.workloads.client import Summary, percentile, run_workload, send
-from loadtests.workloads.generate import WorkItem, Workload
-from loadtests.workloads.scenarios import (  # noqa: F401 (report, scaling and soak read the constants here)
+from loadtests.bench.scenarios import (  # noqa: F401 (report, scaling and soak read the constants here)
     B_TURNS,
     GOODPUT_TPOT_S,
     GOODPUT_TTFT_S,
@@ -80,6 +76,10 @@ from router.server.app import App
 from router.server.compose import build
 from router.server.config import LinksConfig, PoolConfig, parse_config
 from router.state.pool import Pool
+from simulator.cluster import link_cost_from
+from simulator.engine import EngineSnapshot, SimCluster, SimEngine, SimJob, TimeModel
+from simulator.workloads.client import Summary, percentile, run_workload, send
+from simulator.workloads.generate import WorkItem, Workload
 
 MS = 1000.0
 

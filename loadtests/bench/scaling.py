@@ -2,7 +2,7 @@
 
 For every scenario, every policy gets exactly the same requests at exactly the same (compressed)
 arrival times against a fresh fleet and a fresh router, one run after another in this process. The
-fleet (``loadtests.sim.fleet``) is the router's discovery source: a replica a policy asks for is paid
+fleet (``simulator.fleet``) is the router's discovery source: a replica a policy asks for is paid
 for at once, reports Ready only after ``--ready-s`` and then passes the router's real ready gate
 before it gets traffic; a replica being removed is drained (no new requests, in-flight ones finish)
 and stopped once idle. Prefill and decode scale independently, each between 1 and ``--max-replicas``.
@@ -72,14 +72,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loadtests.bench.routing import KV_BYTES_PER_TOKEN, scaled_links
-from loadtests.sim.cluster import engine_model_for, link_cost_from
-from loadtests.sim.engine import EngineSpec, TimeModel
-from loadtests.sim.fleet import Fleet
-from loadtests.workloads.client import Result, Summary, run_workload
-from loadtests.workloads.generate import Phase, WorkItem, Workload, phased
 from router.server.app import App
 from router.server.compose import build
 from router.server.config import LinksConfig, PoolConfig, parse_config
+from simulator.cluster import engine_model_for, link_cost_from
+from simulator.engine import EngineSpec, TimeModel
+from simulator.fleet import Fleet
+from simulator.workloads.client import Result, Summary, run_workload
+from simulator.workloads.generate import Phase, WorkItem, Workload, phased
 
 ROLES = ("prefill", "decode")
 
@@ -339,9 +339,8 @@ class Threshold:
 
 
 def recommended(app: App, role: str) -> int | None:
-    """pd-router's recommended replicas for ``role`` (``App.scaling.latest``; router/signals/scaling.py)."""
-    scaling = getattr(app, "scaling", None)
-    recommendation = None if scaling is None else scaling.latest.get(role)
+    """pd-router's recommended replicas for ``role`` (``PoolSignals.latest``; router/signals/scaling.py)."""
+    recommendation = app.parts.scaling.latest.get(role)
     return None if recommendation is None else int(recommendation.recommended)
 
 
@@ -552,7 +551,7 @@ async def autoscale(
                 outcome.actions[role][0 if want > current else 1] += 1
                 await fleet.scale(role, want)
         replicas = {role: fleet.count(role) for role in ROLES}
-        latest = getattr(getattr(app, "scaling", None), "latest", {})
+        latest = app.parts.scaling.latest
         for role, rec in latest.items():
             outcome.trace.append(
                 {"t": round((now - t0) * settings.speed, 1), "replicas": replicas[role], **rec_fields(rec)}

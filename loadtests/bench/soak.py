@@ -5,8 +5,8 @@ One process holds the simulated engines (``SimCluster``: 4 ``prefill-decode`` po
 Envoy (``loadtests.servers.envoy``, the ``full-duplex`` example config) is the only child.
 
 Each path runs for its share of ``--minutes`` (``both``: the proxy first, then Envoy, the same
-router all along). The load is ``loadtests.workloads.generate.shared_prefix`` at ``--rate`` req/s
-(Poisson arrivals, seeded), sent open loop by ``loadtests.workloads.client``. Every
+router all along). The load is ``simulator.workloads.generate.shared_prefix`` at ``--rate`` req/s
+(Poisson arrivals, seeded), sent open loop by ``simulator.workloads.client``. Every
 ``--fault-every`` seconds a fault starts on one engine (cycling through the pods) and lasts
 ``--fault-s`` seconds:
 
@@ -46,13 +46,13 @@ from typing import Any
 
 from loadtests.bench.routing import KV_BYTES_PER_TOKEN
 from loadtests.servers import envoy
-from loadtests.sim.cluster import engine_model_for
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from loadtests.workloads.client import Result, percentile, run_workload
-from loadtests.workloads.generate import Workload, shared_prefix
 from router.server.app import App
 from router.server.compose import build
 from router.server.config import parse_config
+from simulator.cluster import engine_model_for
+from simulator.engine import EngineSpec, SimCluster, TimeModel
+from simulator.workloads.client import Result, percentile, run_workload
+from simulator.workloads.generate import Workload, shared_prefix
 
 MS = 1000.0
 ENGINES = 4

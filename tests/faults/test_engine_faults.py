@@ -17,7 +17,7 @@ from aiohttp import web
 from helpers import eventually, outcomes, router_for, sse_events
 
 from loadtests.servers.ports import free_port
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from gateway import example_config, run_envoy
 from helpers import eventually, outcomes, router_for
 
 from loadtests.servers.envoy import free_port, healthy, host_stats, in_front_of_picker
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +55,7 @@ async def test_the_picker_killed_and_restarted_under_load_behind_envoy(tmp_path:
         url = f"http://127.0.0.1:{listen}"
         async with aiohttp.ClientSession() as http:
             assert await asyncio.gather(*(post(http, url, i) for i in range(8))) == [200] * 8
-            assert outcomes(first.metrics).get("ok") == 8  # routed by the picker
+            assert outcomes(first.parts.metrics).get("ok") == 8  # routed by the picker
             await first.stop()  # the picker is killed under load
             during = await asyncio.gather(*(post(http, url, 100 + i) for i in range(8)))
             if mode == "buffered":
@@ -68,11 +68,11 @@ async def test_the_picker_killed_and_restarted_under_load_behind_envoy(tmp_path:
                 # Envoy's health check finds the picker again; then requests are picked again.
                 async def picked() -> bool:
                     await post(http, url, 200)
-                    return outcomes(second.metrics).get("ok", 0) > 0
+                    return outcomes(second.parts.metrics).get("ok", 0) > 0
 
                 await eventually(picked, 15.0, "Envoy routing through the restarted picker")
                 assert await asyncio.gather(*(post(http, url, 300 + i) for i in range(8))) == [200] * 8
-                await eventually(lambda: second.pool.outstanding == 0, what="reservations released")
+                await eventually(lambda: second.parts.pool.outstanding == 0, what="reservations released")
 
 
 async def test_envoy_restarted_with_streams_open(tmp_path: Path) -> None:

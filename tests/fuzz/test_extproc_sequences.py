@@ -43,11 +43,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fuzz import fuzz_settings
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
 from router.http.headers import DESTINATION
 from router.state.pool import Pool
 from router.transport.h2grpc import INVALID_ARGUMENT
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 Mode = processing_mode_pb2.ProcessingMode
 MODES = [Mode.NONE, Mode.STREAMED, Mode.BUFFERED, Mode.BUFFERED_PARTIAL, Mode.FULL_DUPLEX_STREAMED, 77]

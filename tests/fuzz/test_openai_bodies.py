@@ -321,7 +321,7 @@ VALID = orjson.dumps({"model": "sim-model", "prompt": "the next valid request " 
 SERVER = """
 import asyncio, sys
 from helpers import eventually, router_on_sim
-from loadtests.sim.engine import EngineSpec
+from simulator.engine import EngineSpec
 
 async def main():
     specs = [EngineSpec("p0", "prefill"), EngineSpec("d0", "decode")]

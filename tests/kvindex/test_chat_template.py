@@ -13,7 +13,7 @@ from jinja2.exceptions import SecurityError, TemplateError
 from kvindex.chat_template import ChatTemplate
 from kvindex.tokenize import PromptTokenizer
 from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
-from loadtests.sim.tiny_tokenizer import train_tiny_tokenizer
+from simulator.tiny_tokenizer import train_tiny_tokenizer
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from kvindex.events import Action, BlockStored, EngineStats, EngineStream, KVEventConsumer
 from loadtests.servers.ports import free_port
-from loadtests.sim.kv_publisher import KVEventPublisher
+from simulator.kv_publisher import KVEventPublisher
 
 TOPIC = "kv@127.0.0.1@m"
 

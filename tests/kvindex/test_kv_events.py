@@ -36,7 +36,7 @@ from kvindex.events import (
     decode_event,
     parse_replay_frames,
 )
-from loadtests.sim.kv_publisher import KVEventPublisher
+from simulator.kv_publisher import KVEventPublisher
 
 U64_MAX = (1 << 64) - 1
 

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 from kvindex.tokenize import PromptTokenizer
 from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
-from loadtests.sim.tiny_tokenizer import BOS, tiny_corpus, train_tiny_tokenizer
+from simulator.tiny_tokenizer import BOS, tiny_corpus, train_tiny_tokenizer
 
 HASHER = VllmBlockHasher(HashAlgo.SHA256, block_size=4)
 

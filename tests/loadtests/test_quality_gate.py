@@ -30,8 +30,8 @@ import aiohttp
 import pytest
 
 from loadtests.bench.quality import PolicyRun, policy, pool_runs, render_prediction_errors, run_policy
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from loadtests.workloads.scenarios import MIXES, SCENARIOS, matrix_scenario
+from loadtests.bench.scenarios import MIXES, SCENARIOS, matrix_scenario
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 REPO = Path(__file__).resolve().parents[2]
 BASELINE = REPO / "loadtests" / "bench" / "quality_baseline.json"

@@ -15,11 +15,11 @@ import pytest
 from helpers import eventually
 
 from loadtests.bench import routing
-from loadtests.sim.engine import EngineSnapshot, EngineSpec, SimCluster, SimJob, TimeModel
-from loadtests.workloads.client import Result, send
-from loadtests.workloads.generate import WorkItem
 from router.server.app import App
 from router.server.compose import build
+from simulator.engine import EngineSnapshot, EngineSpec, SimCluster, SimJob, TimeModel
+from simulator.workloads.client import Result, send
+from simulator.workloads.generate import WorkItem
 
 pytestmark = pytest.mark.integration
 

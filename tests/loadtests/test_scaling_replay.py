@@ -24,12 +24,12 @@ from loadtests.bench.scaling import (
     read_roles,
     serving,
 )
-from loadtests.sim.engine import SimEngine
-from loadtests.sim.fleet import Replica
-from loadtests.workloads.client import Result, send
-from loadtests.workloads.generate import WorkItem
 from router.control.gate import CANARY_HEADER
 from router.server.app import App
+from simulator.engine import SimEngine
+from simulator.fleet import Replica
+from simulator.workloads.client import Result, send
+from simulator.workloads.generate import WorkItem
 
 pytestmark = pytest.mark.integration
 

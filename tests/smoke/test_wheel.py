@@ -11,9 +11,10 @@ name is run from a directory outside the repository, each with an effect a user 
 * ``pd-router serve`` answers ``/health``, a completion and the ``/debug/pool`` view;
 * ``pd-router check-config`` accepts ``examples/pool.yaml`` and refuses a broken file, naming it;
 * ``pd-router demo`` completes a short run;
-* every ``python -m router|scorers|kvindex|loadtests…`` module the docs name answers ``--help``
-  (benchmarks and load generators run for minutes; ``--help`` proves the module is in the wheel,
-  imports from it, and parses its arguments — what a packaging mistake breaks).
+* every ``python -m router|kvindex|simulator…`` module the docs name answers ``--help`` (``--help``
+  proves the module is in the wheel, imports from it, and parses its arguments — what a packaging
+  mistake breaks); the benchmarks under ``loadtests/`` are not shipped, and the wheel holds only
+  the shipped packages.
 
 The venv reuses the installed dependencies (``--system-site-packages``), where the editable
 install of pd-router also lives; the wheel is force-installed into the venv so its copy comes
@@ -34,6 +35,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +50,8 @@ from loadtests.servers.ports import free_port
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("router", "kvindex", "loadtests")
+# What the wheel ships; loadtests/ (benchmarks, load generators) runs from a checkout only.
+PACKAGES = ("router", "kvindex", "simulator")
 # The sub-commands below give each a real effect; a new one fails the coverage test until it has one.
 SMOKED_COMMANDS = {"serve", "check-config", "sidecar", "demo", "sim"}
 STARTUP_S = 30.0  # a server that is not answering after this is broken, not slow
@@ -70,6 +73,7 @@ class Installed:
     venv: Path
     cwd: Path
     env: dict[str, str]
+    wheel: Path
 
     @property
     def python(self) -> Path:
@@ -203,7 +207,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     env["VIRTUAL_ENV"] = str(venv)
     cwd = root / "elsewhere"
     cwd.mkdir()
-    result = Installed(venv, cwd, env)
+    result = Installed(venv, cwd, env, wheel)
     # --force-reinstall: the editable install seen through the system site-packages already
     # satisfies "pd-router"; the wheel's copy must be installed anyway, into the venv.
     done = result.run(
@@ -240,6 +244,12 @@ def test_the_venv_runs_the_wheel_not_the_source_tree(installed: Installed) -> No
     assert Path(seen["dist"]).is_relative_to(site)
     # Each console script gets a real run below; a new one fails here until it has one.
     assert seen["scripts"] == ["pd-router"]
+
+
+def test_the_wheel_ships_the_service_and_the_simulator_not_the_benchmarks(installed: Installed) -> None:
+    with zipfile.ZipFile(installed.wheel) as wheel:
+        tops = {name.split("/", 1)[0] for name in wheel.namelist() if "/" in name}
+    assert {top for top in tops if not top.endswith(".dist-info")} == set(PACKAGES)
 
 
 def test_every_sub_command_is_smoked(installed: Installed) -> None:
@@ -350,7 +360,7 @@ def modules_named_in_docs() -> list[str]:
 
 def test_docs_name_python_m_entry_points() -> None:
     # The extraction below must keep finding what the README documents.
-    assert {"loadtests.bench.report", "loadtests.locust_target"} <= set(modules_named_in_docs())
+    assert {"router.server.config_reference"} <= set(modules_named_in_docs())
 
 
 def test_every_python_m_entry_point_in_the_docs_answers_help(installed: Installed) -> None:

@@ -14,7 +14,7 @@ import pytest
 from gateway import SINGLE, envoy_with_picker, example_config, gateway, run_envoy
 from helpers import eventually, router_for
 
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 

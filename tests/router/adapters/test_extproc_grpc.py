@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import eventually, router_for
 
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 SERVING = health_pb2.HealthCheckResponse.SERVING

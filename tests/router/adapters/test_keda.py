@@ -9,10 +9,10 @@ import grpc
 import pytest
 from helpers import eventually, router_for, router_on_sim
 
-from loadtests.sim.engine import EngineSpec
 from router.adapters.keda import externalscaler_pb2 as pb
 from router.adapters.keda.generate import MODULE, generated
 from router.adapters.keda.scaler import BadMetadata, selection_of
+from simulator.engine import EngineSpec
 
 SERVICE = "/externalscaler.ExternalScaler/"
 

@@ -12,7 +12,7 @@ import pytest
 from gateway import SINGLE, gateway
 from helpers import eventually, router_on_sim, sse_events
 
-from loadtests.sim.engine import EngineSpec, SimCluster
+from simulator.engine import EngineSpec, SimCluster
 
 pytestmark = pytest.mark.integration
 

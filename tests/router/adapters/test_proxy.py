@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 from helpers import eventually, router_on_sim, sse_events
 
-from loadtests.sim.engine import EngineSpec
 from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS
+from simulator.engine import EngineSpec
 
 pytestmark = pytest.mark.integration
 

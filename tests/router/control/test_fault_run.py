@@ -16,12 +16,12 @@ import aiohttp
 from helpers import eventually
 
 from loadtests.servers.kube import LWS_INDEX, LWS_KEY, LWS_REVISION, LWS_SIZE, NS, pod, pool, serving
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.discovery.kubernetes import KubernetesDiscovery
 from router.control.gate import CANARY_HEADER
 from router.server.app import App
 from router.server.compose import build
 from router.server.config import parse_config
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 GROUPS = 3
 FAULTS = 24

@@ -11,8 +11,8 @@ import orjson
 import pytest
 from helpers import eventually, router_for
 
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.gate import CANARY_HEADER
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 FAST = TimeModel(speed=20.0)
 

@@ -9,8 +9,8 @@ import pytest
 from helpers import eventually, router_for
 
 from loadtests.servers.redis import RedisServer
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.gate import CANARY_HEADER
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 

@@ -9,11 +9,11 @@ import aiohttp
 import yaml
 from helpers import eventually
 
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.control.discovery.static import StaticDiscovery
 from router.server.app import App
 from router.server.compose import build
 from router.server.config import load_config
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 
 def write(path: Path, endpoints: list[dict]) -> None:

@@ -17,7 +17,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 from helpers import SINGLE_PODS, Metrics, eventually, make_config, make_picker, make_pool, router_on_sim
 
-from loadtests.sim.engine import EngineSpec
 from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
 from router.flow.flight import RequestFlow
 from router.flow.hold_queue import FlowControl, FlowSettings
@@ -26,6 +25,7 @@ from router.request.rejections import NoCapacity, QueueFull, QueueTimeout, Satur
 from router.request.types import RouteRequest
 from router.server.compose import flow_settings_from
 from router.state.pool import Pool
+from simulator.engine import EngineSpec
 
 
 class Room:

@@ -8,8 +8,8 @@ import asyncio
 import aiohttp
 from helpers import router_on_sim
 
-from loadtests.sim.engine import EngineSpec
 from router.http.server import MAX_HEADERS, MAX_REQUEST_LINE
+from simulator.engine import EngineSpec
 
 
 async def status_of(port: int, head: bytes) -> int:

@@ -11,9 +11,9 @@ import aiohttp
 import pytest
 from helpers import router_on_sim
 
-from loadtests.sim.engine import EngineSpec, SimCluster
 from router.sidecar.server import SidecarServer
 from router.transport.tls import self_signed
+from simulator.engine import EngineSpec, SimCluster
 
 pytestmark = pytest.mark.integration
 

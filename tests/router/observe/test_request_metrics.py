@@ -6,8 +6,8 @@ import aiohttp
 from helpers import eventually, router_on_sim
 from prometheus_client import CollectorRegistry
 
-from loadtests.sim.engine import EngineSpec
 from router.observe.metrics import MAX_MODEL_LABELS, MAX_PRIORITY_LABELS, RequestMetrics
+from simulator.engine import EngineSpec
 
 
 def sample(app, name: str, **labels: str) -> float:

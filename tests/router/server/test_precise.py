@@ -11,12 +11,12 @@ import pytest
 from helpers import eventually, router_for
 
 from kvindex.chat_template import ChatTemplate
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from loadtests.sim.tiny_tokenizer import tiny_corpus, train_tiny_tokenizer
 from router.request.parse import parse_request
 from router.request.types import RequestLimits
 from router.server.compose import Parts, build
 from router.server.config import parse_config
+from simulator.engine import EngineSpec, SimCluster, TimeModel
+from simulator.tiny_tokenizer import tiny_corpus, train_tiny_tokenizer
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import eventually, router_for
 
 from loadtests.servers.redis import RedisServer
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 

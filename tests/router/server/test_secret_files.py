@@ -10,8 +10,8 @@ import pytest
 from helpers import router_for, router_on_sim
 
 from loadtests.servers.redis import RedisServer
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.server.config import ConfigError, parse_config
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 BASE = {"model": "m", "endpoints": [{"address": "10.0.0.1:8000"}]}
 

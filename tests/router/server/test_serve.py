@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import eventually, router_for
 
 from loadtests.servers.ports import free_port
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
 

@@ -14,10 +14,10 @@ from helpers import eventually, sse_events
 from multidict import CIMultiDict
 
 from loadtests.servers.ports import free_port
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS
 from router.sidecar.allow import PrefillAllowList, first_prefiller
 from router.sidecar.server import SidecarServer
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 40
 

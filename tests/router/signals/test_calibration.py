@@ -16,7 +16,6 @@ import pytest
 from helpers import SINGLE_PODS, eventually, make_config, make_picker, make_pool, router_on_sim, sse_events
 
 import router.flow.flight
-from loadtests.sim.engine import EngineSpec
 from router.flow.flight import RequestFlow
 from router.observe.metrics import RouterMetrics
 from router.request.types import RouteRequest
@@ -25,6 +24,7 @@ from router.server.compose import learn_settings_from
 from router.signals.calibration import TokenCalibration, evicted_blocks, pool_ratio
 from router.signals.perf import PerformanceModel
 from router.signals.scaling import PoolSignals
+from simulator.engine import EngineSpec
 
 E0, E1 = (pod["address"] for pod in SINGLE_PODS[:2])
 

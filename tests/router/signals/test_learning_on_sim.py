@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from helpers import eventually, router_on_sim
 
-from loadtests.sim.cluster import engine_model_for
-from loadtests.sim.engine import EngineSpec, TimeModel
+from simulator.cluster import engine_model_for
+from simulator.engine import EngineSpec, TimeModel
 
 pytestmark = pytest.mark.integration
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from helpers import router_for
 
-from loadtests.sim.cluster import engine_model_for, link_cost_from
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
 from router.scheduling.costmodel.link import LinkCosts
 from router.server.config import LinksConfig
 from router.signals.links import MIN_BYTES, LinkLearner, weighted_median
+from simulator.cluster import engine_model_for, link_cost_from
+from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 PRIOR = LinkCosts(same=(0.00005, 50e9), default=(0.0005, 12.5e9))
 GB = 1e9

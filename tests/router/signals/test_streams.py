@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from helpers import eventually, router_on_sim
 
-from loadtests.sim.engine import EngineSpec
 from router.signals.streams import LiveStreams
+from simulator.engine import EngineSpec
 
 
 class Stream:

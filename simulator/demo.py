@@ -11,14 +11,14 @@ import argparse
 import asyncio
 import sys
 
-from loadtests.sim.cluster import engine_model_for, link_cost_from
-from loadtests.sim.engine import EngineSpec, SimCluster, TimeModel
-from loadtests.workloads.client import Result, Summary, run_workload
-from loadtests.workloads.generate import shared_prefix
 from router.server.app import App
 from router.server.cli import run
 from router.server.compose import build
 from router.server.config import LinksConfig, PoolConfig, parse_config
+from simulator.cluster import engine_model_for, link_cost_from
+from simulator.engine import EngineSpec, SimCluster, TimeModel
+from simulator.workloads.client import Result, Summary, run_workload
+from simulator.workloads.generate import shared_prefix
 
 DEMO_LINKS = {
     "same": {"latency_ms": 0.2, "bandwidth_gbytes_per_s": 25.0},

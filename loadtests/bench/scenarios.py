@@ -1,7 +1,7 @@
 """The routing benchmarks' scenarios: cluster shapes, seeded workloads, the router configuration
 each policy runs with, and goodput. Shared by ``loadtests.bench.routing`` (wall-clock, real HTTP)
 and ``loadtests.bench.quality`` (virtual clock, in-process). Of the router only ``router.server.config``
-is imported (through ``loadtests.sim.cluster``), which every checkout has, so ``quality`` can also
+is imported (through ``simulator.cluster``), which every checkout has, so ``quality`` can also
 run a router from another checkout (``--router-tree``).
 
 Scenarios:
@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from loadtests.sim.cluster import engine_model_for
-from loadtests.sim.engine import EngineSpec, TimeModel
-from loadtests.workloads.client import Summary
-from loadtests.workloads.generate import Phase, Workload, multi_turn, phased, shared_prefix
+from simulator.cluster import engine_model_for
+from simulator.engine import EngineSpec, TimeModel
+from simulator.workloads.client import Summary
+from simulator.workloads.generate import Phase, Workload, multi_turn, phased, shared_prefix
 
 KV_BYTES_PER_TOKEN = 131072  # 128 KiB/token: Llama-3-8B class (32 layers × 8 KV heads × 128 × 2 × bf16)
 # Goodput SLOs at speed 1: TTFT ≤ 1 s and TPOT ≤ 20 ms (divided by the simulator's speed).

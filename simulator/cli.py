@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loadtests.sim.cluster import link_cost_from, specs_from
-from loadtests.sim.engine import TimeModel, run_sim
 from router.server.cli import config_args, config_from, run
 from router.server.config import ConfigError
+from simulator.cluster import link_cost_from, specs_from
+from simulator.engine import TimeModel, run_sim
 
 
 def command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -40,7 +40,7 @@ from tokenizers import Tokenizer
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.hashing import MAX_TOKEN_ID, estimate_tokens, text_block_keys, token_block_keys
 from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
-from loadtests.sim.kv_publisher import KVEventPublisher
+from simulator.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -1430,7 +1430,7 @@ class SimCluster:
     ) -> None:
         """``seen_limit``: requests each engine keeps in ``requests_seen``/``arrivals`` (for tests;
         a long run keeps few, or they fill memory). ``in_process``: the engines listen nowhere and
-        are called with ``SimEngine.local_call`` (``loadtests.sim.local_net``); each gets a port of
+        are called with ``SimEngine.local_call`` (``simulator.local_net``); each gets a port of
         its own from ``LOCAL_PORTS`` all the same, its name on that in-process network."""
         names = [spec.name for spec in specs]
         self.seen_limit = seen_limit

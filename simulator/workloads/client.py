@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from loadtests.workloads.generate import WorkItem, Workload
+from simulator.workloads.generate import WorkItem, Workload
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ left to run, so a simulated minute costs the CPU it takes to compute, not a minu
 ``VirtualClock``, and its selector never waits: asked to wait ``timeout`` seconds for I/O it
 advances the clock by ``timeout`` and reports no event, so the loop's next iteration runs the
 timers due then. There is no real I/O in this mode (the engines and the router talk in-process,
-``loadtests.sim.local_net``); a wait with nothing scheduled can never end, and raises
+``simulator.local_net``); a wait with nothing scheduled can never end, and raises
 ``VirtualDeadlock`` instead of hanging. Executors (threads) are refused: their results would land
 at a real-time moment, which is not reproducible.
 

@@ -18,8 +18,8 @@ from tokenizers import Tokenizer
 
 from kvindex.events import BlockStored, KVEventBatch, KVEventConsumer
 from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
-from loadtests.sim.engine import EngineSpec, SimCluster, SimEngine, TimeModel
-from loadtests.sim.tiny_tokenizer import tiny_corpus, train_tiny_tokenizer
+from simulator.engine import EngineSpec, SimCluster, SimEngine, TimeModel
+from simulator.tiny_tokenizer import tiny_corpus, train_tiny_tokenizer
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from loadtests.sim.virtual_clock import VirtualDeadlock, VirtualTimeLimit, run_virtual
+from simulator.virtual_clock import VirtualDeadlock, VirtualTimeLimit, run_virtual
 
 
 def test_waiting_for_what_never_comes_is_a_deadlock_not_a_hang() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.demo import run_demo
+from simulator.demo import run_demo
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from loadtests.sim.engine import EngineSpec, LinkCost, TimeModel
+from simulator.engine import EngineSpec, LinkCost, TimeModel
 
 if TYPE_CHECKING:  # the quality harness runs older trees' routers, whose config lived elsewhere
     from router.server.config import LinksConfig, PoolConfig

@@ -14,8 +14,8 @@ from helpers import eventually
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtests.sim.engine import EngineSpec, SimCluster, SimEngine, TimeModel, run_sim
 from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS
+from simulator.engine import EngineSpec, SimCluster, SimEngine, TimeModel, run_sim
 
 pytestmark = pytest.mark.integration
 
@@ -521,7 +521,7 @@ async def test_kv_growth_preempts_and_streams_stay_consistent(session: aiohttp.C
 
 
 async def test_run_sim_serves_until_cancelled(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="loadtests.sim.engine")
+    caplog.set_level(logging.INFO, logger="simulator.engine")
     task = asyncio.create_task(run_sim([EngineSpec(name="solo", role="prefill-decode", time=FAST)]))
 
     async def announced() -> bool:
@@ -579,8 +579,8 @@ def test_the_simulated_chat_template_renders_as_the_router_flattens(messages) ->
     # benchmarks compare routing, not two renderings. (The engine has its own code for it.)
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    from loadtests.sim.engine import CHAT_TEMPLATE
     from router.request.parse import prompt_text
+    from simulator.engine import CHAT_TEMPLATE
 
     rendered = (
         ImmutableSandboxedEnvironment(keep_trailing_newline=True)

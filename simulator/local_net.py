@@ -12,7 +12,7 @@
 * ``LocalClient`` calls an aiohttp request handler (the proxy's ``completions``) with a request
   built in-process and hands every byte the handler writes to ``on_data`` as it is written.
 
-Used with the virtual clock (``loadtests.sim.virtual_clock``), where nothing may touch a socket.
+Used with the virtual clock (``simulator.virtual_clock``), where nothing may touch a socket.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from aiohttp.client_reqrep import ConnectionKey
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from loadtests.sim.engine import EngineStopped, LocalAnswer, SimCluster, SimEngine
+from simulator.engine import EngineStopped, LocalAnswer, SimCluster, SimEngine
 
 
 class LocalResponse:

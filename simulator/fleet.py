@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import cast
 
-from loadtests.sim.engine import EngineSpec, LinkCost, SimCluster, SimEngine
 from router.control.topology import GroupSpec, Member, Publish, Role
+from simulator.engine import EngineSpec, LinkCost, SimCluster, SimEngine
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,0 @@
-"""Seeded workloads and the open-loop client that replays them."""

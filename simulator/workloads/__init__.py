@@ -1,0 +1,1 @@
+"""Seeded workloads (``generate``) and the open-loop client that replays them (``client``)."""
