@@ -263,7 +263,7 @@ def test_any_message_sequence_is_answered_released_and_counted_once(
 
 
 def test_request_headers_twice_are_refused_not_leaked() -> None:
-    # Regression: a second request_headers replaced the flight, orphaning its reservation.
+    # A second request_headers must not replace the flight: that would orphan its reservation.
     for first in (valid_start(Mode.FULL_DUPLEX_STREAMED), [valid_start(Mode.FULL_DUPLEX_STREAMED)[1]]):
         setup = Setup(SINGLE_PODS, response_processing=True)
         stream = setup.stream()
@@ -278,8 +278,8 @@ def test_request_headers_twice_are_refused_not_leaked() -> None:
 
 
 def test_a_request_that_completes_after_its_response_is_not_routed() -> None:
-    # Regression: the end of the response closed the flight; the request body completing after it
-    # then picked, and that reservation was never given back.
+    # The end of the response closes the flight; a request body completing after it must not pick
+    # (that reservation would never be given back).
     setup = Setup(SINGLE_PODS, response_processing=True)
     stream = setup.stream()
     stream.on_message(pb.ProcessingRequest(request_body=pb.HttpBody(body=BODY)))
@@ -293,8 +293,8 @@ def test_a_request_that_completes_after_its_response_is_not_routed() -> None:
 
 @pytest.mark.parametrize("status", [b"\xb2", "\u00b2".encode(), b"9" * 5000, b"\xff\xfe", b"2000", b""])
 def test_an_odd_status_header_is_no_status_not_a_crash(status: bytes) -> None:
-    # Regression: ":status" went through int() after str.isdigit(), which superscripts, other
-    # scripts' digits and 4301+ digits pass; undecodable bytes raised UnicodeDecodeError.
+    # ":status" is ASCII digits only: str.isdigit() passes superscripts, other scripts' digits and
+    # 4301+ digits (which int() refuses), and undecodable bytes must not raise.
     setup = Setup(SINGLE_PODS, response_processing=True)
     stream = setup.stream()
     for message in valid_start(Mode.FULL_DUPLEX_STREAMED):

@@ -249,8 +249,8 @@ def test_every_body_is_a_route_request_or_a_4xx_json_rejection(
 
 
 def test_depth_at_the_re_encoding_limit() -> None:
-    # Regression: a body nested deeper than orjson re-encodes (255..1023 levels) used to parse,
-    # then fail in the proxy with a 500 text/plain "Internal Server Error".
+    # A body nested deeper than orjson re-encodes (255..1023 levels) must be refused at the parse,
+    # not accepted and then failed in the proxy with a 500 text/plain "Internal Server Error".
     limits = RequestLimits(4 << 20, 131072, 256, 16, 4.0)
     for depth, ok in ((MAX_JSON_DEPTH - 1, True), (MAX_JSON_DEPTH, False), (1000, False)):
         raw = b'{"model":"m","prompt":"hi","x":' + b"[" * depth + b"]" * depth + b"}"
@@ -264,7 +264,7 @@ def test_depth_at_the_re_encoding_limit() -> None:
 
 
 def test_error_messages_never_echo_a_huge_client_value() -> None:
-    # Regression: the message quoted the whole value (a 4 MB model name came back in the answer).
+    # A message quoting the whole value would send a 4 MB model name back in the answer.
     limits = RequestLimits(8 << 20, 10**9, 256, 16, 4.0, served_model="m")
     for raw, headers in (
         (orjson.dumps({"model": "x" * 1_000_000, "prompt": "hi"}), {}),

@@ -92,7 +92,8 @@ def make_stream(clock: StepClock | None = None) -> tuple[EngineStream, Recording
 
 def test_a_live_copy_of_a_replayed_batch_must_be_byte_identical_to_be_dropped() -> None:
     """The engine restarts right after a replay whose last batches the SUB never got live: the new
-    process's batch at one of those seqs is not a duplicate (it used to be: a seq window)."""
+    process's batch at one of those seqs is not a duplicate, though its seq is (a window of seqs
+    alone would drop it)."""
     stream, sink = make_stream()
     old = Process(0)
     stream.on_batch(*old.publish())

@@ -1,6 +1,6 @@
-"""The same burst, replayed on fresh fleets and routers, gets the same replica recommendation
-(issue 20: identical long-prompt bursts once peaked at 4 to 33 prefill replicas, the capacity per
-replica falling 5-25× whenever a refit moved a prompt's service near the TTFT SLO)."""
+"""The same burst, replayed on fresh fleets and routers, gets the same replica recommendation: the
+capacity per replica must not swing with each refit of the performance model (one that moves a
+prompt's service time near the TTFT SLO can cut it 5-25×)."""
 
 from __future__ import annotations
 

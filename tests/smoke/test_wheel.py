@@ -1,10 +1,10 @@
 """The package as a user gets it: a built wheel installed into a fresh virtual environment.
 
 Every other test imports modules from the source tree, so a command whose import only fails once
-installed (issue 18: ``pd-router sidecar`` imported ``router.sidecar.server.server``, which does
-not exist) passed 870 tests. Here the wheel is built from a copy of the tree, installed into a
-venv, and every console command and every ``python -m`` entry point the README and ``docs/``
-name is run from a directory outside the repository, each with an effect a user would see:
+installed (a module path that exists only in the checkout, a package left out of the wheel) passes
+them all. Here the wheel is built from a copy of the tree, installed into a venv, and every
+console command and every ``python -m`` entry point the README and ``docs/`` name is run from a
+directory outside the repository, each with an effect a user would see:
 
 * ``pd-router sim`` serves simulated engines on every endpoint of a pool file;
 * ``pd-router sidecar`` in front of one of them answers a completion with a remote prefill leg;

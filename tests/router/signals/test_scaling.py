@@ -328,10 +328,11 @@ def test_long_answers_count_for_decode_from_the_first_request_not_once_they_pile
 
 
 def test_a_change_of_prompt_mix_is_one_mix_per_forecast_not_a_jump_to_the_maximum() -> None:
-    """Issue 20, item 1: after a burst of long prompts and a quiet gap, a burst of short prompts
-    asking for long answers sent prefill to max_replicas in one tick: the last 10 s of demand (the
-    gap's ticks still reading the long prompts' rate) over the capacity for the short prompts (an
-    engine whose fixed step cost dwarfs an 80-token prompt serves few such tokens a second)."""
+    """After a burst of long prompts and a quiet gap, a burst of short prompts asking for long
+    answers must not send prefill to max_replicas in one tick, as dividing the last 10 s of demand
+    (the gap's ticks still reading the long prompts' rate) by the capacity for the short prompts
+    would (an engine whose fixed step cost dwarfs an 80-token prompt serves few such tokens a
+    second)."""
     signals, clock = pool_signals(
         {n: Metrics() for n in ("p0", "p1", "d0", "d1")}, engine={"decode_step_base_ms": 200.0}
     )

@@ -1,5 +1,5 @@
-"""Decode load while long generations run: the TPOT of answers still streaming counts (it was read
-only when an answer ended, one generation late)."""
+"""Decode load while long generations run: the TPOT of answers still streaming counts, not only
+that of answers that ended (one whole generation late)."""
 
 from __future__ import annotations
 
