@@ -1,6 +1,6 @@
 """A tiny raw HTTP/2 client for protocol tests: frames built by hand, headers through ``hpack``.
 
-It speaks just enough to drive ``router.transport.h2grpc`` frame by frame: the test decides every frame
+It speaks just enough to drive ``router.transport.h2`` frame by frame: the test decides every frame
 that goes out (including broken ones) and reads what comes back with a deadline, never a sleep.
 """
 

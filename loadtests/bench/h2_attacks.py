@@ -6,7 +6,7 @@
 
 Processes, all on 127.0.0.1, a fresh set for every attack:
 
-* **server**: ``router.transport.h2grpc.H2GrpcServer`` with its default limits (uvloop when
+* **server**: ``router.transport.h2.connection.H2GrpcServer`` with its default limits (uvloop when
   installed, as ``pd-router serve`` runs), serving gRPC health and ``/bench.Echo/Bidi`` (every
   message sent back, as ext_proc sends a body back in ``FULL_DUPLEX_STREAMED``). With
   ``--router-path`` the child imports ``router`` from that directory first: the same attacks
@@ -241,8 +241,13 @@ def server_main(conn: Connection, router_path: str) -> None:
     if router_path:
         sys.path.insert(0, router_path)
     logging.basicConfig(level=logging.ERROR)  # the server's per-connection warnings: not the table
+    import router
     from router.adapters.health import HealthState
-    from router.transport import h2grpc
+
+    try:
+        from router.transport.h2.connection import H2GrpcServer
+    except ImportError:  # --router-path: a checkout from before router/transport/h2/
+        from router.transport.h2grpc import H2GrpcServer  # type: ignore[import-not-found,no-redef]
 
     started = 0
 
@@ -267,9 +272,9 @@ def server_main(conn: Connection, router_path: str) -> None:
     async def main() -> None:
         health = HealthState()
         health.set_ready(True)
-        server = h2grpc.H2GrpcServer({**health.methods(), ECHO: echo})
+        server = H2GrpcServer({**health.methods(), ECHO: echo})
         port = await server.start("127.0.0.1", 0)
-        conn.send((port, os.path.dirname(os.path.dirname(os.path.dirname(h2grpc.__file__)))))
+        conn.send((port, os.path.dirname(os.path.dirname(router.__file__))))
         loop = asyncio.get_running_loop()
         while True:
             command = await loop.run_in_executor(None, conn.recv)

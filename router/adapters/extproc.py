@@ -4,7 +4,7 @@ One gRPC stream per HTTP request. ``ExtProcStream`` is the per-stream state mach
 synchronous (``on_message`` returns the responses to send), so it is tested with hand-built
 ``ProcessingRequest`` sequences; ``ExtProcCall`` pumps a call's messages through it, pauses while
 the flow prepares (tokenizing, a shared-index lookup) and closes the flight in one place. The
-gRPC transport is ``router.transport.h2grpc``.
+gRPC transport is ``router.transport.h2``.
 
 What Envoy gets for a routed request (both, with the same single ``ip:port``):
 ``x-gateway-destination-endpoint`` in the header mutation and ``envoy.lb`` dynamic metadata, plus
@@ -47,7 +47,14 @@ from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUB
 from router.request.rejections import BadRequest, BodyTooLarge, Rejection
 from router.scheduling.picker import RouteDecision
 from router.server.config import ExtProcConfig
-from router.transport.h2grpc import INTERNAL, INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer, H2Limits
+from router.transport.h2.connection import (
+    INTERNAL,
+    INVALID_ARGUMENT,
+    Call,
+    CallHandler,
+    H2GrpcServer,
+    H2Limits,
+)
 from router.transport.tls import ServerTls, started
 
 log = logging.getLogger(__name__)

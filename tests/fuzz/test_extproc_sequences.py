@@ -46,7 +46,7 @@ from fuzz import fuzz_settings
 from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
 from router.http.headers import DESTINATION
 from router.state.pool import Pool
-from router.transport.h2grpc import INVALID_ARGUMENT
+from router.transport.h2.connection import INVALID_ARGUMENT
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 Mode = processing_mode_pb2.ProcessingMode
@@ -310,7 +310,7 @@ def test_an_odd_status_header_is_no_status_not_a_crash(status: bytes) -> None:
 
 
 class FakeCall:
-    """What ``ExtProcCall`` needs of ``h2grpc.Call``: what was sent and the final status."""
+    """What ``ExtProcCall`` needs of the transport's ``Call``: what was sent and the final status."""
 
     def __init__(self) -> None:
         self.sent: list[bytes] = []

@@ -16,7 +16,7 @@ from helpers import SINGLE_PODS, Metrics, eventually, make_config, make_flow, ma
 
 from router.adapters.extproc import MAX_CHUNK, ExtProcCall, ExtProcSettings, ExtProcStream
 from router.http.headers import ROUTER_HEADERS as OWNED_HEADERS
-from router.transport.h2grpc import INTERNAL, INVALID_ARGUMENT
+from router.transport.h2.connection import INTERNAL, INVALID_ARGUMENT
 
 Mode = processing_mode_pb2.ProcessingMode
 PD = [
@@ -329,7 +329,7 @@ def test_without_response_processing_a_full_duplex_response_is_still_followed() 
 
 
 class FakeCall:
-    """What ``ExtProcCall`` needs of ``h2grpc.Call``: records what was sent and the status."""
+    """What ``ExtProcCall`` needs of the transport's ``Call``: records what was sent and the status."""
 
     def __init__(self) -> None:
         self.sent: list[pb.ProcessingResponse] = []

@@ -170,7 +170,7 @@ async def test_a_saturated_pool_holds_requests_in_the_router_and_serves_them_all
 
 
 class FakeCall:
-    """What ``ExtProcCall`` needs of ``h2grpc.Call``: records what was sent and the status."""
+    """What ``ExtProcCall`` needs of the transport's ``Call``: records what was sent and the status."""
 
     def __init__(self) -> None:
         self.sent: list[pb.ProcessingResponse] = []

@@ -59,7 +59,7 @@ from h2client import (
 from helpers import eventually
 
 from router.adapters.health import HealthState
-from router.transport.h2grpc import Call, Connection, H2GrpcServer, H2Limits
+from router.transport.h2.connection import Call, Connection, H2GrpcServer, H2Limits
 
 ECHO = "/test.Echo/Bidi"  # echoes each message, finishes when the client half-closes
 HOLD = "/test.Echo/Hold"  # never answers: the call stays open until the client goes

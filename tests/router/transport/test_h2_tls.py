@@ -20,7 +20,7 @@ from h2client import DATA, END_STREAM, PREFACE, H2Client, frame, grpc_message
 from helpers import eventually
 
 from router.adapters.health import CHECK_METHOD, HealthState
-from router.transport.h2grpc import H2GrpcServer, H2Limits
+from router.transport.h2.connection import H2GrpcServer, H2Limits
 from router.transport.tls import ServerTls, self_signed
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
