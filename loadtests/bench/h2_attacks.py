@@ -6,7 +6,7 @@
 
 Processes, all on 127.0.0.1, a fresh set for every attack:
 
-* **server**: ``router.transport.h2.connection.H2GrpcServer`` with its default limits (uvloop when
+* **server**: ``router.transport.h2.server.H2GrpcServer`` with its default limits (uvloop when
   installed, as ``pd-router serve`` runs), serving gRPC health and ``/bench.Echo/Bidi`` (every
   message sent back, as ext_proc sends a body back in ``FULL_DUPLEX_STREAMED``). With
   ``--router-path`` the child imports ``router`` from that directory first: the same attacks
@@ -245,7 +245,7 @@ def server_main(conn: Connection, router_path: str) -> None:
     from router.adapters.health import HealthState
 
     try:
-        from router.transport.h2.connection import H2GrpcServer
+        from router.transport.h2.server import H2GrpcServer
     except ImportError:  # --router-path: a checkout from before router/transport/h2/
         from router.transport.h2grpc import H2GrpcServer  # type: ignore[import-not-found,no-redef]
 
@@ -657,7 +657,7 @@ async def bench(args: argparse.Namespace) -> list[str]:
         rows.append(row)
         sys.stderr.write(f"{name}: done\n")
     header = [
-        f"h2grpc server from {source}; a health check every {args.interval_ms:g} ms on its own connection",
+        f"gRPC server from {source}; a health check every {args.interval_ms:g} ms on its own connection",
         f"(checks: those overlapping the attack, from its first byte to the attacking connection's end"
         f" or {args.window_s:g} s later, whichever is later)",
         "",

@@ -47,14 +47,10 @@ from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUB
 from router.request.rejections import BadRequest, BodyTooLarge, Rejection
 from router.scheduling.picker import RouteDecision
 from router.server.config import ExtProcConfig
-from router.transport.h2.connection import (
-    INTERNAL,
-    INVALID_ARGUMENT,
-    Call,
-    CallHandler,
-    H2GrpcServer,
-    H2Limits,
-)
+from router.transport.h2.connection import Call, CallHandler
+from router.transport.h2.frames import INTERNAL, INVALID_ARGUMENT
+from router.transport.h2.limits import H2Limits
+from router.transport.h2.server import H2GrpcServer
 from router.transport.tls import ServerTls, started
 
 log = logging.getLogger(__name__)

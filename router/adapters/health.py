@@ -12,7 +12,8 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
-from router.transport.h2.connection import INVALID_ARGUMENT, Call, CallHandler
+from router.transport.h2.connection import Call, CallHandler
+from router.transport.h2.frames import INVALID_ARGUMENT
 
 CHECK_METHOD = "/grpc.health.v1.Health/Check"
 WATCH_METHOD = "/grpc.health.v1.Health/Watch"

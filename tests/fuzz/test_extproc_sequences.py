@@ -46,7 +46,7 @@ from fuzz import fuzz_settings
 from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
 from router.http.headers import DESTINATION
 from router.state.pool import Pool
-from router.transport.h2.connection import INVALID_ARGUMENT
+from router.transport.h2.frames import INVALID_ARGUMENT
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 Mode = processing_mode_pb2.ProcessingMode

@@ -38,7 +38,9 @@ from router.server.config import KedaConfig
 from router.signals.saturation import STAGES, SaturationSettings, stage_signals
 from router.signals.scaling import PoolSignals
 from router.state.pool import Pool
-from router.transport.h2.connection import INVALID_ARGUMENT, Call, CallHandler, H2GrpcServer
+from router.transport.h2.connection import Call, CallHandler
+from router.transport.h2.frames import INVALID_ARGUMENT
+from router.transport.h2.server import H2GrpcServer
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from helpers import SINGLE_PODS, Metrics, eventually, make_config, make_flow, ma
 
 from router.adapters.extproc import MAX_CHUNK, ExtProcCall, ExtProcSettings, ExtProcStream
 from router.http.headers import ROUTER_HEADERS as OWNED_HEADERS
-from router.transport.h2.connection import INTERNAL, INVALID_ARGUMENT
+from router.transport.h2.frames import INTERNAL, INVALID_ARGUMENT
 
 Mode = processing_mode_pb2.ProcessingMode
 PD = [

@@ -59,7 +59,9 @@ from h2client import (
 from helpers import eventually
 
 from router.adapters.health import HealthState
-from router.transport.h2.connection import Call, Connection, H2GrpcServer, H2Limits
+from router.transport.h2.connection import Call, Connection
+from router.transport.h2.limits import H2Limits
+from router.transport.h2.server import H2GrpcServer
 
 ECHO = "/test.Echo/Bidi"  # echoes each message, finishes when the client half-closes
 HOLD = "/test.Echo/Hold"  # never answers: the call stays open until the client goes

@@ -20,7 +20,8 @@ from h2client import DATA, END_STREAM, PREFACE, H2Client, frame, grpc_message
 from helpers import eventually
 
 from router.adapters.health import CHECK_METHOD, HealthState
-from router.transport.h2.connection import H2GrpcServer, H2Limits
+from router.transport.h2.limits import H2Limits
+from router.transport.h2.server import H2GrpcServer
 from router.transport.tls import ServerTls, self_signed
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -54,7 +54,9 @@ from hypothesis import strategies as st
 from router.adapters.health import CHECK_METHOD as HEALTH_CHECK_METHOD
 from router.adapters.health import WATCH_METHOD as HEALTH_WATCH_METHOD
 from router.adapters.health import HealthState
-from router.transport.h2.connection import FRAME_SIZE_ERROR, Call, Connection, H2GrpcServer, HeaderDecoder
+from router.transport.h2.connection import Call, Connection
+from router.transport.h2.frames import FRAME_SIZE_ERROR, HeaderDecoder
+from router.transport.h2.server import H2GrpcServer
 
 ECHO = "/test.Echo/Bidi"  # echoes every message, finishes OK when the client half-closes
 HOLD = "/test.Echo/Hold"  # records messages; the test finishes the call itself
