@@ -64,7 +64,7 @@ class H2Limits:
     HPACK runs: ENHANCE_YOUR_CALM) and on the decoded list (HPACK's own cap: COMPRESSION_ERROR).
     Envoy's ext_proc metadata is a few hundred bytes and grpc-core's default hard limit for
     metadata is 16 KiB; a block this size costs HPACK (pure Python) ~5 ms and an open call keeps
-    it (it was 64 KiB)."""
+    it, so larger caps only buy an attacker time and memory."""
 
     max_continuation_frames: int = 16
     """CONTINUATION frames per header block (h2's CONTINUATION_BACKLOG is 64): a maximal block
@@ -74,7 +74,7 @@ class H2Limits:
     max_frame_size: int = 64 * KiB
     """SETTINGS_MAX_FRAME_SIZE we advertise (larger frames: FRAME_SIZE_ERROR as soon as the frame
     head arrives). A 4 MiB body is 64 frames, while a connection holding a frame in progress holds
-    at most this much (it was 1 MiB)."""
+    at most this much."""
 
     # -- flow control and buffers -----------------------------------------------------------------
     connection_window: int = 8 * MiB
@@ -154,7 +154,7 @@ class H2Limits:
 
     listen_backlog: int = 4096
     """listen(2) backlog: a fleet of Envoys reconnecting at once must not find the accept queue
-    full (the kernel caps it at net.core.somaxconn); it was asyncio's 100."""
+    full (the kernel caps it at net.core.somaxconn; asyncio's default is 100)."""
 
     def __post_init__(self) -> None:
         for item in dataclasses.fields(self):

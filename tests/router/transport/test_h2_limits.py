@@ -364,7 +364,7 @@ async def test_a_frame_over_max_frame_size_is_refused_from_its_head(serve: Serve
 
 
 async def test_a_header_block_over_the_list_size_is_refused_before_hpack(serve: Serve) -> None:
-    """Checked on HEADERS with END_HEADERS too (it was only checked on CONTINUATION)."""
+    """Checked on a HEADERS frame with END_HEADERS too, not only on CONTINUATION."""
     env = await serve(max_frame_size=1 << 20)  # frames may be large: the header cap must hold alone
     decoded: list[tuple[Connection, int]] = []
     original = Connection._on_header_block
