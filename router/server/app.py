@@ -87,6 +87,8 @@ class App:
             self._run(self._apply_speeds(), "engine-speeds")
         if parts.flow_control is not None:
             self._run(parts.flow_control.run(), "flow-control")
+        if parts.shared_load is not None:
+            self._run(parts.shared_load.run(), "shared-load")
         if parts.precise_keys is not None:
             stack.callback(parts.precise_keys.close)
         if parts.kv_events is not None:

@@ -49,6 +49,7 @@ from router.signals.scaling import PoolSignals, ScalingSettings
 from router.signals.shared import SharedDemand
 from router.state.kv_sink import IndexEventSink
 from router.state.pool import Pool
+from router.state.shared_load import SharedLoad
 
 # A file's endpoints are what the operator wrote: cheap checks. A cluster's pods come and go with
 # rollouts, so their weights and connectors are proven before traffic.
@@ -249,6 +250,7 @@ class Parts:
     gate: GateSettings
     control: ControlSettings
     gate_results: SharedGateResults | None  # verdicts shared between replicas through Redis
+    shared_load: SharedLoad | None  # the other replicas' reservations, exchanged through Redis
     timing: Timing
     redis_clients: tuple[Any, ...]  # closed at stop
 
@@ -259,20 +261,27 @@ def build(
     *,
     pool_name: str = "pd-router",
     seed: int | None = None,
+    redis: Callable[[str, str | None], Any] | None = None,
 ) -> Parts:
     """Every component of the service for ``config``. ``discovery``: where groups come from; the
-    configured ``endpoints`` by default, Kubernetes (made at start) when ``kubernetes`` is set."""
+    configured ``endpoints`` by default, Kubernetes (made at start) when ``kubernetes`` is set.
+    ``redis``: makes a client from a URL and password (``redis.asyncio``'s by default)."""
+    redis_client = redis or _redis_client
     secrets = config.read_secrets()  # tokens and passwords from their files, once
     # Empty until discovery publishes: endpoints join unadmitted, and only a group epoch that
     # passed the ready gate is ever a candidate.
     pool = empty_pool(config)
     if discovery is None and config.kubernetes is None:
         discovery = StaticDiscovery(config.endpoints)
-    redis = config.index.redis
+    shared_redis = config.index.redis
     password = secrets.redis_password
     local = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
     # Several replicas share what each routed where through Redis; pick() reads a local mirror.
-    shared = None if redis is None else shared_index(redis, password, local, pool)
+    shared = (
+        None
+        if shared_redis is None
+        else shared_index(shared_redis, redis_client(shared_redis.url, password), local, pool)
+    )
     index: PrefixIndex = local if shared is None else shared
     # Precise mode: a second index fed by the engines' KV events, keyed by vLLM's own block
     # hashes of the tokenized prompt; the approximate one still covers engines without events.
@@ -315,11 +324,16 @@ def build(
         block_tokens=limits.block_tokens,
     )
     clients: list[Any] = []  # closed at stop
-    if redis is not None and config.signals.share_demand:
-        clients.append(_redis_client(redis.url, password))
+    if shared_redis is not None and config.signals.share_demand:
+        clients.append(redis_client(shared_redis.url, password))
         # A replica missing three ticks has stopped routing (or lost Redis): its rates drop out.
         stale_after_s = 3 * config.signals.tick_ms / 1000.0
-        scaling.shared = SharedDemand(clients[-1], redis.namespace, stale_after_s=stale_after_s)
+        scaling.shared = SharedDemand(clients[-1], shared_redis.namespace, stale_after_s=stale_after_s)
+    shared_load = None
+    if shared_redis is not None and shared_redis.share_load_ms > 0:
+        clients.append(redis_client(shared_redis.url, password))
+        interval_s = shared_redis.share_load_ms / 1000.0
+        shared_load = SharedLoad(clients[-1], shared_redis.namespace, pool, interval_s=interval_s)
     for collector in (
         SignalsCollector(
             pool,
@@ -356,9 +370,9 @@ def build(
         links,
     )
     gate_results = None
-    if redis is not None and config.gate.share_results:
-        clients.append(_redis_client(redis.url, password))
-        gate_results = SharedGateResults(clients[-1], redis.namespace)
+    if shared_redis is not None and config.gate.share_results:
+        clients.append(redis_client(shared_redis.url, password))
+        gate_results = SharedGateResults(clients[-1], shared_redis.namespace)
     gate = config.gate
     return Parts(
         config=config,
@@ -383,6 +397,7 @@ def build(
         gate=gate_settings_from(config),
         control=ControlSettings(gate.retry_base_s, gate.retry_max_s, gate.drain_timeout_s),
         gate_results=gate_results,
+        shared_load=shared_load,
         timing=Timing(
             scrape_interval_s=config.scrape.interval_ms / 1000.0,
             scrape_timeout_s=config.scrape.timeout_ms / 1000.0,
@@ -395,15 +410,13 @@ def build(
     )
 
 
-def shared_index(
-    cfg: RedisConfig, password: str | None, local: MemoryPrefixIndex, pool: Pool
-) -> SharedPrefixIndex:
+def shared_index(cfg: RedisConfig, client: Any, local: MemoryPrefixIndex, pool: Pool) -> SharedPrefixIndex:
     def slot_of(name: str) -> int | None:
         endpoint = pool.endpoints.get(name)
         return None if endpoint is None else endpoint.slot
 
     return SharedPrefixIndex(
-        _redis_client(cfg.url, password),
+        client,
         local,
         namespace=cfg.namespace,
         ttl_s=cfg.ttl_s,

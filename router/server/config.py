@@ -305,6 +305,11 @@ class RedisConfig(_Strict):
     )
     ttl_s: Positive = Field(600.0, description="entries expire this long after their last write")
     lookup_timeout_ms: Positive = Field(50.0, description="past this, a request routes on the local view")
+    share_load_ms: NonNegative = Field(
+        50.0,
+        description="replicas exchange their in-flight reservations per endpoint this often, so each "
+        "routes on what all have in flight (0: each sees only its own)",
+    )
 
 
 class IndexConfig(_Strict):

@@ -41,6 +41,9 @@ class Feature:
     dtype: type = np.float64
     scraped: Scraped | None = None  # read from the engine's /metrics on every scrape
     candidate: bool = True  # gathered into ``Candidates`` for scorers
+    # A reservation other router replicas hold too: ``Pool.others_<name>`` (router/state/
+    # shared_load.py) is added to this replica's own when candidates are gathered.
+    shared: bool = False
     doc: str = ""
 
 
@@ -89,10 +92,12 @@ FEATURES: tuple[Feature, ...] = (
         doc="prompt tokens found in the prefix cache (counter)",
     ),
     # The router's own bookkeeping: exact between scrapes, zero when nothing is in flight.
-    Feature("queued_prefill_tokens", 0.0, doc="uncached prompt tokens we routed, not yet prefilled"),
+    Feature(
+        "queued_prefill_tokens", 0.0, shared=True, doc="uncached prompt tokens routed here, not yet prefilled"
+    ),
     Feature("slowness", 1.0, doc="this engine's latency over the pool model's (router/signals/engines.py)"),
-    Feature("reserved_kv_tokens", 0.0, doc="KV tokens reserved by requests we routed"),
-    Feature("inflight_requests", 0, np.int64, doc="requests we routed that are decoding here"),
+    Feature("reserved_kv_tokens", 0.0, shared=True, doc="KV tokens reserved by requests routed here"),
+    Feature("inflight_requests", 0, np.int64, shared=True, doc="requests routed here that are decoding"),
     Feature("queued_prefill_requests", 0, np.int64, candidate=False),
     # Identity and state masks.
     Feature("link_index", 0, np.int64, doc="topology label, as an index into the link table"),
@@ -116,3 +121,4 @@ FEATURES: tuple[Feature, ...] = (
 
 SCRAPED = tuple(f.name for f in FEATURES if f.scraped is not None)
 CANDIDATE = tuple(f.name for f in FEATURES if f.candidate)
+SHARED = tuple(f.name for f in FEATURES if f.shared)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from router.scheduling.costmodel.view import Candidates
-from router.state.features import CANDIDATE, FEATURES, SCRAPED
+from router.state.features import CANDIDATE, FEATURES, SCRAPED, SHARED
 
 if TYPE_CHECKING:
     from router.request.types import EngineMetrics
@@ -131,12 +131,17 @@ class Pool:
 
     def _allocate(self, capacity: int) -> None:
         old = len(self.by_slot)
-        for feature in FEATURES:
-            fresh = np.full(capacity, feature.empty, dtype=feature.dtype)
+        names = [(f.name, f.empty, f.dtype) for f in FEATURES]
+        names += [(f"others_{f.name}", 0, f.dtype) for f in FEATURES if f.shared]
+        for name, empty, dtype in names:
+            fresh = np.full(capacity, empty, dtype=dtype)
             if old:
-                fresh[:old] = getattr(self, feature.name)
-            setattr(self, feature.name, fresh)
-        self._candidate_arrays = [(name, getattr(self, name)) for name in CANDIDATE]
+                fresh[:old] = getattr(self, name)
+            setattr(self, name, fresh)
+        self._candidate_arrays = [
+            (name, getattr(self, name), getattr(self, f"others_{name}") if name in SHARED else None)
+            for name in CANDIDATE
+        ]
         self.by_slot.extend([None] * (capacity - old))
         self.generation.extend([0] * (capacity - old))
         self._free_slots.extend(range(capacity - 1, old - 1, -1))
@@ -190,6 +195,8 @@ class Pool:
                 del self.slots_by_host[host]
         for feature in FEATURES:
             getattr(self, feature.name)[slot] = feature.empty
+        for name in SHARED:
+            getattr(self, f"others_{name}")[slot] = 0
         self._free_slots.append(slot)
         return endpoint
 
@@ -215,7 +222,13 @@ class Pool:
 
     def candidates(self, slots: np.ndarray) -> Candidates:
         """Every candidate feature of these slots, gathered for the scorers."""
-        return Candidates(slots, **{name: values[slots] for name, values in self._candidate_arrays})
+        return Candidates(
+            slots,
+            **{
+                name: values[slots] if others is None else values[slots] + others[slots]
+                for name, values, others in self._candidate_arrays
+            },
+        )
 
     def observe_request(self, prompt_tokens: int, max_tokens: int) -> None:
         # Slow EWMA: a stand-in size for waiting requests that did not come through us.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import numpy as np
 import pytest
 from helpers import eventually, router_for
 
@@ -40,6 +41,27 @@ async def test_a_replica_routes_on_what_the_other_replica_sent_where(redis: Redi
             assert chosen == first
             cached = int(reason.split(": ")[1].split("/")[0])
             assert cached >= len(PROMPT) // 4 - 16
+
+
+async def test_a_replica_counts_what_the_other_has_in_flight(redis: RedisServer) -> None:
+    specs = [EngineSpec(f"e{i}", "prefill-decode", time=TimeModel(speed=1)) for i in range(2)]
+    async with SimCluster(specs) as cluster, aiohttp.ClientSession() as http:
+        sections = _sections(cluster, redis)
+        async with router_for(sections) as (_, base_a), router_for(sections) as (b, _):
+            body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 400, "stream": True}
+            async with http.post(f"{base_a}/v1/completions", json=body) as resp:  # decoding for seconds
+                assert resp.status == 200
+                name = resp.headers["x-pd-router-decode"]
+                slot = b.parts.pool.endpoints[name].slot
+
+                def seen_by_b() -> int:
+                    return int(b.parts.pool.candidates(np.array([slot])).inflight_requests[0])
+
+                await eventually(lambda: seen_by_b() == 1, 5, "B counts A's request on its pod")
+                assert b.parts.pool.inflight_requests[slot] == 0  # as A's, not as its own
+                assert b.parts.shared_load.replicas == 2
+                await resp.read()
+            await eventually(lambda: seen_by_b() == 0, 5, "B stops counting it once it ended")
 
 
 async def test_redis_stopping_and_coming_back_fails_no_request(redis: RedisServer) -> None:

@@ -1,0 +1,136 @@
+"""What the other router replicas have in flight on each endpoint, through the Redis they share.
+
+Each replica reserves what it routes (``Pool.reserve``) and sees only its own reservations: two
+replicas behind one gateway would both find a pod idle and send it their next prompts at once.
+Every ``interval_s`` a replica writes its own reservations per endpoint into the hash
+``{namespace}:load`` (field: its id; value: the wall time and, per endpoint id with anything in
+flight, its queued prompt tokens, reserved KV tokens and decoding requests) and reads everyone's;
+the sum of the others' fresh entries lands in the pool's ``others_*`` arrays, which
+``Pool.candidates`` adds to its own. So another replica's picks are at most one interval (plus a
+round trip) old, never unseen. A replica that stops writing (killed, partitioned) drops out after
+``stale_after_s`` and the next reader deletes its field; the hash expires once nobody writes.
+Redis trouble never stops routing: the others' share is then zero (each replica sees its own, as
+without sharing), the outage is logged once and the failed exchanges are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import orjson
+
+from router.state.features import SHARED
+from router.state.pool import Pool
+
+log = logging.getLogger(__name__)
+
+
+class SharedLoad:
+    def __init__(
+        self,
+        client: Any,  # redis.asyncio.Redis
+        namespace: str,
+        pool: Pool,
+        *,
+        interval_s: float,
+        timeout_s: float = 0.5,
+        clock: Callable[[], float] = time.time,  # wall time: replicas compare each other's stamps
+    ) -> None:
+        self.client = client
+        self.key = f"{namespace}:load"
+        self.pool = pool
+        self.interval_s = interval_s
+        # Three missed exchanges: the replica is gone (or cut off), its share no longer counts.
+        self.stale_after_s = max(3 * interval_s, 0.5)
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.replica = secrets.token_hex(4)
+        self.replicas = 1  # replicas whose reservations the pool's view includes (this one too)
+        self.errors = 0
+        self._down = False
+
+    async def run(self) -> None:
+        while True:
+            await self.exchange()
+            await asyncio.sleep(self.interval_s)
+
+    def own(self) -> dict[str, list[float]]:
+        """This replica's reservations per endpoint id, those with anything in flight."""
+        pool = self.pool
+        arrays = [getattr(pool, name) for name in SHARED]
+        busy = np.flatnonzero(np.any([a != 0 for a in arrays], axis=0))
+        out = {}
+        for slot in busy.tolist():
+            endpoint = pool.by_slot[slot]
+            if endpoint is not None:
+                out[endpoint.id] = [float(a[slot]) for a in arrays]
+        return out
+
+    async def exchange(self) -> None:
+        """Publish this replica's reservations, then read the others' into the pool."""
+        now = self.clock()
+        entry = orjson.dumps({"at": now, "load": self.own()})
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    pipe.hset(self.key, self.replica, entry)
+                    pipe.pexpire(self.key, max(1, int(self.stale_after_s * 3000)))
+                    pipe.hgetall(self.key)
+                    *_, everyone = await pipe.execute()
+                gone = self._read(everyone, now)
+                if gone:
+                    await self.client.hdel(self.key, *gone)
+        except Exception as exc:  # Redis down, slow or answering garbage: route on our own view
+            self.errors += 1
+            self._clear()
+            self.replicas = 1
+            if not self._down:
+                log.warning("shared load: Redis exchange failed (%s); routing on this replica's own", exc)
+            self._down = True
+            return
+        if self._down:
+            log.info("shared load: Redis is back; %d replicas share their reservations", self.replicas)
+        self._down = False
+
+    def _clear(self) -> None:
+        for name in SHARED:
+            getattr(self.pool, f"others_{name}")[:] = 0
+
+    def _read(self, everyone: dict[bytes, bytes], now: float) -> list[bytes]:
+        """Sum the fresh others' reservations into the pool; returns the stale or broken fields."""
+        pool, me = self.pool, self.replica.encode()
+        others = [getattr(pool, f"others_{name}") for name in SHARED]
+        sums = [np.zeros_like(a) for a in others]
+        replicas, gone = 1, []
+        for field, raw in everyone.items():
+            if field == me:
+                continue
+            try:
+                entry = orjson.loads(raw)
+                at, load = float(entry["at"]), entry["load"]
+                rows = [
+                    (pool.endpoints.get(name), [float(v) for v in values]) for name, values in load.items()
+                ]
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
+                log.warning("shared load: ignoring a malformed entry %r", field)
+                gone.append(field)
+                continue
+            if now - at > self.stale_after_s:
+                gone.append(field)
+                continue
+            replicas += 1
+            for endpoint, values in rows:
+                if endpoint is None or len(values) != len(sums):  # an endpoint we do not know (yet)
+                    continue
+                for total, value in zip(sums, values, strict=True):
+                    total[endpoint.slot] += value
+        for array, total in zip(others, sums, strict=True):
+            array[:] = total
+        self.replicas = replicas
+        return gone

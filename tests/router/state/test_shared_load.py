@@ -1,0 +1,115 @@
+"""Reservations shared between router replicas through a real Redis (``router/state/shared_load.py``):
+each replica's candidates carry what the others have in flight, a replica that stops writing drops
+out, and Redis going away leaves each routing on its own view."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+
+from loadtests.servers.redis import RedisServer
+from router.server.config import EndpointConfig
+from router.state.pool import Pool
+from router.state.shared_load import SharedLoad
+
+pytestmark = pytest.mark.integration
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def replica_pool(*order: str) -> Pool:
+    """A replica's pool: the same endpoints, in whatever slots this replica gave them."""
+    pool = Pool()
+    for name in order:
+        address = f"127.0.0.1:{8000 + int(name[1:])}"
+        pool.add(EndpointConfig(name=name, address=address, role="prefill-decode"))
+    return pool
+
+
+def load_on(pool: Pool, name: str) -> tuple[float, float, int]:
+    cand = pool.candidates(np.array([pool.endpoints[name].slot]))
+    return (
+        float(cand.queued_prefill_tokens[0]),
+        float(cand.reserved_kv_tokens[0]),
+        int(cand.inflight_requests[0]),
+    )
+
+
+@pytest.fixture
+async def client(redis: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis(host="127.0.0.1", port=redis.port, socket_timeout=0.5)
+    yield client
+    await client.aclose()
+
+
+async def test_a_replica_sees_what_the_others_have_in_flight_by_endpoint_not_by_slot(client: Redis) -> None:
+    clock = Clock()
+    pool_a, pool_b = replica_pool("e0", "e1"), replica_pool("e1", "e0")  # slots differ
+    a = SharedLoad(client, "pool", pool_a, interval_s=0.05, clock=clock)
+    b = SharedLoad(client, "pool", pool_b, interval_s=0.05, clock=clock)
+    e0 = pool_a.endpoints["e0"].slot
+    pool_a.reserve(e0, None, prefill_tokens=3000.0, kv_tokens=3500.0)
+    held = pool_b.reserve(pool_b.endpoints["e1"].slot, None, prefill_tokens=100.0, kv_tokens=200.0)
+    await a.exchange()
+    await b.exchange()
+    assert load_on(pool_b, "e0") == (3000.0, 3500.0, 1)  # A's request, as B sees e0
+    assert load_on(pool_b, "e1") == (100.0, 200.0, 1)  # B's own
+    await a.exchange()
+    assert load_on(pool_a, "e1") == (100.0, 200.0, 1)
+    assert (a.replicas, b.replicas) == (2, 2)
+    held.release()  # B's request ended: A stops counting it at its next exchange
+    await b.exchange()
+    await a.exchange()
+    assert load_on(pool_a, "e1") == (0.0, 0.0, 0)
+    assert load_on(pool_a, "e0") == (3000.0, 3500.0, 1)  # its own is never doubled
+    assert await client.pttl("pool:load") > 0  # the hash expires once nobody writes
+
+
+async def test_a_replica_that_stops_writing_drops_out_and_its_entry_goes(client: Redis) -> None:
+    clock = Clock()
+    pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
+    a = SharedLoad(client, "pool", pool_a, interval_s=0.05, clock=clock)
+    b = SharedLoad(client, "pool", pool_b, interval_s=0.05, clock=clock)
+    pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=500.0, kv_tokens=600.0)
+    await a.exchange()
+    await b.exchange()
+    assert load_on(pool_b, "e0") == (500.0, 600.0, 1)
+    clock.now += b.stale_after_s + 0.1  # A was killed with its request in flight
+    await b.exchange()
+    assert load_on(pool_b, "e0") == (0.0, 0.0, 0)
+    assert b.replicas == 1
+    assert await client.hkeys("pool:load") == [b.replica.encode()]
+
+
+async def test_malformed_entries_and_unknown_endpoints_are_skipped(client: Redis) -> None:
+    clock = Clock()
+    pool_b = replica_pool("e0")
+    b = SharedLoad(client, "pool", pool_b, interval_s=0.05, clock=clock)
+    await client.hset("pool:load", "garbage", b"not json")
+    await client.hset("pool:load", "other", b'{"at": 1000.0, "load": {"e9": [1, 2, 3], "e0": [4, 5, 6]}}')
+    await b.exchange()
+    assert load_on(pool_b, "e0") == (4.0, 5.0, 6)  # e9 is not in this replica's pool (yet)
+    assert b"garbage" not in await client.hkeys("pool:load")
+
+
+async def test_without_redis_each_replica_routes_on_its_own_view(redis: RedisServer) -> None:
+    pool_b = replica_pool("e0")
+    client = Redis(host="127.0.0.1", port=redis.port, socket_timeout=0.5)
+    b = SharedLoad(client, "pool", pool_b, interval_s=0.05, timeout_s=0.5)
+    await client.hset("pool:load", "other", b'{"at": 9e18, "load": {"e0": [4, 5, 6]}}')  # never stale
+    await b.exchange()
+    assert load_on(pool_b, "e0") == (4.0, 5.0, 6)
+    redis.kill()
+    await b.exchange()
+    assert load_on(pool_b, "e0") == (0.0, 0.0, 0)  # the others' share is dropped, not frozen
+    assert (b.errors, b.replicas) == (1, 1)
+    await client.aclose()
