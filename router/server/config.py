@@ -16,10 +16,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router.request.types import RequestLimits
-from router.scheduling.costmodel.policies import PolicyName
+from router.scheduling.costmodel.policies import POLICIES
 from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
 
 Role = Literal["prefill", "decode", "prefill-decode"]
+# picker.policy accepts the pair pickers there are, by their names in POLICIES.
+PolicyName = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -189,9 +189,8 @@ class IndependentChoice(_Separable):
         return np.where(pairs, key, key + costs.route_s[costs.decode])
 
 
-PolicyName = Literal["joint", "round-robin", "least-loaded", "independent"]
-
-POLICIES: dict[PolicyName, type[JointArgmin] | type[_Separable]] = {
+# The pair pickers by name: ``picker.policy`` accepts exactly these keys (router/server/config.py).
+POLICIES: dict[str, type[JointArgmin] | type[_Separable]] = {
     "joint": JointArgmin,
     "round-robin": RoundRobin,
     "least-loaded": LeastLoaded,

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import make_picker, make_pool
 
+from router.scheduling.costmodel.policies import POLICIES
 from router.server.cli import main
 from router.server.config import ConfigError, load_config, parse_config
 
@@ -62,6 +64,19 @@ def test_errors_name_the_field_and_the_value(data: object, message: str) -> None
     with pytest.raises(ConfigError) as err:
         parse_config(data)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_pair_picker_is_a_policy_the_configuration_accepts_and_builds(policy: str) -> None:
+    config = parse_config({**MINIMAL, "picker": {"policy": policy}})
+    assert make_picker(config, make_pool(config)).pair_picker.name == policy
+
+
+def test_an_unknown_policy_is_refused_naming_every_pair_picker() -> None:
+    with pytest.raises(ConfigError) as error:
+        parse_config({**MINIMAL, "picker": {"policy": "random"}})
+    assert str(error.value).startswith("picker.policy: ")
+    assert all(repr(name) in str(error.value) for name in POLICIES)
 
 
 def test_overrides_replace_file_values_including_list_items() -> None:
