@@ -1,25 +1,17 @@
 """Lists of names that live in two places, tied together: a name added to one and not the other
-fails here, not in front of a user (a gate check with no code, a KEDA signal the chart refuses or
-the scaler does not know)."""
+fails here, not in front of a user (a KEDA signal the chart refuses or the scaler does not know)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from router.adapters.keda.scaler import SIGNALS
 from router.control import topology
-from router.control.gate import Gate, GateSettings
-from router.server.config import GateCheck, Role
-from router.state.pool import Pool
+from router.server.config import Role
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def test_every_configurable_gate_check_is_one_the_gate_runs_and_back() -> None:
-    gate = Gate(GateSettings("m", ()), Pool(), None, None, None)  # type: ignore[arg-type]
-    assert set(get_args(GateCheck)) == set(gate._checks)
 
 
 def test_discovery_and_the_configuration_share_one_role_type() -> None:

@@ -18,6 +18,9 @@ ever talk to the addresses discovery reported for the group being gated.
   canary on its own either, the peer failed, not the group: the next peer is tried, and no
   failed canary is charged to the group's pacing.
 * ``kv_events`` — precise mode: the engine's KV-event stream is complete (``kv_covered``).
+
+The names, and which run by default on each discovery source, are declared once in
+``router.server.config.GATE_CHECKS``; a gate whose checks are not exactly those refuses to start.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import orjson
 from router.control.topology import GroupSpec
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
 from router.observe.scrape import ScrapeError, Scraper
+from router.server.config import GATE_CHECKS
 from router.state.pool import Pool
 
 CANARY_HEADER = "x-pd-router-canary"  # engines (and their logs) can tell a canary from traffic
@@ -90,6 +94,11 @@ class Gate:
             "canary_pair": self._canary_pair,
             "kv_events": self._kv_events,
         }
+        if self._checks.keys() != GATE_CHECKS.keys():
+            raise TypeError(
+                f"the gate implements {sorted(self._checks)}, but the configuration declares "
+                f"{sorted(GATE_CHECKS)} (router.server.config.GATE_CHECKS): make them the same"
+            )
         unknown = [name for name in settings.checks if name not in self._checks]
         if unknown:
             raise ValueError(f"unknown gate checks: {unknown}")

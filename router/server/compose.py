@@ -40,7 +40,7 @@ from router.scheduling.extension import Producer
 from router.scheduling.filters import SubsetHint
 from router.scheduling.picker import Picker, PickerSettings
 from router.scheduling.producers import PreciseKeys, SharedLookup
-from router.server.config import KubernetesConfig, PoolConfig, RedisConfig, Secrets
+from router.server.config import KubernetesConfig, PoolConfig, RedisConfig, Secrets, default_checks
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
 from router.signals.perf import LearnSettings, PerformanceModel
@@ -50,11 +50,6 @@ from router.signals.shared import SharedDemand
 from router.state.kv_sink import IndexEventSink
 from router.state.pool import Pool
 from router.state.shared_load import SharedLoad
-
-# A file's endpoints are what the operator wrote: cheap checks. A cluster's pods come and go with
-# rollouts, so their weights and connectors are proven before traffic.
-STATIC_CHECKS = ("ranks", "revision", "kv_capacity")
-KUBERNETES_CHECKS = ("ranks", "revision", "model", "kv_capacity", "canary", "canary_pair")
 
 
 def model_rewrites_from(config: PoolConfig, seed: int | None = None) -> ModelRewrites:
@@ -72,7 +67,7 @@ def gate_settings_from(config: PoolConfig) -> GateSettings:
     checks = (
         gate.checks
         if gate.checks is not None
-        else (KUBERNETES_CHECKS if config.kubernetes is not None else STATIC_CHECKS)
+        else default_checks("kubernetes" if config.kubernetes is not None else "static")
     )
     return GateSettings(
         model=config.model,

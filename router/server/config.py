@@ -419,7 +419,27 @@ class ExtProcConfig(_Strict):
     )
 
 
-GateCheck = Literal["ranks", "revision", "model", "kv_capacity", "canary", "canary_pair", "kv_events"]
+DiscoverySource = Literal["static", "kubernetes"]
+
+# Every ready-gate check, in the order they run by default, and the discovery sources whose pools
+# run it when gate.checks is not set: a file's endpoints are what the operator wrote, so cheap
+# checks; a cluster's pods come and go with rollouts, so their weights and connectors are proven
+# before traffic. router/control/gate.py implements exactly these (it refuses to start otherwise).
+GATE_CHECKS: dict[str, tuple[DiscoverySource, ...]] = {
+    "ranks": ("static", "kubernetes"),
+    "revision": ("static", "kubernetes"),
+    "model": ("kubernetes",),
+    "kv_capacity": ("static", "kubernetes"),
+    "canary": ("kubernetes",),
+    "canary_pair": ("kubernetes",),
+    "kv_events": (),  # precise mode only
+}
+GateCheck = Literal[tuple(GATE_CHECKS)]  # type: ignore[valid-type]
+
+
+def default_checks(source: DiscoverySource) -> tuple[str, ...]:
+    """The gate checks a pool discovered by ``source`` runs when ``gate.checks`` is not set."""
+    return tuple(name for name, sources in GATE_CHECKS.items() if source in sources)
 
 
 class GateConfig(_Strict):
@@ -427,8 +447,8 @@ class GateConfig(_Strict):
 
     checks: list[GateCheck] | None = Field(
         None,
-        description="run in this order; default: ranks, revision, kv_capacity for a static file, and "
-        "ranks, revision, model, kv_capacity, canary, canary_pair on Kubernetes; kv_events (precise "
+        description=f"run in this order; default: {', '.join(default_checks('static'))} for a static "
+        f"file, and {', '.join(default_checks('kubernetes'))} on Kubernetes; kv_events (precise "
         "mode) runs only when listed",
     )
     check_timeout_s: Positive = Field(10.0, description="a check that takes longer fails the gate")

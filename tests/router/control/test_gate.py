@@ -11,7 +11,10 @@ import orjson
 import pytest
 from helpers import eventually, router_for
 
-from router.control.gate import CANARY_HEADER
+from router.control import gate as gate_module
+from router.control.gate import CANARY_HEADER, Gate, GateSettings
+from router.server.config import GATE_CHECKS
+from router.state.pool import Pool
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 FAST = TimeModel(speed=20.0)
@@ -49,6 +52,13 @@ async def debug_pool(app) -> dict[str, Any]:
 
 
 SECTIONS = {"metrics": {"enabled": True, "port": 0}}
+
+
+def test_a_gate_whose_checks_differ_from_the_declared_ones_refuses_to_start(monkeypatch) -> None:
+    Gate(GateSettings("m", tuple(GATE_CHECKS)), Pool(), None, None, None)  # type: ignore[arg-type]
+    monkeypatch.setattr(gate_module, "GATE_CHECKS", {**GATE_CHECKS, "warmup": ()})
+    with pytest.raises(TypeError, match="warmup"):
+        Gate(GateSettings("m", ()), Pool(), None, None, None)  # type: ignore[arg-type]
 
 
 async def test_a_rank_with_another_revision_fails_the_gate_and_never_gets_traffic() -> None:
@@ -257,9 +267,8 @@ async def test_a_runaway_answer_fails_the_check_instead_of_filling_memory() -> N
 
     from aiohttp import web
 
-    from router.control.gate import MAX_ANSWER_BYTES, Gate, GateFailed, GateSettings
+    from router.control.gate import MAX_ANSWER_BYTES, GateFailed
     from router.control.topology import GroupSpec, Member
-    from router.state.pool import Pool
 
     async def models(_: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse()

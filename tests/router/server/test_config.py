@@ -9,6 +9,7 @@ from helpers import make_picker, make_pool
 
 from router.scheduling.costmodel.policies import POLICIES
 from router.server.cli import main
+from router.server.compose import gate_settings_from
 from router.server.config import ConfigError, load_config, parse_config
 
 MINIMAL = {"model": "m", "endpoints": [{"address": "127.0.0.1:8001", "role": "prefill"}]}
@@ -77,6 +78,21 @@ def test_an_unknown_policy_is_refused_naming_every_pair_picker() -> None:
         parse_config({**MINIMAL, "picker": {"policy": "random"}})
     assert str(error.value).startswith("picker.policy: ")
     assert all(repr(name) in str(error.value) for name in POLICIES)
+
+
+def test_without_gate_checks_a_file_gets_the_cheap_ones_and_a_cluster_the_canaries_too() -> None:
+    assert gate_settings_from(parse_config(MINIMAL)).checks == ("ranks", "revision", "kv_capacity")
+    cluster = parse_config({"model": "m", "kubernetes": {"pool_name": "pool"}})
+    assert gate_settings_from(cluster).checks == (
+        "ranks",
+        "revision",
+        "model",
+        "kv_capacity",
+        "canary",
+        "canary_pair",
+    )
+    listed = parse_config({**MINIMAL, "gate": {"checks": ["kv_events", "ranks"]}})
+    assert gate_settings_from(listed).checks == ("kv_events", "ranks")
 
 
 def test_overrides_replace_file_values_including_list_items() -> None:
