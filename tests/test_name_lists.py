@@ -1,40 +1,32 @@
-"""Lists of names that live in two places, tied together: a name added to one and not the other
-fails here, not in front of a user (a KEDA signal the chart refuses or the scaler does not know)."""
+"""Lists of names the documentation writes out by hand, tied to their one source in the code: prose
+cannot derive them, so a name added to the code and not to the docs (or the other way) fails here,
+not in front of an operator."""
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
-from typing import Any
+
+import pytest
 
 from router.adapters.keda.scaler import SIGNALS
-from router.control import topology
-from router.server.config import Role
+from router.server.config import GATE_CHECKS
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def test_discovery_and_the_configuration_share_one_role_type() -> None:
-    assert topology.Role is Role
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-def _enums_under(node: Any, key: str) -> list[list[str]]:
-    found = []
-    if isinstance(node, dict):
-        for name, value in node.items():
-            if name == key and isinstance(value, dict) and "enum" in value:
-                found.append(value["enum"])
-            found.extend(_enums_under(value, key))
-    elif isinstance(node, list):
-        for item in node:
-            found.extend(_enums_under(item, key))
-    return found
+def _listed(text: str, pattern: str) -> set[str]:
+    """The backticked names inside the first parenthesis that follows ``pattern``."""
+    found = re.search(pattern + r"[^(]*\(([^)]*)\)", text)
+    assert found, f"no list after {pattern!r}"
+    return set(re.findall(r"`([^`]+)`", found.group(1)))
 
 
-def test_the_charts_keda_signals_are_the_scalers() -> None:
-    schema = json.loads((ROOT / "helm/pd-router/values.schema.json").read_text())
-    keda = schema["properties"]["keda"]
-    enums = _enums_under(keda, "signal")
-    assert len(enums) == 2  # prefill and decode
-    for enum in enums:
-        assert sorted(enum) == sorted(SIGNALS)
+@pytest.mark.parametrize("doc", ["autoscaling.md", "deployment.md"])
+def test_the_docs_list_every_keda_signal(doc: str) -> None:
+    assert _listed((DOCS / doc).read_text(), r"`signal`") == set(SIGNALS)
+
+
+def test_the_operations_guide_lists_every_gate_check() -> None:
+    text = (DOCS / "operations.md").read_text()
+    assert _listed(text, re.escape("`pd_router_gate_failures_total{check}`")) == set(GATE_CHECKS)

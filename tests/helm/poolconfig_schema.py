@@ -1,7 +1,8 @@
 """The chart's values.schema.json checks ``inferenceExtension.poolConfig`` against the picker's own
-configuration model: its ``definitions`` marked ``x-generated-from`` are generated from
-``router.server.config.PoolConfig`` (the rest of the file is written by hand). After a change to
-router/server/config.py, regenerate them with
+configuration model and ``keda.{prefill,decode}.signal`` against the scaler's signals: its
+``definitions`` marked ``x-generated-from`` are generated from ``router.server.config.PoolConfig``
+and ``router.adapters.keda.scaler.SIGNALS`` (the rest of the file is written by hand). After a
+change to either, regenerate them with
 
     python3 tests/helm/poolconfig_schema.py
 
@@ -45,9 +46,11 @@ def _tidy(node: Any) -> Any:
 
 
 def generated_definitions() -> dict[str, Any]:
-    """PoolConfig and every model it uses, as draft-07 ``definitions`` (Helm 3 and 4 read them)."""
+    """PoolConfig and every model it uses, and the KEDA signals, as draft-07 ``definitions`` (Helm 3
+    and 4 read them)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+    from router.adapters.keda.scaler import SIGNALS
     from router.server.config import PoolConfig
 
     schema = PoolConfig.model_json_schema(ref_template="#/definitions/{model}")
@@ -62,6 +65,7 @@ def generated_definitions() -> dict[str, Any]:
     for name in sorted(definitions):
         body = _tidy(definitions[name])
         out[name] = {MARK: f"router.server.config.{name}", **body}
+    out["KedaSignal"] = {MARK: "router.adapters.keda.scaler.SIGNALS", "enum": list(SIGNALS)}
     return out
 
 
@@ -80,7 +84,7 @@ def main() -> int:
         print(f"{SCHEMA.relative_to(ROOT)}: up to date")
     else:
         SCHEMA.write_text(new, encoding="utf-8")
-        print(f"{SCHEMA.relative_to(ROOT)}: PoolConfig definitions regenerated")
+        print(f"{SCHEMA.relative_to(ROOT)}: generated definitions rewritten")
     return 0
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from helm import CHART, picker_config, render, render_error, value_set
 from helm.poolconfig_schema import updated
+from router.adapters.keda.scaler import SIGNALS
 
 DEFAULT = value_set("default")
 
@@ -97,6 +99,14 @@ def test_the_pool_config_schema_is_generated_from_the_picker() -> None:
     """values.schema.json's PoolConfig definitions match router/server/config.py."""
     text = (CHART / "values.schema.json").read_text(encoding="utf-8")
     assert updated(text) == text, "values.schema.json is stale: run python3 tests/helm/poolconfig_schema.py"
+
+
+def test_the_charts_keda_signals_are_the_scalers_generated() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text(encoding="utf-8"))
+    keda = schema["properties"]["keda"]["properties"]
+    for role in ("prefill", "decode"):
+        assert keda[role]["properties"]["signal"] == {"$ref": "#/definitions/KedaSignal"}
+    assert schema["definitions"]["KedaSignal"]["enum"] == list(SIGNALS)
 
 
 def test_pool_config_values_set_on_the_command_line_pass(tmp_path: Path) -> None:

@@ -7,11 +7,21 @@ import asyncio
 import aiohttp
 import grpc
 import pytest
-from helpers import eventually, router_for, router_on_sim
+from helpers import (
+    PD_TWO_RACKS,
+    eventually,
+    make_config,
+    make_picker,
+    make_pool,
+    router_for,
+    router_on_sim,
+)
 
 from router.adapters.keda import externalscaler_pb2 as pb
 from router.adapters.keda.generate import MODULE, generated
-from router.adapters.keda.scaler import BadMetadata, selection_of
+from router.adapters.keda.scaler import SIGNALS, BadMetadata, ScalerSignals, selection_of
+from router.signals.perf import PerformanceModel
+from router.signals.scaling import PoolSignals
 from simulator.engine import EngineSpec
 
 SERVICE = "/externalscaler.ExternalScaler/"
@@ -83,6 +93,18 @@ async def test_the_scaler_answers_keda_per_role_and_signal() -> None:
             (value,) = (await metrics(request)).metricValues
             assert value.metricValueFloat == app.parts.scaling.latest[role].recommended
         assert app.parts.scaling.latest["decode"].recommended == 1
+
+
+@pytest.mark.parametrize("signal", SIGNALS)
+def test_every_signal_reads_a_number_for_each_role(signal: str) -> None:
+    config = make_config(PD_TWO_RACKS)
+    pool = make_pool(config)
+    picker = make_picker(config, pool)
+    model = PerformanceModel(picker.cost_model.model)
+    signals = ScalerSignals(pool, PoolSignals(pool, model, lambda: picker.cost_model, lambda _: None))
+    assert selection_of({"role": "decode", "signal": signal}).signal == signal
+    for role in ("prefill", "decode"):
+        assert isinstance(signals.value(role, signal), float)
 
 
 @pytest.mark.parametrize(
