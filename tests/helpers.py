@@ -15,6 +15,7 @@ import orjson
 
 from kvindex.base import PrefixIndex
 from router.flow.flight import RequestFlow
+from router.observe import series
 from router.observe.metrics import RouterMetrics
 from router.request.types import EngineMetrics, RouteRequest
 from router.scheduling.extension import Producer
@@ -121,6 +122,19 @@ def kv_payload(*events: Any, ts: float = 1.0) -> bytes:
     from kvindex.events import KVEventBatch
 
     return msgspec.msgpack.encode(KVEventBatch(ts=ts, events=list(events), data_parallel_rank=0))
+
+
+def declared_series() -> list[series.Series]:
+    """Every series ``router/observe/series.py`` declares: alone, in pairs, or by key."""
+
+    def within(value: object) -> list[series.Series]:
+        if isinstance(value, series.Series):
+            return [value]
+        if isinstance(value, dict):
+            value = list(value.values())
+        return [s for item in value for s in within(item)] if isinstance(value, tuple | list) else []
+
+    return within(list(vars(series).values()))
 
 
 def make_config(endpoints: list[dict[str, Any]], **sections: Any) -> PoolConfig:

@@ -1,23 +1,25 @@
 """Prometheus metrics of one router instance (its own registry: two routers can share a process).
 
 Pool-level gauges are computed from the pool's arrays at scrape time by a collector, so the hot
-path only increments counters.
+path only increments counters. Every series is declared in ``router/observe/series.py``.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+import router.observe.series as series
 from router.http.server import bearer_ok, http_runner
+from router.server.config import Role
 
 if TYPE_CHECKING:
     from router.request.types import RouteRequest
@@ -25,57 +27,19 @@ if TYPE_CHECKING:
     from router.server.config import MetricsConfig
     from router.state.pool import Pool
 
-_GATE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
-_PICK_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05)
-_REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
-
 
 class RouterMetrics:
     def __init__(self, pool: Pool, pool_name: str) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
-            "pd_router_requests",
-            "Requests handled, by outcome (ok or the rejection code).",
-            ["outcome"],
-            registry=r,
-        )
-        self.request_duration = Histogram(
-            "pd_router_request_duration_seconds",
-            "Time from request arrival to the end of the response.",
-            buckets=_REQUEST_BUCKETS,
-            registry=r,
-        )
-        self.pick_duration = Histogram(
-            "pd_router_pick_duration_seconds",
-            "Time to parse and pick (before any forwarding).",
-            buckets=_PICK_BUCKETS,
-            registry=r,
-        )
-        self.decisions = Counter(
-            "pd_router_decisions",
-            "Routing decisions by kind (pd-pair, local-prefill, single).",
-            ["kind"],
-            registry=r,
-        )
-        self.upstream_errors = Counter(
-            "pd_router_upstream_errors", "Engine failures seen while forwarding.", ["endpoint"], registry=r
-        )
-        self.prefill_fallback_local = Counter(
-            "pd_router_prefill_fallback_local",
-            "Requests whose every prefill leg failed and that were decoded with local prefill.",
-            registry=r,
-        )
+        self.requests = series.REQUESTS.instrument(r)
+        self.request_duration = series.REQUEST_DURATION.instrument(r)
+        self.pick_duration = series.PICK_DURATION.instrument(r)
+        self.decisions = series.DECISIONS.instrument(r)
+        self.upstream_errors = series.UPSTREAM_ERRORS.instrument(r)
+        self.prefill_fallback_local = series.PREFILL_FALLBACK_LOCAL.instrument(r)
         # Model-name rewrites under both reference names: a dashboard of either keeps working.
-        self.rewrites = tuple(
-            Counter(
-                f"{prefix}_model_rewrite_decisions",
-                "Requests whose model name was rewritten, by rule (or 'header'), asked and target name.",
-                ["model_rewrite_name", "model_name", "target_model"],
-                registry=r,
-            )
-            for prefix in ("llm_d_epp", "inference_extension")
-        )
+        self.rewrites = _instruments(series.MODEL_REWRITE_DECISIONS, r)
         r.register(_PoolCollector(pool, pool_name))
         self.per_request = RequestMetrics(r)
         # Label children bound once per value: ``labels()`` costs a lock and a tuple per call.
@@ -99,9 +63,6 @@ class RouterMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
-_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
-_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 MAX_MODEL_LABELS = 1000  # as the reference pickers: past the cap, new values read "other"
 MAX_PRIORITY_LABELS = 16
 
@@ -129,112 +90,14 @@ class RequestMetrics:
     capped, and nothing per request or per prompt is ever a label."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        llm_d = ["model_name", "target_model_name", "fairness_id", "priority"]
-        gie = ["model_name", "target_model_name", "priority"]
-        r = registry
-        self._total = (
-            Counter("llm_d_epp_request", "Requests, by model and priority.", llm_d, registry=r),
-            Counter("inference_objective_request", "Requests, by model and priority.", gie, registry=r),
-        )
-        self._errors = (
-            Counter(
-                "llm_d_epp_request_error",
-                "Failed requests, by error code.",
-                [*llm_d, "error_code"],
-                registry=r,
-            ),
-            Counter(
-                "inference_objective_request_error",
-                "Failed requests, by error code.",
-                ["model_name", "target_model_name", "error_code"],
-                registry=r,
-            ),
-        )
-        self._duration = (
-            Histogram(
-                "llm_d_epp_request_duration_seconds",
-                "Request latency.",
-                llm_d,
-                buckets=_REQUEST_BUCKETS,
-                registry=r,
-            ),
-            Histogram(
-                "inference_objective_request_duration_seconds",
-                "Request latency.",
-                ["model_name", "target_model_name"],
-                buckets=_REQUEST_BUCKETS,
-                registry=r,
-            ),
-        )
-        self._running = (
-            Gauge("llm_d_epp_request_running", "Requests in flight.", llm_d, registry=r),
-            Gauge("inference_objective_running_requests", "Requests in flight.", ["model_name"], registry=r),
-        )
-        self._ttft = (
-            Histogram(
-                "llm_d_epp_request_ttft_seconds",
-                "Time to the first byte of the answer (the prefill, and a P/D pair's transfer).",
-                [*llm_d, "streaming"],
-                buckets=_TTFT_BUCKETS,
-                registry=r,
-            ),
-            Histogram(
-                "inference_objective_request_ttft_seconds",
-                "Time to the first byte of the answer.",
-                ["model_name", "target_model_name"],
-                buckets=_TTFT_BUCKETS,
-                registry=r,
-            ),
-        )
-        self._tpot = (
-            Histogram(
-                "llm_d_epp_request_streaming_tpot_seconds",
-                "Time per output token after the first, of streamed answers.",
-                llm_d,
-                buckets=_TPOT_BUCKETS,
-                registry=r,
-            ),
-            Histogram(
-                "inference_objective_request_tpot_seconds",
-                "Time per output token after the first, of streamed answers.",
-                ["model_name", "target_model_name"],
-                buckets=_TPOT_BUCKETS,
-                registry=r,
-            ),
-        )
-        self._ntpot = (
-            Histogram(
-                "llm_d_epp_request_ntpot_seconds",
-                "Request duration over its output tokens.",
-                llm_d,
-                buckets=_TPOT_BUCKETS,
-                registry=r,
-            ),
-            Histogram(
-                "inference_objective_normalized_time_per_output_token_seconds",
-                "Request duration over its output tokens.",
-                ["model_name", "target_model_name"],
-                buckets=_TPOT_BUCKETS,
-                registry=r,
-            ),
-        )
-        tokens = {}
-        for ours, theirs, what in (
-            ("input_tokens", "input_tokens", "Prompt tokens, as the engine reported them."),
-            ("output_tokens", "output_tokens", "Generated tokens, as the engine reported them."),
-            ("cached_tokens", "prompt_cached_tokens", "Prompt tokens the engine found in its cache."),
-        ):
-            tokens[ours] = (
-                Histogram(f"llm_d_epp_request_{ours}", what, llm_d, buckets=_TOKEN_BUCKETS, registry=r),
-                Histogram(
-                    f"inference_objective_{theirs}",
-                    what,
-                    ["model_name", "target_model_name"],
-                    buckets=_TOKEN_BUCKETS,
-                    registry=r,
-                ),
-            )
-        self._tokens = tokens
+        self._total = _instruments(series.MODEL_REQUESTS, registry)
+        self._errors = _instruments(series.MODEL_REQUEST_ERRORS, registry)
+        self._duration = _instruments(series.MODEL_REQUEST_DURATION, registry)
+        self._running = _instruments(series.MODEL_REQUESTS_RUNNING, registry)
+        self._ttft = _instruments(series.MODEL_TTFT, registry)
+        self._tpot = _instruments(series.MODEL_TPOT, registry)
+        self._ntpot = _instruments(series.MODEL_NTPOT, registry)
+        self._tokens = {name: _instruments(pair, registry) for name, pair in series.MODEL_TOKENS.items()}
         self._children: dict[tuple[str, str, str, str, bool], _RequestChildren] = {}
         self._models: set[str] = set()
         self._fairness: set[str] = set()
@@ -296,6 +159,11 @@ class RequestMetrics:
             child.inc()
 
 
+def _instruments(declared: Iterable[series.Series], registry: CollectorRegistry) -> tuple[Any, ...]:
+    """One instrument per declaration (a series under llm-d's name and the Inference Extension's)."""
+    return tuple(one.instrument(registry) for one in declared)
+
+
 def _capped(value: str, seen: set[str], cap: int) -> str:
     """``value`` while fewer than ``cap`` distinct values were seen, then "other" for new ones."""
     if value in seen:
@@ -316,12 +184,7 @@ class PickerCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(
-            "pd_router_cache_affinity_missed",
-            "Picks whose prompt was cached best on another candidate that load ruled out.",
-        )
-        family.add_metric([], float(self.picker.affinity_misses))
-        yield family
+        yield series.CACHE_AFFINITY_MISSED.one_sample(float(self.picker.affinity_misses))
 
 
 class FlowMetrics:
@@ -329,28 +192,10 @@ class FlowMetrics:
     how long requests waited, by tenant and priority (capped as the request series are)."""
 
     def __init__(self, registry: CollectorRegistry, pool_name: str, per_request: RequestMetrics) -> None:
-        labels = ["fairness_id", "priority", "inference_pool", "model_name", "target_model_name"]
         self.pool_name = pool_name
         self.per_request = per_request
-        self.size = tuple(
-            Gauge(
-                f"{prefix}_flow_control_queue_size",
-                "Requests held by flow control.",
-                labels,
-                registry=registry,
-            )
-            for prefix in ("llm_d_epp", "inference_extension")
-        )
-        self.duration = tuple(
-            Histogram(
-                f"{prefix}_flow_control_request_queue_duration_seconds",
-                "How long requests were held, by outcome (dispatched, timeout, rejected, cancelled).",
-                [*labels, "outcome"],
-                buckets=_REQUEST_BUCKETS,
-                registry=registry,
-            )
-            for prefix in ("llm_d_epp", "inference_extension")
-        )
+        self.size = _instruments(series.FLOW_QUEUE_SIZE, registry)
+        self.duration = _instruments(series.FLOW_QUEUE_DURATION, registry)
 
     def _labels(self, waiter: Any) -> list[str]:
         request = waiter.flight.request
@@ -376,31 +221,10 @@ class ControlMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         # The last few first-seen-unready → admitted times: the ready time scaling plans over.
         self.ready_times: deque[float] = deque(maxlen=32)
-        self.check_duration = Histogram(
-            "pd_router_gate_check_duration_seconds",
-            "Time one ready-gate check took, by check (passed or failed).",
-            ["check"],
-            buckets=_GATE_BUCKETS,
-            registry=registry,
-        )
-        self.barrier_duration = Histogram(
-            "pd_router_group_barrier_seconds",
-            "From a group epoch's first rank seen to its last rank Ready.",
-            buckets=_GATE_BUCKETS,
-            registry=registry,
-        )
-        self.registration_duration = Histogram(
-            "pd_router_group_registration_seconds",
-            "From a group epoch discovered to admitted (router registration).",
-            buckets=_GATE_BUCKETS,
-            registry=registry,
-        )
-        self.failures = Counter(
-            "pd_router_gate_failures",
-            "Ready-gate runs that failed, by the failing check.",
-            ["check"],
-            registry=registry,
-        )
+        self.check_duration = series.GATE_CHECK_DURATION.instrument(registry)
+        self.barrier_duration = series.GROUP_BARRIER.instrument(registry)
+        self.registration_duration = series.GROUP_REGISTRATION.instrument(registry)
+        self.failures = series.GATE_FAILURES.instrument(registry)
 
     def check(self, result: Any) -> None:
         self.check_duration.labels(result.name).observe(result.seconds)
@@ -433,20 +257,13 @@ class GroupCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        groups = GaugeMetricFamily(
-            "pd_router_groups", "Groups by admission state and serving role.", labels=["state", "role"]
-        )
+        groups = series.GROUPS.family()
         for (state, role), n in sorted(self.groups().items()):
             groups.add_metric([state, role], float(n))
         yield groups
-        endpoints = GaugeMetricFamily(
-            "pd_router_endpoints",
-            "Serving endpoints by role and stage: discovered, provisioned (every rank of the group "
-            "Ready), admitted (the group's current epoch passed the gate).",
-            labels=["role", "stage"],
-        )
+        endpoints = series.ENDPOINTS.family()
         counts = self.endpoints()
-        for role in ("prefill", "decode", "prefill-decode"):
+        for role in get_args(Role):
             for stage in ("discovered", "provisioned", "admitted"):
                 endpoints.add_metric([role, stage], float(counts.get((role, stage), 0)))
         yield endpoints
@@ -465,31 +282,18 @@ class _PoolCollector:
     def collect(self) -> Iterator[Metric]:
         pool = self.pool
         ready = pool.candidate_slots(time.monotonic())
-        yield _gauge(
-            "pd_router_outstanding_reservations", "Requests routed and not yet released.", pool.outstanding
-        )
+        yield series.OUTSTANDING_RESERVATIONS.one_sample(pool.outstanding)
         per_endpoint = {
-            "pd_router_endpoint_queued_prefill_tokens": (
-                "Uncached prompt tokens we routed, not yet prefilled.",
-                pool.queued_prefill_tokens,
-            ),
-            "pd_router_endpoint_inflight_requests": (
-                "Requests we routed that are decoding here.",
-                pool.inflight_requests,
-            ),
-            "pd_router_endpoint_reserved_kv_tokens": (
-                "KV tokens reserved by requests we routed.",
-                pool.reserved_kv_tokens,
-            ),
+            series.ENDPOINT_QUEUED_PREFILL_TOKENS: pool.queued_prefill_tokens,
+            series.ENDPOINT_INFLIGHT_REQUESTS: pool.inflight_requests,
+            series.ENDPOINT_RESERVED_KV_TOKENS: pool.reserved_kv_tokens,
         }
-        for name, (doc, values) in per_endpoint.items():
-            family = GaugeMetricFamily(name, doc, labels=["endpoint", "role"])
+        for declared, values in per_endpoint.items():
+            family = declared.family()
             for endpoint in pool.endpoints.values():
                 family.add_metric([endpoint.id, endpoint.role], float(values[endpoint.slot]))
             yield family
-        ready_family = GaugeMetricFamily(
-            "pd_router_endpoint_ready", "1 if the endpoint may take traffic.", labels=["endpoint", "role"]
-        )
+        ready_family = series.ENDPOINT_READY.family()
         ready_set = set(ready.tolist())
         for endpoint in pool.endpoints.values():
             ready_family.add_metric([endpoint.id, endpoint.role], float(endpoint.slot in ready_set))
@@ -501,25 +305,6 @@ def _child(children: dict[str, Counter], metric: Counter, value: str) -> Counter
     if child is None:
         child = children[value] = metric.labels(value)
     return child
-
-
-def _gauge(metric: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(metric, doc, labels=list(labels))
-    family.add_metric(list(labels.values()), value)
-    return family
-
-
-_KV_EVENT_COUNTERS = (
-    "batches",
-    "events",
-    "malformed",
-    "gaps",
-    "replays",
-    "replay_failures",
-    "purges",
-    "restarts",
-    "unverified",
-)
 
 
 class IndexCollector:
@@ -536,38 +321,19 @@ class IndexCollector:
     def collect(self) -> Iterator[Metric]:
         if self.kv_events is not None:
             stats = self.kv_events.stats()
-            for name in _KV_EVENT_COUNTERS:
-                family = CounterMetricFamily(
-                    f"pd_router_kv_events_{name}",
-                    f"vLLM KV-event stream: {name.replace('_', ' ')}.",
-                    labels=["endpoint"],
-                )
+            for counter, declared in series.KV_EVENTS.items():
+                family = declared.family()
                 for engine, engine_stats in stats.items():
-                    family.add_metric([engine], float(getattr(engine_stats, name)))
+                    family.add_metric([engine], float(getattr(engine_stats, counter)))
                 yield family
-            covered = GaugeMetricFamily(
-                "pd_router_endpoint_kv_covered",
-                "1 if the endpoint's KV-event view is complete.",
-                labels=["endpoint"],
-            )
+            covered = series.ENDPOINT_KV_COVERED.family()
             for endpoint in self.pool.endpoints.values():
                 covered.add_metric([endpoint.id], float(self.pool.kv_covered[endpoint.slot]))
             yield covered
         if self.shared is not None:
-            yield _gauge(
-                "pd_router_shared_index_healthy",
-                "1 while the Redis-shared index is reachable; 0 = routing on the local view.",
-                float(self.shared.healthy),
-            )
-            for name, doc in (
-                ("redis_errors", "Failed Redis calls."),
-                ("dropped_writes", "Blocks dropped from the full write queue."),
-                ("fallback_lookups", "Lookups answered from the local mirror."),
-                ("resyncs", "Full mirror pushes after an outage."),
-            ):
-                family = CounterMetricFamily(f"pd_router_shared_index_{name}", doc)
-                family.add_metric([], float(getattr(self.shared, name)))
-                yield family
+            yield series.SHARED_INDEX_HEALTHY.one_sample(float(self.shared.healthy))
+            for counter, declared in series.SHARED_INDEX.items():
+                yield declared.one_sample(float(getattr(self.shared, counter)))
 
 
 class MetricsListener:

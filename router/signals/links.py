@@ -21,8 +21,9 @@ import math
 from collections.abc import Iterator
 
 import numpy as np
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
+import router.observe.series as series
 from router.scheduling.costmodel.link import LinkCosts
 
 # Below this a transfer is latency, whatever the link: nothing to learn a bandwidth from.
@@ -96,12 +97,7 @@ class LinkLearner:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
-            "pd_router_link_learned_bandwidth_bytes_per_second",
-            "KV-transfer bandwidth between two link labels, learned from answered P/D pairs "
-            "(routed with only when signals.learn_links is on).",
-            labels=["link_a", "link_b"],
-        )
+        family = series.LINK_LEARNED_BANDWIDTH.family()
         for (a, b), bandwidth in sorted(self._learned.items()):
             family.add_metric([a, b], bandwidth)
         yield family

@@ -34,8 +34,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 
+import router.observe.series as series
 from router.scheduling.costmodel.view import EngineModel
 
 PREFILL_TERMS = ("base_seconds", "seconds_per_token")
@@ -209,7 +210,7 @@ class PerformanceModel:
         self.ttft = RecentLatency(settings.observed_window_s)
         self.tpot = RecentLatency(settings.observed_window_s)
         # observed / predicted, per measure: the router's own accuracy, as a histogram.
-        self.ratio_buckets = (0.25, 0.5, 0.8, 0.9, 1.1, 1.25, 2.0, 4.0, math.inf)
+        self.ratio_buckets = series.PREDICTION_RATIO.buckets
         measures = ("ttft", "tpot", "cached_tokens")
         self.ratios = {m: np.zeros(len(self.ratio_buckets), dtype=np.int64) for m in measures}
         self.ratio_sums = {m: 0.0 for m in self.ratios}
@@ -280,27 +281,11 @@ class PerformanceModel:
     # Export -------------------------------------------------------------------------------------
 
     def collect(self) -> Iterator[Metric]:
-        coefficient = GaugeMetricFamily(
-            "pd_router_perf_model_coefficient",
-            "The online performance model per role (seconds): prefill = base + per_token × work; "
-            "decode step = base + per_seq × batch + per_kv_token × KV tokens.",
-            labels=["role", "term"],
-        )
-        samples = GaugeMetricFamily("pd_router_perf_model_samples", "Samples kept per role.", labels=["role"])
-        fits = CounterMetricFamily(
-            "pd_router_perf_model_fits",
-            "Fits per role: accepted; rejected as physically impossible; scaled (after a rejection, "
-            "the configured shape scaled to the samples).",
-            labels=["role", "result"],
-        )
-        error = GaugeMetricFamily(
-            "pd_router_perf_model_error",
-            "Mean |predicted / observed - 1| of the current fit on its samples.",
-            labels=["role"],
-        )
-        fitted = GaugeMetricFamily(
-            "pd_router_perf_model_fitted", "1 once samples replaced the configured prior.", labels=["role"]
-        )
+        coefficient = series.PERF_MODEL_COEFFICIENT.family()
+        samples = series.PERF_MODEL_SAMPLES.family()
+        fits = series.PERF_MODEL_FITS.family()
+        error = series.PERF_MODEL_ERROR.family()
+        fitted = series.PERF_MODEL_FITTED.family()
         for model in (self.prefill, self.decode):
             for term, value in zip(model.terms, model.coefficients.tolist(), strict=True):
                 coefficient.add_metric([model.role, term], value)
@@ -312,12 +297,7 @@ class PerformanceModel:
             if not math.isnan(model.error):
                 error.add_metric([model.role], model.error)
         yield from (coefficient, samples, fits, error, fitted)
-        ratio = HistogramMetricFamily(
-            "pd_router_prediction_ratio",
-            "Observed over predicted, per request: TTFT (streamed), TPOT (streamed, 2+ tokens), and "
-            "the cached prompt tokens the computing engine reported over what the index said it held.",
-            labels=["measure"],
-        )
+        ratio = series.PREDICTION_RATIO.family()
         for measure, counts in self.ratios.items():
             cumulative = np.cumsum(counts).tolist()
             buckets = [

@@ -31,8 +31,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
+import router.observe.series as series
 from router.scheduling.costmodel.matrix import CostModel, derive
 from router.scheduling.costmodel.view import RequestCtx
 from router.state.pool import Pool
@@ -151,38 +152,18 @@ class SignalsCollector:
         pool = self.pool
         stages = {stage: stage_signals(pool, stage, self.settings, now) for stage in STAGES}
         effective = max(signals.saturation for signals in stages.values())
-        for family_name in (
-            "llm_d_epp_flow_control_pool_saturation",
-            "inference_extension_flow_control_pool_saturation",
-        ):
-            family = GaugeMetricFamily(
-                family_name,
-                "Pool saturation per stage: mean of max(waiting/queue threshold, KV/KV threshold) over "
-                "admitted endpoints, stale ones 1.0, empty 1.0; effective is the max.",
-                labels=["inference_pool", "stage"],
-            )
+        for declared in series.POOL_SATURATION:
+            family = declared.family()
             for stage, signals in stages.items():
                 family.add_metric([self.pool_name, stage], signals.saturation)
             family.add_metric([self.pool_name, "effective"], effective)
             yield family
-        per_role = {
-            "pd_router_pool_queued_prompt_tokens": (
-                "Uncached prompt tokens waiting for prefill.",
-                "queued_prompt_tokens",
-            ),
-            "pd_router_pool_running_requests": ("Requests decoding (scraped).", "running"),
-            "pd_router_pool_waiting_requests": ("Requests queued at engines (scraped).", "waiting"),
-            "pd_router_pool_endpoints": ("Admitted endpoints.", "endpoints"),
-            "pd_router_pool_fresh_endpoints": ("Admitted endpoints with fresh metrics.", "fresh"),
-        }
-        for name, (doc, field) in per_role.items():
-            family = GaugeMetricFamily(name, doc, labels=["role"])
+        for field, declared in series.POOL_PER_ROLE.items():
+            family = declared.family()
             for stage, signals in stages.items():
                 family.add_metric([stage], float(getattr(signals, field)))
             yield family
-        kv = GaugeMetricFamily(
-            "pd_router_pool_kv_usage", "KV-cache usage (0..1) over fresh endpoints.", labels=["role", "stat"]
-        )
+        kv = series.POOL_KV_USAGE.family()
         for stage, signals in stages.items():
             kv.add_metric([stage, "mean"], signals.kv_mean)
             kv.add_metric([stage, "max"], signals.kv_max)
@@ -201,11 +182,7 @@ class SignalsCollector:
         tpot = predicted_latency(
             self.pool, cost_model, "decode", self.typical_max_tokens, self.block_tokens, now
         )
-        latency = GaugeMetricFamily(
-            "pd_router_pool_predicted_seconds",
-            "Predicted TTFT (prefill) and TPOT (decode) of a typical new request on the best candidate.",
-            labels=["role", "measure"],
-        )
+        latency = series.POOL_PREDICTED_SECONDS.family()
         if ttft is not None:
             latency.add_metric(["prefill", "ttft"], ttft)
         if tpot is not None:
@@ -218,40 +195,21 @@ class SignalsCollector:
         ok = pool.in_use & pool.admitted & pool.scraped & ~pool.ejected
         ok &= (now - pool.last_scrape_ok) <= pool.stale_after_s
         slots = np.flatnonzero(ok)
-        series = {
-            "kv_cache_utilization": pool.kv_usage[slots],
-            "queue_size": pool.waiting[slots],
-            "running_requests": pool.running[slots],
-        }
-        name = [self.pool_name]
-        yield _gauge("llm_d_epp_ready_endpoints", "Endpoints with fresh metrics.", len(slots), name)
-        yield _gauge("inference_pool_ready_pods", "Endpoints with fresh metrics.", len(slots), name)
+        for declared in series.READY_ENDPOINTS:
+            yield declared.one_sample(float(len(slots)), self.pool_name)
         if not len(slots):
             return  # as the reference picker: the averages keep no value without a fresh endpoint
-        for metric, values in series.items():
+        for feature, (llm_d_mean, gie_mean, std_dev) in series.POOL_AVERAGES.items():
+            values = getattr(pool, feature)[slots]
             known = values[np.isfinite(values)]
             mean = round(float(known.mean()), 2) if known.size else 0.0
-            doc = f"Mean {metric.replace('_', ' ')} over fresh endpoints."
-            yield _gauge(f"llm_d_epp_average_{metric}", doc, mean, name)
-            yield _gauge(f"inference_pool_average_{metric}", doc, mean, name)
-            std = round(_sample_stddev(known), 2)
-            yield _gauge(
-                f"llm_d_epp_std_dev_{metric}", f"Sample std-dev of {metric.replace('_', ' ')}.", std, name
-            )
-        per_endpoint = {
-            "llm_d_epp_per_endpoint_queue_size": "model_server_endpoint",
-            "inference_pool_per_pod_queue_size": "model_server_pod",
-        }
-        for metric, label in per_endpoint.items():
-            family = GaugeMetricFamily(metric, "Waiting requests per endpoint.", labels=["name", label])
+            yield llm_d_mean.one_sample(mean, self.pool_name)
+            yield gie_mean.one_sample(mean, self.pool_name)
+            yield std_dev.one_sample(round(_sample_stddev(known), 2), self.pool_name)
+        for declared in series.PER_ENDPOINT_QUEUE_SIZE:
+            family = declared.family()
             for slot in slots.tolist():
                 endpoint = pool.by_slot[slot]
                 if endpoint is not None:
                     family.add_metric([self.pool_name, endpoint.id], float(np.nan_to_num(pool.waiting[slot])))
             yield family
-
-
-def _gauge(metric: str, doc: str, value: float, label_values: list[str]) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(metric, doc, labels=["name"])
-    family.add_metric(label_values, float(value))
-    return family

@@ -58,8 +58,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
+import router.observe.series as series
 from router.scheduling.costmodel.matrix import CostModel
 from router.signals.calibration import TokenCalibration
 from router.signals.perf import PerformanceModel
@@ -587,71 +588,29 @@ class PoolSignals:
     def collect(self) -> Iterator[Metric]:
         yield from self.perf.collect()
         now = self.clock()
-        observed = GaugeMetricFamily(
-            "pd_router_pool_observed_seconds",
-            "p90 over the observation window of the TTFT (prefill) and TPOT (decode) streamed answers "
-            "saw; TPOT also of the answers still streaming (the larger).",
-            labels=["role", "measure"],
-        )
+        observed = series.POOL_OBSERVED_SECONDS.family()
         for role, measure in (("prefill", "ttft"), ("decode", "tpot")):
             value = self.observed_latency(role, now)
             if value is not None:
                 observed.add_metric([role, measure], value)
         yield observed
-        load = GaugeMetricFamily(
-            "pd_router_pool_load",
-            "max(predicted, observed) latency over its SLO per role: TTFT for prefill, TPOT for decode.",
-            labels=["role"],
-        )
+        load = series.POOL_LOAD.family()
         for role in ROLES:
             value = self.load(role, now)
             if value is not None:
                 load.add_metric([role], value)
         yield load
-        families = {
-            "pd_router_recommended_replicas": (
-                "Replicas per role the pool needs over the ready-time horizon, after hysteresis and "
-                "refused scale-downs (scale on this).",
-                "recommended",
-            ),
-            "pd_router_desired_replicas": ("This tick's need per role, before hysteresis.", "desired"),
-            "pd_router_current_replicas": ("Admitted replicas (groups) per role.", "current"),
-            "pd_router_demand_forecast": (
-                "Demand forecast over the horizon: prefill tokens/s, decode sequences in flight.",
-                "forecast",
-            ),
-            "pd_router_replica_capacity": (
-                "What one replica serves at the SLO, in the demand's unit.",
-                "capacity",
-            ),
-        }
-        for name, (doc, attr) in families.items():
-            family = GaugeMetricFamily(name, doc, labels=["role"])
+        for field, declared in series.RECOMMENDATION.items():
+            family = declared.family()
             for role, rec in self.latest.items():
-                family.add_metric([role], float(getattr(rec, attr)))
+                family.add_metric([role], float(getattr(rec, field)))
             yield family
-        refused = GaugeMetricFamily(
-            "pd_router_scale_down_refused",
-            "1 while a scale-down is refused, by reason: slo (consolidated load would break it) or kv.",
-            labels=["role", "reason"],
-        )
+        refused = series.SCALE_DOWN_REFUSED.family()
         for role, rec in self.latest.items():
             for reason in ("slo", "kv"):
                 refused.add_metric([role, reason], float(rec.refused == reason))
         yield refused
-        yield GaugeMetricFamily(
-            "pd_router_signals_replicas",
-            "Router replicas whose arrivals the recommendation counts (1 without shared demand).",
-            value=1 if self.shared is None else self.shared.replicas,
-        )
+        yield series.SIGNALS_REPLICAS.one_sample(1 if self.shared is None else self.shared.replicas)
         if self.shared is not None:
-            yield CounterMetricFamily(
-                "pd_router_shared_demand_errors",
-                "Ticks whose Redis exchange of arrival rates failed (this replica's own counted alone).",
-                value=self.shared.errors,
-            )
-        yield GaugeMetricFamily(
-            "pd_router_scaling_horizon_seconds",
-            "The ready time the recommendation plans over (configured, or measured by the gate).",
-            value=self.horizon_s(),
-        )
+            yield series.SHARED_DEMAND_ERRORS.one_sample(self.shared.errors)
+        yield series.SCALING_HORIZON.one_sample(self.horizon_s())
