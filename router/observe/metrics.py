@@ -308,12 +308,16 @@ def _child(children: dict[str, Counter], metric: Counter, value: str) -> Counter
 
 
 class IndexCollector:
-    """KV-event streams and the Redis-shared index, read when Prometheus scrapes."""
+    """KV-event streams, the Redis-shared index and the replicas' shared load, read when
+    Prometheus scrapes."""
 
-    def __init__(self, kv_events: Any | None, shared: Any | None, pool: Pool) -> None:
+    def __init__(
+        self, kv_events: Any | None, shared: Any | None, pool: Pool, shared_load: Any | None = None
+    ) -> None:
         self.kv_events = kv_events
         self.shared = shared
         self.pool = pool
+        self.shared_load = shared_load
 
     def describe(self) -> list[Metric]:
         return []
@@ -334,6 +338,9 @@ class IndexCollector:
             yield series.SHARED_INDEX_HEALTHY.one_sample(float(self.shared.healthy))
             for counter, declared in series.SHARED_INDEX.items():
                 yield declared.one_sample(float(getattr(self.shared, counter)))
+        if self.shared_load is not None:
+            yield series.SHARED_LOAD_REPLICAS.one_sample(float(self.shared_load.replicas))
+            yield series.SHARED_LOAD_ERRORS.one_sample(float(self.shared_load.errors))
 
 
 class MetricsListener:

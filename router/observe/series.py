@@ -469,6 +469,14 @@ SHARED_DEMAND_ERRORS = CounterSeries(
     "pd_router_shared_demand_errors",
     "Ticks whose Redis exchange of arrival rates failed (this replica's own counted alone).",
 )
+SHARED_LOAD_REPLICAS = GaugeSeries(
+    "pd_router_shared_load_replicas",
+    "Router replicas whose in-flight reservations this one routes on (itself included).",
+)
+SHARED_LOAD_ERRORS = CounterSeries(
+    "pd_router_shared_load_errors",
+    "Exchanges of in-flight reservations through Redis that failed (this replica then routes on its own).",
+)
 SCALING_HORIZON = GaugeSeries(
     "pd_router_scaling_horizon_seconds",
     "The ready time the recommendation plans over (configured, or measured by the gate).",

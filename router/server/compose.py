@@ -329,6 +329,8 @@ def build(
         clients.append(redis_client(shared_redis.url, password))
         interval_s = shared_redis.share_load_ms / 1000.0
         shared_load = SharedLoad(clients[-1], shared_redis.namespace, pool, interval_s=interval_s)
+    if kv_events is not None or shared is not None or shared_load is not None:
+        metrics.registry.register(IndexCollector(kv_events, shared, pool, shared_load))
     for collector in (
         SignalsCollector(
             pool,
@@ -342,8 +344,6 @@ def build(
         scaling,
     ):
         metrics.registry.register(collector)
-    if kv_events is not None or shared is not None:
-        metrics.registry.register(IndexCollector(kv_events, shared, pool))
     # Per-engine speed against the pool's model; learned only while signals.learn has it.
     engine_speeds = EngineSpeeds() if scaling.perf.settings.engine_speed else None
     flow_control = None

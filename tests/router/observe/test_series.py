@@ -49,7 +49,10 @@ def every_collector_with_a_sample() -> CollectorRegistry:
     registry.register(GroupCollector(lambda: {("admitted", "decode"): 2}, dict))
     stats = SimpleNamespace(**{counter: 1 for counter in series.KV_EVENTS})
     shared_index = SimpleNamespace(healthy=True, **{counter: 1 for counter in series.SHARED_INDEX})
-    registry.register(IndexCollector(SimpleNamespace(stats=lambda: {"p0": stats}), shared_index, pool))
+    shared_load = SimpleNamespace(replicas=2, errors=1)
+    registry.register(
+        IndexCollector(SimpleNamespace(stats=lambda: {"p0": stats}), shared_index, pool, shared_load)
+    )
     # What the request path updates.
     metrics.observe_request("ok", 0.1)
     metrics.observe_pick(SimpleNamespace(kind="pd-pair"), 0.001)
