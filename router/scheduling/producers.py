@@ -1,7 +1,10 @@
-"""The producers the router ships: precise block hashes, and the shared-index refresh."""
+"""The producers the router ships: precise block hashes, the shared-index refresh, and the other
+replicas' in-flight reservations refreshed before the pick."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 from jinja2.exceptions import TemplateError
@@ -11,6 +14,7 @@ from kvindex.redis_index import SharedPrefixIndex
 from kvindex.tokenize import PromptTokenizer, Tokenized
 from router.request.types import RouteRequest
 from router.state.pool import Pool
+from router.state.shared_load import SharedLoad
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +87,19 @@ class SharedLookup:
     async def produce(self, request: RouteRequest) -> None:
         if len(request.block_keys):
             await self.shared.lookup(request.block_keys, self.pool.candidate_slots())
+
+
+class FreshLoad:
+    """The other replicas' in-flight reservations as of now rather than as of the last interval,
+    within ``timeout_s`` (past it, or while Redis is down, the pick uses the last exchange's)."""
+
+    name = "shared_load"
+
+    def __init__(self, shared_load: SharedLoad, timeout_s: float) -> None:
+        self.shared_load = shared_load
+        self.timeout_s = timeout_s
+
+    async def produce(self, request: RouteRequest) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.timeout_s):
+                await self.shared_load.refresh()

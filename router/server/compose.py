@@ -39,7 +39,7 @@ from router.scheduling.costmodel.view import EngineModel, Objectives
 from router.scheduling.extension import Producer
 from router.scheduling.filters import SubsetHint
 from router.scheduling.picker import Picker, PickerSettings
-from router.scheduling.producers import PreciseKeys, SharedLookup
+from router.scheduling.producers import FreshLoad, PreciseKeys, SharedLookup
 from router.server.config import KubernetesConfig, PoolConfig, RedisConfig, Secrets, default_checks
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
@@ -329,6 +329,8 @@ def build(
         clients.append(redis_client(shared_redis.url, password))
         interval_s = shared_redis.share_load_ms / 1000.0
         shared_load = SharedLoad(clients[-1], shared_redis.namespace, pool, interval_s=interval_s)
+        pool.on_load_change = shared_load.changed
+        producers.append(FreshLoad(shared_load, shared_redis.lookup_timeout_ms / 1000.0))
     if kv_events is not None or shared is not None or shared_load is not None:
         metrics.registry.register(IndexCollector(kv_events, shared, pool, shared_load))
     for collector in (

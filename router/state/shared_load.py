@@ -7,16 +7,21 @@ Every ``interval_s`` a replica writes its own reservations per endpoint into the
 flight, its queued prompt tokens, reserved KV tokens and decoding requests) and reads everyone's;
 the sum of the others' fresh entries lands in the pool's ``others_*`` arrays, which
 ``Pool.candidates`` adds to its own. So another replica's picks are at most one interval (plus a
-round trip) old, never unseen. A replica that stops writing (killed, partitioned) drops out after
-``stale_after_s`` and the next reader deletes its field; the hash expires once nobody writes.
-Redis trouble never stops routing: the others' share is then zero (each replica sees its own, as
-without sharing), the outage is logged once and the failed exchanges are counted.
+round trip) old, never unseen; a replica also exchanges as soon as its own reservations change (at
+most every ``min_gap_s``) and right before a pick (``refresh``, from a producer), so at a high
+request rate the others' view lags by a round trip, not an interval. A replica that stops writing
+(killed, partitioned) drops out after ``stale_after_s`` and the next reader deletes its field; the
+hash expires once nobody writes. Redis trouble never stops routing: the others' share is then zero
+(each replica sees its own, as without sharing), the outage is logged once and the failed exchanges
+are counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -40,6 +45,7 @@ class SharedLoad:
         *,
         interval_s: float,
         timeout_s: float = 0.5,
+        min_gap_s: float = 0.002,
         clock: Callable[[], float] = time.time,  # wall time: replicas compare each other's stamps
     ) -> None:
         self.client = client
@@ -54,11 +60,40 @@ class SharedLoad:
         self.replicas = 1  # replicas whose reservations the pool's view includes (this one too)
         self.errors = 0
         self._down = False
+        self.min_gap_s = min_gap_s
+        self._changed = asyncio.Event()
+        self._running: asyncio.Task[None] | None = None
+        self._last = -math.inf  # monotonic time the last exchange started
+
+    def changed(self) -> None:
+        """This replica's reservations changed: tell the others soon (``Pool.on_load_change``)."""
+        self._changed.set()
 
     async def run(self) -> None:
+        """Exchange when this replica's reservations change (at most every ``min_gap_s``), and at
+        least every ``interval_s``."""
         while True:
-            await self.exchange()
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await self._changed.wait()
+            self._changed.clear()
+            await self.refresh()
+            await asyncio.sleep(self.min_gap_s)
+
+    async def refresh(self) -> None:
+        """An exchange now, unless one is under way (then that one) or one started within
+        ``min_gap_s``: fresh enough for a pick, without one round trip per caller."""
+        if self._running is None:
+            if self._down or time.monotonic() - self._last < self.min_gap_s:
+                return  # down: the heartbeat in ``run`` finds out when Redis is back
+            self._last = time.monotonic()
+            self._running = asyncio.ensure_future(self.exchange())
+        running = self._running
+        try:
+            await asyncio.shield(running)
+        finally:
+            if running.done() and self._running is running:
+                self._running = None
 
     def own(self) -> dict[str, list[float]]:
         """This replica's reservations per endpoint id, those with anything in flight."""

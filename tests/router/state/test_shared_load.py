@@ -4,7 +4,10 @@ out, and Redis going away leaves each routing on its own view."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -42,6 +45,14 @@ def load_on(pool: Pool, name: str) -> tuple[float, float, int]:
         float(cand.reserved_kv_tokens[0]),
         int(cand.inflight_requests[0]),
     )
+
+
+async def poll(check: Callable[[], Awaitable[bool]], deadline_s: float) -> bool:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if await check():
+            return True
+    return False
 
 
 @pytest.fixture
@@ -113,3 +124,41 @@ async def test_without_redis_each_replica_routes_on_its_own_view(redis: RedisSer
     assert load_on(pool_b, "e0") == (0.0, 0.0, 0)  # the others' share is dropped, not frozen
     assert (b.errors, b.replicas) == (1, 1)
     await client.aclose()
+
+
+async def test_a_change_is_told_at_once_not_at_the_next_interval(client: Redis) -> None:
+    pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
+    a = SharedLoad(client, "pool", pool_a, interval_s=30.0)  # the heartbeat alone would take 30 s
+    b = SharedLoad(client, "pool", pool_b, interval_s=30.0)
+    pool_a.on_load_change = a.changed
+    task = asyncio.create_task(a.run())
+    try:
+        await b.refresh()
+        pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=700.0, kv_tokens=800.0)
+
+        async def b_sees_it() -> bool:
+            await asyncio.sleep(0.01)  # past b's min_gap_s, as a next request would be
+            await b.refresh()  # what the producer runs before b's next pick
+            return load_on(pool_b, "e0") == (700.0, 800.0, 1)
+
+        assert await poll(b_sees_it, 5.0), "B never saw A's reservation"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_concurrent_refreshes_share_one_exchange(client: Redis) -> None:
+    pool = replica_pool("e0")
+    shared = SharedLoad(client, "pool", pool, interval_s=30.0)
+    calls = 0
+    real = shared.exchange
+
+    async def counted() -> None:
+        nonlocal calls
+        calls += 1
+        await real()
+
+    shared.exchange = counted  # type: ignore[method-assign]
+    await asyncio.gather(*(shared.refresh() for _ in range(10)))
+    assert calls == 1
