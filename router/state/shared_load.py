@@ -77,23 +77,32 @@ class SharedLoad:
                 async with asyncio.timeout(self.interval_s):
                     await self._changed.wait()
             self._changed.clear()
-            await self.refresh()
-            await asyncio.sleep(self.min_gap_s)
+            wait = self._last + self.min_gap_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if self._running is not None:  # it read our reservations before this change
+                await asyncio.shield(self._running)
+            await self._start()
 
     async def refresh(self) -> None:
         """An exchange now, unless one is under way (then that one) or one started within
         ``min_gap_s``: fresh enough for a pick, without one round trip per caller."""
-        if self._running is None:
-            if self._down or time.monotonic() - self._last < self.min_gap_s:
-                return  # down: the heartbeat in ``run`` finds out when Redis is back
-            self._last = time.monotonic()
-            self._running = asyncio.ensure_future(self.exchange())
-        running = self._running
-        try:
-            await asyncio.shield(running)
-        finally:
-            if running.done() and self._running is running:
-                self._running = None
+        if self._running is not None:
+            await asyncio.shield(self._running)
+        elif not self._down and time.monotonic() - self._last >= self.min_gap_s:
+            await self._start()
+        # down: the heartbeat in ``run`` finds out when Redis is back
+
+    async def _start(self) -> None:
+        self._last = time.monotonic()
+        running = self._running = asyncio.ensure_future(self.exchange())
+        # Cleared when it ends, even if every caller waiting on it was cancelled meanwhile.
+        running.add_done_callback(self._ended)
+        await asyncio.shield(running)
+
+    def _ended(self, task: asyncio.Future[None]) -> None:
+        if self._running is task:
+            self._running = None
 
     def own(self) -> dict[str, list[float]]:
         """This replica's reservations per endpoint id, those with anything in flight."""

@@ -162,3 +162,27 @@ async def test_concurrent_refreshes_share_one_exchange(client: Redis) -> None:
     shared.exchange = counted  # type: ignore[method-assign]
     await asyncio.gather(*(shared.refresh() for _ in range(10)))
     assert calls == 1
+
+
+async def test_a_caller_that_gives_up_does_not_stop_later_exchanges(client: Redis) -> None:
+    pool = replica_pool("e0")
+    shared = SharedLoad(client, "pool", pool, interval_s=30.0, min_gap_s=0.0)
+    slow = asyncio.Event()
+    real, calls = shared.exchange, 0
+
+    async def gated() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await slow.wait()  # the first exchange outlives the producer's timeout
+        await real()
+
+    shared.exchange = gated  # type: ignore[method-assign]
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):
+            await shared.refresh()
+    slow.set()
+    await shared.refresh()  # waits for the first, which ends on its own
+    await shared.refresh()
+    await shared.refresh()
+    assert calls == 3  # each later refresh ran an exchange of its own

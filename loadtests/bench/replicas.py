@@ -1,0 +1,208 @@
+"""N picker replicas over one pool, in virtual time: does routing stay as good as one replica's?
+
+A gateway spreads requests over the picker replicas (Envoy: its ext_proc cluster's hosts, round
+robin). A replica knows only what it routed unless the replicas share through Redis
+(``index.redis``: the prefix index, and the in-flight reservations every
+``index.redis.share_load_ms``). Here N routers, each built as the service builds itself, run in one
+process on the quality harness's virtual clock over the same simulated engines; requests are dealt
+to them round robin; Redis is an in-process fakeredis server the N share, so every run is
+deterministic. Each row: TTFT p50/p90/p99 and goodput, and p90 over one replica's in the same run.
+
+    python -m loadtests.bench.replicas                        # (a) and (b), 1/2/4 replicas
+    python -m loadtests.bench.replicas --scenarios b --replicas 1,2 --seeds 0,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import fakeredis
+
+from loadtests.bench.quality import MS, VIRTUAL_OVERRIDES, RouterUnderTest, _drive
+from loadtests.bench.scenarios import (
+    HOP_S,
+    SCENARIOS,
+    Scenario,
+    config_data,
+    goodput,
+    router_links,
+    scaled_links,
+)
+from router.adapters.openai import Proxy
+from router.http.exchange import TwoLegExchange
+from router.server import app as app_module
+from router.server.app import App
+from router.server.compose import build
+from router.server.config import LinksConfig, parse_config
+from simulator.cluster import link_cost_from
+from simulator.engine import SimCluster, TimeModel
+from simulator.local_net import LocalSession
+from simulator.virtual_clock import run_virtual
+from simulator.workloads.client import Summary, percentile
+
+
+class _FakeRedis(fakeredis.FakeAsyncRedis):
+    """fakeredis without INFO, which the shared prefix index reads a restart from (the run_id)."""
+
+    async def info(self, section: str | None = None, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {"run_id": "in-process"}
+
+
+@dataclass(frozen=True)
+class Setup:
+    replicas: int
+    shared: bool  # through one Redis: prefix index and reservations; else each on its own
+
+    @property
+    def name(self) -> str:
+        if self.replicas == 1:
+            return "1 replica"
+        return f"{self.replicas} replicas, " + ("shared" if self.shared else "independent")
+
+
+def setups(counts: Sequence[int]) -> list[Setup]:
+    out = []
+    for n in counts:
+        out += [Setup(1, False)] if n == 1 else [Setup(n, True), Setup(n, False)]
+    return out
+
+
+async def _run(
+    scn: Scenario,
+    setup: Setup,
+    seed: int,
+    tm: TimeModel,
+    hop_s: float,
+    share_load_ms: float | None,
+    requests: int,
+) -> Summary:
+    workload = scn.workload(requests, scn.rate, seed)
+    physical, links = scaled_links(scn.links, tm.speed), router_links(scn, tm.speed)
+    link_cost = link_cost_from(LinksConfig.model_validate(physical)) if physical else None
+    server = fakeredis.FakeServer()
+
+    def fake_redis(url: str, password: str | None) -> Any:
+        return _FakeRedis(server=server)
+
+    async with SimCluster(scn.specs(tm), link_cost, in_process=True) as cluster:
+        session = LocalSession(cluster, hop_s=hop_s)
+        endpoints = [(n, cluster.address(n), e.spec.role, e.spec.link) for n, e in cluster.engines.items()]
+        data = config_data(endpoints, tm, links, {"policy": "joint"})
+        if setup.shared:
+            redis: dict[str, Any] = {"url": "redis://fake"}
+            if share_load_ms is not None:
+                redis["share_load_ms"] = share_load_ms
+            data.setdefault("index", {})["redis"] = redis
+        with mock.patch.object(app_module, "upstream_session", lambda: session):
+            async with contextlib.AsyncExitStack() as stack:
+                proxies = []
+                for i in range(setup.replicas):
+                    config = parse_config(json.loads(json.dumps(data)), list(VIRTUAL_OVERRIDES))
+                    parts = build(config, seed=seed * 100 + i, redis=fake_redis)
+                    app = await stack.enter_async_context(App(parts))
+                    cfg = config.proxy
+                    exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)
+                    proxies.append(Proxy(app.parts.flow, exchange, lambda: True, debug_headers=True))
+                turn = itertools.cycle(proxies)
+
+                async def dealt(request: Any) -> Any:
+                    return await next(turn).completions(request)
+
+                router = RouterUnderTest(dealt, proxies[0].max_body_bytes, "flow")
+                return await _drive(router, workload, setup.name)
+
+
+def run_setup(
+    scn: Scenario,
+    setup: Setup,
+    seed: int,
+    *,
+    hop_s: float = HOP_S,
+    share_load_ms: float | None = None,
+    requests: int | None = None,
+) -> Summary:
+    """One setup on one scenario (``requests``: the scenario's own count by default) in a fresh
+    virtual loop; ``share_load_ms``: ``index.redis.share_load_ms`` of shared setups (None: its
+    default)."""
+    run = _run(scn, setup, seed, TimeModel(), hop_s, share_load_ms, requests or scn.requests)
+    return run_virtual(run, seed=seed)
+
+
+def row(scn: Scenario, setup: Setup, summaries: list[Summary], one_p90: float | None) -> dict[str, Any]:
+    ttft = [r.ttft_s for s in summaries for r in s.ok]
+    total = sum(len(s.results) for s in summaries)
+    ok = sum(len(s.ok) for s in summaries)
+    good = sum(goodput(s, scn.goodput_ttft_s, scn.goodput_tpot_s) * len(s.results) for s in summaries)
+    good /= max(1, total)
+    p90 = percentile(ttft, 0.9) * MS if ttft else float("nan")
+    return {
+        "scenario": scn.key,
+        "setup": setup.name,
+        "ok": f"{ok}/{total}",
+        "ttft_p50_ms": percentile(ttft, 0.5) * MS if ttft else float("nan"),
+        "ttft_p90_ms": p90,
+        "ttft_p99_ms": percentile(ttft, 0.99) * MS if ttft else float("nan"),
+        "goodput": good,
+        "p90_vs_one": p90 / one_p90 if one_p90 else float("nan"),
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"  {'scenario':<9}{'setup':<26}{'ok':>10}{'p50':>9}{'p90':>9}{'p99':>9}{'goodput':>9}{'p90/1':>8}")
+    for r in rows:
+        print(
+            f"  {r['scenario']:<9}{r['setup']:<26}{r['ok']:>10}{r['ttft_p50_ms']:>9.1f}"
+            f"{r['ttft_p90_ms']:>9.1f}{r['ttft_p99_ms']:>9.1f}{r['goodput']:>8.1%}{r['p90_vs_one']:>8.2f}"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--scenarios", default="ab", help="scenario keys (default: a, shared prefixes; b, chat)"
+    )
+    parser.add_argument("--replicas", default="1,2,4", help="replica counts (default: 1,2,4)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds, pooled per row")
+    parser.add_argument(
+        "--share-load-ms", type=float, help="index.redis.share_load_ms (default: its default)"
+    )
+    parser.add_argument("--requests", type=int, help="requests per run (default: the scenario's)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead")
+    args = parser.parse_args(argv)
+    counts = sorted({int(n) for n in args.replicas.split(",")} | {1})
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = []
+    for key in args.scenarios:
+        scn = SCENARIOS[key]
+        one_p90 = None
+        for setup in setups(counts):
+            summaries = [
+                run_setup(scn, setup, seed, share_load_ms=args.share_load_ms, requests=args.requests)
+                for seed in seeds
+            ]
+            result = row(scn, setup, summaries, one_p90)
+            if setup.replicas == 1:
+                one_p90 = result["ttft_p90_ms"]
+                result["p90_vs_one"] = 1.0
+            rows.append(result)
+            if not args.json:
+                print(f"  [{key}] {setup.name}: p90 TTFT {result['ttft_p90_ms']:.1f} ms", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Two picker replicas behind one gateway, in virtual time (``loadtests/bench/replicas.py``): sharing
+through Redis keeps them close to one replica, and without it they route blind to each other."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtests.bench.replicas import Setup, main, row, run_setup
+from loadtests.bench.scenarios import SCENARIOS
+
+REQUESTS = 300
+
+
+def test_replicas_that_share_their_load_route_nearly_as_one() -> None:
+    scn = SCENARIOS["b"]
+
+    def p90(setup: Setup, share_load_ms: float | None = None) -> float:
+        summary = run_setup(scn, setup, 0, requests=REQUESTS, share_load_ms=share_load_ms)
+        return row(scn, setup, [summary], None)["ttft_p90_ms"]
+
+    one, shared, index_only, blind = (
+        p90(Setup(1, False)),
+        p90(Setup(2, True)),
+        p90(Setup(2, True), share_load_ms=0),  # the prefix index shared, the reservations not
+        p90(Setup(2, False)),
+    )
+    assert one <= shared < index_only < blind
+    assert shared <= 1.25 * one  # virtual time: the same numbers on every machine
+
+
+def test_the_command_prints_one_row_per_setup(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--scenarios", "b", "--replicas", "2", "--requests", "40", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["setup"] for r in rows] == ["1 replica", "2 replicas, shared", "2 replicas, independent"]
+    assert rows[0]["p90_vs_one"] == 1.0 and all(r["ok"] == "40/40" for r in rows)
