@@ -137,11 +137,13 @@ class StreamTally:
         )
 
 
-async def send(session: aiohttp.ClientSession, base_url: str, item: WorkItem) -> Result:
+async def send(
+    session: aiohttp.ClientSession, base_url: str, item: WorkItem, headers: Mapping[str, str] | None = None
+) -> Result:
     """One streaming request; TTFT is the first content chunk, TPOT the mean gap after it."""
     tally = StreamTally(time.perf_counter())
     try:
-        async with session.post(base_url + item.path, json=item.body) as resp:
+        async with session.post(base_url + item.path, json=item.body, headers=headers) as resp:
             if resp.status != 200:
                 return Result(False, resp.status, error=(await resp.text())[:200])
             async for line in resp.content:
