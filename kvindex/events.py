@@ -495,6 +495,16 @@ class EngineStream:
     may under-count hits, never invent them) and report ``covered(True)`` again. ``cleared`` is
     sent only when the sink may hold something of this engine, so a restart and a purge it caused
     drop the old entries once (the engine's own ``AllBlocksCleared`` is passed on as it comes).
+
+    An idle engine publishes nothing, so without ``ask_history`` its coverage stays unknown until
+    its first batch. With it (an engine subscribed to while it may already be serving, or may have
+    nothing to say yet: a discovered pod), the history is asked for instead (``wants_history``,
+    ``on_history``): the replay socket's answer from 0 is the process's whole history (adopted:
+    covered), nothing at all (it has published nothing, so it holds nothing: covered), or a buffer
+    that no longer reaches back to seq 0 (purged: covered after ``rebuild_after_s``). Without a
+    replay socket the engine counts as unknown from the start, as after a purge. A batch published
+    just as the answer was given may still be missed by a subscriber that has not joined yet (ZMQ's
+    slow joiner): the index then under-counts until the next batch replays from 0.
     """
 
     def __init__(
@@ -505,6 +515,7 @@ class EngineStream:
         has_replay: bool,
         rebuild_after_s: float = 30.0,
         verify_retry_s: float = 2.0,
+        ask_history: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
@@ -525,6 +536,13 @@ class EngineStream:
         self._verify = False  # check the next live batch against the replay buffer first
         self._verify_after = -math.inf  # not before then: the last check got no answer
         self._dirty = True  # something may have been stored since our last ``cleared`` (at start: unknown)
+        # ``ask_history``: learn what the engine holds without waiting for its next batch.
+        self._ask_history = ask_history and has_replay
+        self._history_after = -math.inf  # not before then: the last question got no answer
+        if ask_history and not has_replay:
+            # Nothing can tell what it published before we subscribed: unknown until its seq 0
+            # comes, or for ``rebuild_after_s`` as after a purge.
+            self._purged_at = clock()
         self.replay_from: int | None = None
         self.batches = self.replayed_batches = self.events = self.non_gpu_events = 0
         self.malformed = self.duplicates = self.gaps = self.replays = self.replay_failures = 0
@@ -605,6 +623,48 @@ class EngineStream:
             self._unproven(start, got, seq, payload, "has not seq 0")
             return
         self._take_replay(got, seq, payload, adopt=True)
+
+    @property
+    def wants_history(self) -> bool:
+        """Whether to ask the replay socket from 0 now (``ask_history``): nothing followed yet,
+        coverage unknown, and no question unanswered lately. The answer goes to ``on_history``."""
+        return (
+            self._ask_history
+            and self._last is None
+            and self._covered is None
+            and self._pending is None
+            and self._clock() >= self._history_after
+        )
+
+    def on_history(self, batches: list[tuple[int, bytes]] | None) -> None:
+        """The replay socket's answer from 0 to ``wants_history`` (``None``: no answer in time)."""
+        self.replays += 1
+        if batches is None:
+            # The engine may still be starting: ask again a while later, meanwhile unknown.
+            self._history_after = self._clock() + self._verify_retry_s
+            return
+        self._ask_history = False  # answered: from here on the live stream's rules apply
+        got = {s: p for s, p in sorted(batches, key=lambda b: b[0]) if s >= 0}
+        if not got:
+            self._set_covered(True)  # it has published nothing since it started: nothing cached
+            return
+        purges = self.purges
+        if 0 not in got:
+            self._purge(f"its history from 0 starts at seq {next(iter(got))}")
+            self._last = next(iter(got)) - 1
+        for seq, payload in got.items():
+            self.replayed_batches += 1
+            self._feed_in_order(seq, payload)
+        if self.purges == purges:
+            self._set_covered(True)
+        # The SUB may still bring these live (it was subscribed before the question): duplicates.
+        self._last_live = None
+        self._replayed = {seq: hash(payload) for seq, payload in got.items()}
+
+    def detach(self) -> None:
+        """Drive no sink any more (the consumer stopped following this engine; a new one may
+        already be followed under the same name)."""
+        self._sink = _DETACHED
 
     def tick(self) -> None:
         """Re-check the rebuild timer (called by the consumer when the stream is idle)."""
@@ -757,6 +817,25 @@ class EngineStream:
             self._set_covered(True)
 
 
+class _DetachedSink:
+    """What a stream no longer followed drives: nothing."""
+
+    def stored(self, engine: str, block_hashes: list[int], parent: int | None) -> None:
+        pass
+
+    def removed(self, engine: str, block_hashes: list[int]) -> None:
+        pass
+
+    def cleared(self, engine: str) -> None:
+        pass
+
+    def covered(self, engine: str, known: bool) -> None:
+        pass
+
+
+_DETACHED = _DetachedSink()
+
+
 # --- the consumer: one asyncio task per engine --------------------------------------------------
 
 
@@ -788,7 +867,8 @@ class KVEventConsumer:
     """Subscribes to each engine's KV-event PUB and drives an ``EventSink``.
 
     The consumer owns its ``zmq.asyncio.Context`` (created in ``start``, terminated in ``stop``).
-    Engines may be added and removed before or after ``start``.
+    Engines may be added and removed before or after ``start``; a removed engine's name may be
+    added again at once (a replaced pod under the same name is another engine).
     """
 
     def __init__(
@@ -815,12 +895,20 @@ class KVEventConsumer:
         self._clock = clock
         self._engines: dict[str, _Engine] = {}
         self._ctx: zmq.asyncio.Context | None = None
+        # Tasks of removed engines, until they have closed their sockets (``stop`` waits for them:
+        # the context cannot be terminated while a socket is open).
+        self._stopping: set[asyncio.Task[None]] = set()
 
     @property
     def running(self) -> bool:
         return self._ctx is not None
 
-    def add_engine(self, name: str, endpoint: str, replay_endpoint: str | None = None) -> None:
+    def add_engine(
+        self, name: str, endpoint: str, replay_endpoint: str | None = None, *, ask_history: bool = False
+    ) -> None:
+        """Follow the engine publishing at ``endpoint``. ``ask_history``: it may already be serving,
+        or have nothing to publish yet (a discovered pod); learn what it holds from its replay
+        socket at once instead of at its next batch (``EngineStream``)."""
         if name in self._engines:
             raise ValueError(f"engine {name!r} is already subscribed")
         stream = EngineStream(
@@ -829,12 +917,36 @@ class KVEventConsumer:
             has_replay=replay_endpoint is not None,
             rebuild_after_s=self._rebuild_after_s,
             verify_retry_s=self._replay_timeout_s,
+            ask_history=ask_history,
             clock=self._clock,
         )
         engine = _Engine(name, endpoint, replay_endpoint, stream)
         self._engines[name] = engine
         if self._ctx is not None:
             self._spawn(engine)
+
+    def remove_engine(self, name: str) -> None:
+        """Stop following ``name``: its socket task stops and whatever the sink holds of it is
+        purged (``cleared``, ``covered(False)``) now, before anything else runs on the loop."""
+        engine = self._engines.pop(name, None)
+        if engine is None:
+            raise ValueError(f"engine {name!r} is not subscribed")
+        # The task ends at its next await, but a cancellation can be lost (``stop_task``): a
+        # detached stream cannot touch the sink, where the name may belong to a new engine now.
+        engine.stream.detach()
+        task, engine.task = engine.task, None
+        if task is not None:
+            task.cancel()
+            stopping = asyncio.get_running_loop().create_task(stop_task(task), name=f"kv-events-stop:{name}")
+            self._stopping.add(stopping)
+            stopping.add_done_callback(self._stopping.discard)
+        self._sink.cleared(name)
+        self._sink.covered(name, False)
+        logger.info("KV events: unsubscribed from %s at %s", name, engine.endpoint)
+
+    def follows(self, name: str) -> bool:
+        """Whether ``name`` is subscribed to."""
+        return name in self._engines
 
     def stats(self) -> dict[str, EngineStats]:
         return {name: engine.stream.stats() for name, engine in self._engines.items()}
@@ -853,7 +965,7 @@ class KVEventConsumer:
         tasks = [e.task for e in self._engines.values() if e.task is not None]
         for engine in self._engines.values():
             engine.task = None
-        await asyncio.gather(*(stop_task(task) for task in tasks))
+        await asyncio.gather(*(stop_task(task) for task in tasks), *self._stopping)
         # Every socket is closed with linger 0 in its task's finally, so term() does not block.
         ctx.term()
 
@@ -864,6 +976,7 @@ class KVEventConsumer:
         assert self._ctx is not None
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # pods may have IPv6 addresses; IPv4 ones are reached as before
         sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         return sock
@@ -881,6 +994,9 @@ class KVEventConsumer:
             poller.register(monitor, zmq.POLLIN)
             logger.info("KV events: subscribed to %s at %s", engine.name, engine.endpoint)
             while True:
+                if stream.wants_history:
+                    # Subscribed first: what is published meanwhile waits in the SUB's queue.
+                    stream.on_history(await self._fetch_history(engine))
                 # poll-then-recv instead of wait_for(recv): a cancelled recv could lose a message part.
                 ready = dict(await poller.poll(int(self._tick_s * 1000)))
                 if not ready:
@@ -916,6 +1032,16 @@ class KVEventConsumer:
             assert stream.replay_from is not None
             batches = await self._fetch_replay(engine, stream.replay_from)
             stream.on_replay(batches)
+
+    async def _fetch_history(self, engine: _Engine) -> list[tuple[int, bytes]] | None:
+        """The replay from 0 that ``ask_history`` asks for; ``None`` for no answer, whatever the reason."""
+        try:
+            return await self._fetch_replay(engine, 0)
+        except Exception:
+            # Like a failed batch: counted and survived, and asked again later (``on_history``).
+            engine.stream.errors += 1
+            logger.exception("KV events from %s: error while asking for its history", engine.name)
+            return None
 
     async def _fetch_replay(self, engine: _Engine, start: int) -> list[tuple[int, bytes]] | None:
         """Replay from ``start`` through a fresh DEALER (a REQ socket could read only the first of
