@@ -1,10 +1,12 @@
 """An in-process fake Kubernetes API server speaking Kubernetes' JSON, for discovery tests and
 benchmarks (no cluster here).
 
-It keeps pods and InferencePools, answers LISTs (with ``labelSelector`` / ``fieldSelector``) and
-streams watches as newline-delimited events. Watches replay the events after the
-``resourceVersion`` they start from, as the apiserver's watch cache does, so a test never races
-a LIST→WATCH hand-over. Tests push events, bookmarks, ``410 Gone`` and cut connections.
+It keeps pods and InferencePools, and any namespaced custom kind a test installs (``install``:
+``inferenceobjectives.llm-d.ai`` and the like, 404 until installed, as for a missing CRD), answers
+LISTs (with ``labelSelector`` / ``fieldSelector``) and streams watches as newline-delimited events.
+Watches replay the events after the ``resourceVersion`` they start from, as the apiserver's watch
+cache does, so a test never races a LIST→WATCH hand-over. Tests push events, bookmarks,
+``410 Gone`` and cut connections.
 """
 
 from __future__ import annotations
@@ -83,12 +85,31 @@ class FakeKube:
         self.port = 0
         self.clients: list[ApiClient] = []
 
+        self.custom: dict[str, tuple[str, str]] = {}  # installed custom kind -> (apiVersion, kind)
+
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get(f"/api/v1/namespaces/{NS}/pods", self._pods)
         app.router.add_get(POOLS_PATH.format(ns=NS), self._pools)
         app.router.add_get(POOLS_PATH.format(ns=NS) + "/{name}", self._pool)
+        app.router.add_get(f"/apis/{{group}}/{{version}}/namespaces/{NS}/{{plural}}", self._custom_objects)
         return app
+
+    def install(self, group: str, version: str, plural: str, kind: str) -> str:
+        """Serve a custom kind (its CRD was applied); returns its key for ``put``/``delete``:
+        ``<plural>.<group>``, the CRD's own name."""
+        key = f"{plural}.{group}"
+        self.custom[key] = (f"{group}/{version}", kind)
+        for table, empty in ((self.objects, {}), (self.history, []), (self.compacted, 0)):
+            table.setdefault(key, empty)  # type: ignore[arg-type]
+        return key
+
+    def uninstall(self, key: str) -> None:
+        """The CRD was deleted: its objects go, LISTs answer 404 and open watches end."""
+        del self.custom[key]
+        self.objects[key].clear()
+        for stream in self._open(key):
+            stream.queue.put_nowait(_End())
 
     def client(self) -> ApiClient:
         api = ApiClient(Configuration(host=f"http://127.0.0.1:{self.port}"))
@@ -174,6 +195,18 @@ class FakeKube:
             "InferencePoolList",
             "inference.networking.k8s.io/v1",
         )
+
+    async def _custom_objects(self, request: web.Request) -> web.StreamResponse:
+        info = request.match_info
+        key = f"{info['plural']}.{info['group']}"
+        installed = self.custom.get(key)
+        if installed is None or installed[0] != f"{info['group']}/{info['version']}":
+            self.requests.append((key, "refused", dict(request.query)))
+            return web.json_response(
+                _status(404, "NotFound", "the server could not find the requested resource"), status=404
+            )
+        api_version, kind = installed
+        return await self._serve(key, request, lambda _: True, f"{kind}List", api_version)
 
     async def _pool(self, request: web.Request) -> web.Response:
         pool = self.objects["pools"].get(request.match_info["name"]) if self.pools_installed else None

@@ -73,11 +73,14 @@ class RequestFlow:
         speeds: EngineSpeeds | None = None,
         rewrites: ModelRewrites | None = None,
         links: LinkLearner | None = None,
+        objectives: Mapping[str, int] | None = None,
     ) -> None:
         """``signals``: where arrivals and observed latencies go (demand, the performance model);
         ``control``: flow control, which holds requests while the pool is saturated;
         ``rewrites``: model-name rewrites (the gateway's rewrite header works without rules);
-        ``links``: what answered P/D pairs show of each link's bandwidth."""
+        ``links``: what answered P/D pairs show of each link's bandwidth; ``objectives``: each
+        InferenceObjective's priority by name. ``rewrites`` and ``objectives`` are read per
+        request, so the cluster's objects replace them live."""
         self.picker = picker
         self.metrics = metrics
         self.limits = limits
@@ -88,6 +91,7 @@ class RequestFlow:
         self.speeds = speeds
         self.links = links
         self.rewrites = rewrites if rewrites is not None else ModelRewrites([])
+        self.objectives: Mapping[str, int] = objectives or {}
 
     @property
     def prepares(self) -> bool:
@@ -177,7 +181,9 @@ class Flight:
 
     def parse(self, raw: bytes, subset: frozenset[str] | None = None) -> RouteRequest:
         """The body and headers as a ``RouteRequest``; raises a ``Rejection``."""
-        request = self.request = parse_request(raw, self.flow.limits, self.headers, self.flow.rewrites)
+        request = self.request = parse_request(
+            raw, self.flow.limits, self.headers, self.flow.rewrites, self.flow.objectives
+        )
         if request.requested_model is not None:
             self.flow.metrics.rewritten(request.rewrite_rule, request.requested_model, request.model)
         request.subset = subset

@@ -44,11 +44,12 @@ PRIORITY_HEADER = "x-pd-router-priority"
 OBJECTIVE_HEADERS = ("x-gateway-inference-objective", "x-llm-d-inference-objective")
 
 
-def priority_of(headers: Mapping[str, str]) -> int:
+def priority_of(headers: Mapping[str, str], objectives: Mapping[str, int] | None = None) -> int:
     """Priority from ``x-pd-router-priority`` (an integer) or an objective header; < 0 is sheddable.
 
-    An objective header naming an InferenceObjective rather than a number counts as sheddable when
-    its name ends so (e.g. ``batch-sheddable``), else as the default priority 0.
+    An objective header names an InferenceObjective: its priority in ``objectives`` (the cluster's
+    objects, or the file's ``objectives``), else a number taken as the priority itself, else a
+    name ending in ``sheddable`` (``batch-sheddable``) counts as -1 and any other as the default 0.
     """
     value = headers.get(PRIORITY_HEADER)
     if value is not None:
@@ -59,6 +60,8 @@ def priority_of(headers: Mapping[str, str]) -> int:
     for name in OBJECTIVE_HEADERS:
         objective = headers.get(name)
         if objective is not None:
+            if objectives and objective in objectives:
+                return objectives[objective]
             try:
                 return int(objective)
             except ValueError:
@@ -186,10 +189,12 @@ def parse_request(
     limits: RequestLimits,
     headers: Mapping[str, str] | None = None,
     rewrites: ModelRewrites | None = None,
+    objectives: Mapping[str, int] | None = None,
 ) -> RouteRequest:
     """Validate and digest one completions/chat body (with its request headers, lower-case keys
     or case-insensitive). ``rewrites``: model-name rewrites, applied to ``body`` (what goes
-    upstream) before the served-model check. Raises a ``Rejection`` subclass."""
+    upstream) before the served-model check; ``objectives``: each InferenceObjective's priority
+    by name. Raises a ``Rejection`` subclass."""
     headers = headers or {}
     if len(raw) > limits.max_body_bytes:
         raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
@@ -237,7 +242,7 @@ def parse_request(
         body=body,
         request_id=headers.get("x-request-id") or uuid.uuid4().hex,
         stream=stream,
-        priority=priority_of(headers),
+        priority=priority_of(headers, objectives),
         prompt=text,
         prompt_ids=None if ids is None else ids.ids,
         exact_tokens=ids is not None,

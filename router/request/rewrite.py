@@ -36,21 +36,30 @@ class RewriteRule:
 
 
 class ModelRewrites:
-    """The configured rules by requested name; ``choose`` picks one request's target."""
+    """The rules by requested name, plus at most one rule for any model; ``choose`` picks one
+    request's target."""
 
     def __init__(
         self,
-        rules: Sequence[tuple[str, str, Sequence[tuple[str, float]]]],
+        rules: Sequence[tuple[str, str | None, Sequence[tuple[str, float]]]],
         rng: random.Random | None = None,
     ) -> None:
-        """``rules``: (rule name, requested model, [(target model, weight), ...]) each."""
+        """``rules``: (rule name, requested model or None for any model, [(target model, weight),
+        ...]) each, in precedence order: the first rule for a name wins, and a rule for any model
+        applies only to names no rule names."""
         self.rules: dict[str, RewriteRule] = {}
+        self.any_model: RewriteRule | None = None
         for name, requested, targets in rules:
             weights = [weight for _, weight in targets]
-            self.rules[requested] = RewriteRule(
+            rule = RewriteRule(
                 name, tuple(target for target, _ in targets), tuple(itertools.accumulate(weights))
             )
-        self.targets = frozenset(t for rule in self.rules.values() for t in rule.targets)
+            if requested is None:
+                self.any_model = self.any_model or rule
+            else:
+                self.rules.setdefault(requested, rule)
+        every_rule = (*self.rules.values(), *((self.any_model,) if self.any_model else ()))
+        self.targets = frozenset(t for rule in every_rule for t in rule.targets)
         self._random = (rng or random.Random()).random
 
     def choose(self, requested: str, headers: Mapping[str, str]) -> Rewrite | None:
@@ -64,7 +73,7 @@ class ModelRewrites:
                 if not target or len(target) > MAX_MODEL_NAME:
                     raise ValueError(f"{header} must name a model (1 to {MAX_MODEL_NAME} characters)")
                 return None if target == requested else Rewrite(HEADER_RULE, requested, target)
-        rule = self.rules.get(requested)
+        rule = self.rules.get(requested, self.any_model)
         if rule is None:
             return None
         total = rule.cumulative[-1]

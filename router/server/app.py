@@ -33,7 +33,7 @@ from router.http.session import upstream_session
 from router.observe.metrics import GroupCollector, MetricsListener
 from router.observe.scrape import ANSWERED, ScrapeError, Scraper
 from router.request.types import EngineMetrics
-from router.server.compose import Parts, kubernetes_discovery
+from router.server.compose import Parts, kubernetes_discovery, objectives_and_rewrites_watch
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,10 @@ class App:
             await kube_config.load_kube_config(client_configuration=configuration)
         api = client.ApiClient(configuration)
         self._stack.push_async_callback(api.close)
+        if self.parts.objectives_and_rewrites is None:
+            self.parts.objectives_and_rewrites = objectives_and_rewrites_watch(
+                self.config, api, self.parts.flow
+            )
         return kubernetes_discovery(kube, api)
 
     def _set_ready(self) -> None:
@@ -178,6 +182,8 @@ class App:
             self.discovery = await self._kubernetes()
         source = self.discovery
         discovery = self._run(source.run(control.apply), f"discovery-{source.name}")
+        if parts.objectives_and_rewrites is not None:  # applied as listed; readiness waits for the pool only
+            self._run(parts.objectives_and_rewrites.run(), "objectives-and-rewrites")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timing.initial_wait_s
         while not source.synced and not discovery.done() and loop.time() < deadline:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvindex.base import PrefixIndex
 from kvindex.chat_template import ChatTemplate
@@ -50,6 +50,9 @@ from router.signals.shared import SharedDemand
 from router.state.kv_sink import IndexEventSink
 from router.state.pool import Pool
 from router.state.shared_load import SharedLoad
+
+if TYPE_CHECKING:  # kubernetes_asyncio is imported only when a cluster is followed
+    from router.control.discovery.inference_objects import ClusterPolicy, InferenceObjectsWatch
 
 
 def model_rewrites_from(config: PoolConfig, seed: int | None = None) -> ModelRewrites:
@@ -248,6 +251,9 @@ class Parts:
     shared_load: SharedLoad | None  # the other replicas' reservations, exchanged through Redis
     timing: Timing
     redis_clients: tuple[Any, ...]  # closed at stop
+    # The cluster's InferenceObjectives and InferenceModelRewrites, applied to ``flow`` live
+    # (``objectives_and_rewrites_watch``); made at start with the Kubernetes client when None.
+    objectives_and_rewrites: InferenceObjectsWatch | None = None
 
 
 def build(
@@ -365,6 +371,7 @@ def build(
         engine_speeds,
         model_rewrites_from(config, seed),
         links,
+        objectives=dict(config.objectives),
     )
     gate_results = None
     if shared_redis is not None and config.gate.share_results:
@@ -475,3 +482,35 @@ def _redis_client(url: str, password: str | None) -> Any:
     # No client retries: every call has its own timeout, and each user has its own fallback.
     options: dict[str, Any] = {} if password is None else {"password": password}
     return Redis.from_url(url, decode_responses=False, retry=Retry(NoBackoff(), 0), **options)
+
+
+def objectives_and_rewrites_watch(
+    config: PoolConfig, api: Any, flow: RequestFlow, seed: int | None = None
+) -> InferenceObjectsWatch | None:
+    """The watch of the cluster's InferenceObjectives and InferenceModelRewrites for the followed
+    InferencePool, applied to ``flow`` as they change; None without ``kubernetes.pool_name`` or
+    with ``kubernetes.watch_objectives_and_rewrites`` off.
+
+    Precedence: the cluster's rewrite rules come first and the file's ``model_rewrites`` after, so
+    the cluster wins for a model both name and the file's rules still serve the others (an exact
+    file rule also beats a cluster rule for every model); an objective in the cluster wins over
+    the file's ``objectives`` entry of that name."""
+    kube = config.kubernetes
+    if kube is None or kube.pool_name is None or not kube.watch_objectives_and_rewrites:
+        return None
+    from router.control.discovery.inference_objects import InferenceObjectsWatch
+
+    rng = random.Random(seed)
+    file_rules = [
+        (rule.name or rule.model, rule.model, [(t.model, t.weight) for t in rule.targets])
+        for rule in config.model_rewrites
+    ]
+    exact = [rule for rule in file_rules if rule[1] is not None]
+
+    def apply(policy: ClusterPolicy) -> None:
+        cluster_exact = [rule for rule in policy.rewrites if rule[1] is not None]
+        every_model = [rule for rule in policy.rewrites if rule[1] is None]
+        flow.rewrites = ModelRewrites([*cluster_exact, *exact, *every_model], rng)
+        flow.objectives = {**config.objectives, **policy.objectives}
+
+    return InferenceObjectsWatch(api, kube.namespace, kube.pool_name, apply)

@@ -483,6 +483,12 @@ class KubernetesConfig(_Strict):
     pool_name: str | None = Field(
         None, description="the InferencePool (inference.networking.k8s.io/v1) to follow"
     )
+    watch_objectives_and_rewrites: bool = Field(
+        True,
+        description="with pool_name: follow the InferenceObjective and InferenceModelRewrite objects "
+        "whose poolRef names the pool (llm-d.ai; inference.networking.x-k8s.io where llm-d.ai's kind "
+        "is not installed), live, ahead of objectives and model_rewrites here",
+    )
     selector: dict[str, str] = Field(
         default_factory=dict, description="without an InferencePool: the pods' labels (matchLabels)"
     )
@@ -749,6 +755,11 @@ class PoolConfig(_Strict):
         default_factory=list,
         description="rewrite a requested model name to weighted targets (model versions, LoRA "
         "adapters); the x-gateway-model-name-rewrite header wins over these",
+    )
+    objectives: dict[Annotated[str, Field(min_length=1)], int] = Field(
+        default_factory=dict,
+        description="priority per InferenceObjective name (the x-gateway-inference-objective header): "
+        "higher is served first, negative is sheddable; the cluster's InferenceObjectives win",
     )
 
     @field_validator("weights")

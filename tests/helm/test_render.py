@@ -120,3 +120,19 @@ def test_only_expected_kinds_are_rendered() -> None:
         "ServiceMonitor",
     }
     assert len(of_kind(render(value_set("default")), "Deployment")) == 1
+
+
+def test_the_role_reads_objectives_and_rewrites_under_both_groups() -> None:
+    """The picker lists and watches InferenceObjectives and InferenceModelRewrites under llm-d.ai
+    and the legacy group (router/control/discovery/inference_objects.py)."""
+    role = one(render(value_set("default")), "Role")
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    for group in ("llm-d.ai", "inference.networking.x-k8s.io"):
+        for resource in ("inferenceobjectives", "inferencemodelrewrites"):
+            assert {(group, resource, verb) for verb in ("get", "list", "watch")} <= granted
