@@ -13,8 +13,14 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from gateway import envoy_with_picker, gateway
+from gateway import envoy_with_picker, example_config, gateway, run_envoy
 from helpers import eventually
+
+from loadtests.servers.kube import NS, pod, pool, serving
+from router.control.discovery.kubernetes import KubernetesDiscovery
+from router.server.app import App
+from router.server.compose import build
+from router.server.config import parse_config
 
 pytestmark = pytest.mark.integration
 
@@ -132,3 +138,34 @@ async def test_without_the_switch_the_test_header_steers_nothing(tmp_path: Path)
             assert resp.status == 200
             assert SERVED not in resp.headers
         assert sum(gw.served_by().values()) == 1
+
+
+async def test_data_parallel_ranks_of_an_inference_pool_each_serve_and_are_reported(tmp_path: Path) -> None:
+    """GatewayFollowingEPPRoutingWithDataParallelism from a discovered InferencePool: one pod, its
+    targetPorts its ranks (each an endpoint); a bare IP reaches every rank, ip:port exactly one."""
+    async with echo_pods(3) as ranks, serving() as kube, aiohttp.ClientSession() as http:
+        kube.put("pools", pool("conformance", ports=tuple(int(rank.rsplit(":", 1)[1]) for rank in ranks)))
+        kube.put("pods", pod("dp-pod", "127.0.0.1"))
+        config = parse_config(
+            {
+                "model": "conformance-fake-model",
+                "kubernetes": {"namespace": NS, "pool_name": "conformance"},
+                "proxy": {"enabled": False},
+                "extproc": {"enabled": True, "port": 0, "health_port": 0, "conformance": True},
+                "gate": {"initial_wait_s": 5},
+            }
+        )
+        source = KubernetesDiscovery(kube.client(), NS, pool_name="conformance")
+        async with App(build(config, discovery=source)) as app:
+            await eventually(lambda: len(app.parts.pool.candidate_slots()) == 3, 5, "three ranks admitted")
+            envoy_config, listen, admin = example_config("full-duplex", app.extproc_port, ranks[0])
+            async with run_envoy(envoy_config, tmp_path, admin):
+                url = f"http://127.0.0.1:{listen}"
+                for rank in ranks:
+                    status, served, answer = await post(http, url, rank)
+                    assert status == 200 and served == rank
+                    assert f"127.0.0.1:{answer['httpPort']}" == rank
+                results = await asyncio.gather(*(post(http, url, "127.0.0.1") for _ in range(30)))
+                assert {status for status, _, _ in results} == {200}
+                assert {served for _, served, _ in results} <= set(ranks)
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
