@@ -463,6 +463,7 @@ class GroupController:
                             "role": m.role,
                             "addresses": list(m.addresses),
                             "draining": m.draining,
+                            "kv_events": None if m.kv_events is None else m.kv_events.model_dump(),
                         }
                         for m in sorted(record.spec.members, key=lambda m: m.rank)
                     ],

@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.server.config import Role
+from router.server.config import KVEventsConfig, Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +29,9 @@ class Member:
     draining: bool = False  # deletion timestamp, or the drain annotation
     scale_decision: str | None = None  # an autoscaler's decision id (annotation), for tracing
     sidecars: tuple[str, ...] = ()  # those of ``addresses`` a P/D sidecar listens on
+    # Where the engine behind its one serving address publishes KV events (precise mode subscribes
+    # while the endpoint is in the pool). Kubernetes only: a static file's are subscribed from the file.
+    kv_events: KVEventsConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +43,9 @@ class GroupSpec:
     members: tuple[Member, ...]
 
     def fingerprint(self) -> str:
-        """Changes exactly when the member set, a member's identity or its revision changes."""
-        parts = sorted(f"{m.name}\0{m.identity}\0{m.revision}\0{m.rank}" for m in self.members)
+        """Changes exactly when the member set, a member's identity, its revision or its KV-event
+        publisher changes (a new stream is unknown until it is proven complete: gated again)."""
+        parts = sorted(f"{m.name}\0{m.identity}\0{m.revision}\0{m.rank}{_stream(m)}" for m in self.members)
         text = f"{self.expected_size}\n" + "\n".join(parts)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -58,6 +62,13 @@ class GroupSpec:
     @property
     def scale_decision(self) -> str | None:
         return next((m.scale_decision for m in self.members if m.scale_decision), None)
+
+
+def _stream(member: Member) -> str:
+    # Nothing without one, so that the fingerprints of pools without KV events stay as they were
+    # (replicas of two versions share gate verdicts by fingerprint during a rollout).
+    events = member.kv_events
+    return "" if events is None else f"\0{events.endpoint}\0{events.replay_endpoint}"
 
 
 class Publish(Protocol):

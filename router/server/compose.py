@@ -461,7 +461,7 @@ def kv_events_from(config: PoolConfig, pool: Pool, index: MemoryPrefixIndex) -> 
 
 def kubernetes_discovery(kube: KubernetesConfig, api: Any) -> DiscoverySource:
     """The InferencePool (or label selector) watch over an API client made at start."""
-    from router.control.discovery.kubernetes import KubernetesDiscovery
+    from router.control.discovery.kubernetes import KubernetesDiscovery, KVEventTemplates
 
     return KubernetesDiscovery(
         api,
@@ -470,6 +470,7 @@ def kubernetes_discovery(kube: KubernetesConfig, api: Any) -> DiscoverySource:
         selector=kube.selector or None,
         target_ports=kube.target_ports,
         workers_serve=kube.workers_serve,
+        kv_events=KVEventTemplates(kube.kv_events_endpoint, kube.kv_events_replay_endpoint),
         **({"group_label": kube.group_label} if kube.group_label else {}),
     )
 

@@ -476,6 +476,35 @@ class GateConfig(_Strict):
         return checks
 
 
+# Where a discovered pod's engine publishes its KV events, before the configured templates: the
+# pod's annotations, else a container port so named.
+KV_EVENTS_ANNOTATION = "pd-router.io/kv-events"
+KV_REPLAY_ANNOTATION = "pd-router.io/kv-events-replay"
+KV_EVENTS_PORT_NAME = "kv-events"
+KV_REPLAY_PORT_NAME = "kv-replay"
+IP_PLACEHOLDER = "{ip}"
+WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")  # what vLLM binds to (its default is tcp://*:5557)
+
+
+def is_tcp_endpoint(value: str) -> bool:
+    """``tcp://host:port``, a ZMQ endpoint a subscriber can connect to (an IPv6 host in brackets)."""
+    scheme, sep, rest = value.partition("://")
+    host, colon, port = rest.rpartition(":")
+    return scheme == "tcp" and bool(sep and host and colon) and port.isdigit() and 0 < int(port) < 65536
+
+
+def pod_endpoint(template: str, ip: str) -> str | None:
+    """The endpoint ``template`` names for the pod at ``ip``: ``{ip}``, or a wildcard host as vLLM's
+    own setting has it (``tcp://*:5557``), is that IP. None unless the result is ``tcp://host:port``."""
+    host = f"[{ip}]" if ":" in ip else ip
+    value = template.replace(IP_PLACEHOLDER, host)
+    scheme, sep, rest = value.partition("://")
+    bound, colon, port = rest.rpartition(":")
+    if bound in WILDCARD_HOSTS:
+        value = f"{scheme}{sep}{host}{colon}{port}"
+    return value if is_tcp_endpoint(value) else None
+
+
 class KubernetesConfig(_Strict):
     """Discover the pool from Kubernetes: one InferencePool, or a plain label selector."""
 
@@ -501,6 +530,30 @@ class KubernetesConfig(_Strict):
     workers_serve: bool = Field(
         False, description="every rank serves (wide-EP), not only each group's leader"
     )
+    kv_events_endpoint: str | None = Field(
+        None,
+        description="precise mode: each pod's KV-event publisher (vLLM --kv-events-config endpoint) "
+        f"when neither its annotation {KV_EVENTS_ANNOTATION} nor a container port named "
+        f"{KV_EVENTS_PORT_NAME} names it; {IP_PLACEHOLDER} (or a wildcard host, as vLLM binds) is the "
+        f"pod's IP, e.g. tcp://{IP_PLACEHOLDER}:5557 (vLLM's default port); unset: only those pods are "
+        "subscribed to",
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None,
+        description=f"the same for its replay socket (annotation {KV_REPLAY_ANNOTATION}, port name "
+        f"{KV_REPLAY_PORT_NAME}), e.g. tcp://{IP_PLACEHOLDER}:5558; vLLM has none unless "
+        "replay_endpoint is configured",
+    )
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
+    @classmethod
+    def _endpoint_template(cls, value: str | None) -> str | None:
+        if value is not None and (
+            pod_endpoint(value, "10.0.0.1") is None
+            or pod_endpoint(value, "10.0.0.1") == pod_endpoint(value, "10.0.0.2")
+        ):
+            raise ValueError(f"must be tcp://{IP_PLACEHOLDER}:<port> (or tcp://*:<port>, as vLLM binds)")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> KubernetesConfig:

@@ -28,6 +28,11 @@ Pods become ``Member``s:
   chart's sidecar snippet does), or every address of a pod annotated
   ``pd-router.io/pd-sidecar: "true"`` (another sidecar, such as llm-d's); behind Envoy, pairs end
   only there (``extproc.pd_pairs: auto``);
+* a pod's engine publishes KV events (precise mode) where its annotation ``pd-router.io/kv-events``
+  says (``tcp://{ip}:5557``, or vLLM's own ``tcp://*:5557``: the host is the pod's IP), else on a
+  container port named ``kv-events``, else where the configured template says; its replay socket
+  likewise (``pd-router.io/kv-events-replay``, ``kv-replay``). Only a pod that serves exactly one
+  address gets one (a data-parallel pod's ranks each publish on a port of their own);
 * a LeaderWorkerSet group is one group: ``leaderworkerset.sigs.k8s.io/group-key`` joins its pods
   (``group-index`` is reused when LWS recreates a group, the key is not),
   ``leaderworkerset.sigs.k8s.io/worker-index`` is the rank (0 = the leader) and the annotation
@@ -51,6 +56,14 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvindex.aio import stop_task
 from router.control.topology import GroupSpec, Member, Publish, Role
+from router.server.config import (
+    KV_EVENTS_ANNOTATION,
+    KV_EVENTS_PORT_NAME,
+    KV_REPLAY_ANNOTATION,
+    KV_REPLAY_PORT_NAME,
+    KVEventsConfig,
+    pod_endpoint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +123,44 @@ class _Target:
         return ",".join(f"{key}={value}" for key, value in self.selector if key != LWS_WORKER_INDEX)
 
 
+@dataclass(frozen=True, slots=True)
+class KVEventTemplates:
+    """Where a pod's engine publishes KV events when neither its annotations nor its port names say:
+    ``{ip}`` (or a wildcard host) is the pod's IP; None: nowhere."""
+
+    endpoint: str | None = None
+    replay_endpoint: str | None = None
+
+
+def kv_event_publisher(
+    pod: Mapping[str, Any], ip: str, templates: KVEventTemplates = KVEventTemplates()
+) -> tuple[KVEventsConfig | None, list[str]]:
+    """Where the engine of ``pod`` (at ``ip``) publishes KV events, or None, and the problems found
+    on the way (an annotation that is no endpoint: ignored, the next source is tried)."""
+    annotations: Mapping[str, str] = (pod.get("metadata") or {}).get("annotations") or {}
+    ports: dict[str, int] = {}
+    for name, port in _named_ports(pod):
+        ports.setdefault(name, port)  # the first so named, in the pod's order
+    problems: list[str] = []
+
+    def resolve(annotation: str, port_name: str, template: str | None) -> str | None:
+        given = annotations.get(annotation)
+        if given:
+            endpoint = pod_endpoint(str(given), ip)
+            if endpoint is not None:
+                return endpoint
+            problems.append(f"annotation {annotation}={given!r} is not tcp://host:port")
+        if port_name in ports:
+            return pod_endpoint(f"tcp://{{ip}}:{ports[port_name]}", ip)
+        return None if template is None else pod_endpoint(template, ip)
+
+    endpoint = resolve(KV_EVENTS_ANNOTATION, KV_EVENTS_PORT_NAME, templates.endpoint)
+    if endpoint is None:
+        return None, problems
+    replay = resolve(KV_REPLAY_ANNOTATION, KV_REPLAY_PORT_NAME, templates.replay_endpoint)
+    return KVEventsConfig(endpoint=endpoint, replay_endpoint=replay), problems
+
+
 class _WatchEndedEarly(Exception):
     """The API server (or something in between) closed the watch before its timeout."""
 
@@ -122,7 +173,8 @@ class KubernetesDiscovery:
     Give ``pool_name`` to follow an InferencePool, or ``selector`` and ``target_ports`` instead.
     ``group_label`` joins pods into groups (default: the LeaderWorkerSet group key);
     ``workers_serve`` gives ranks other than 0 their addresses too (wide expert parallelism, where
-    every rank serves; in multi-node TP/PP only the leader does).
+    every rank serves; in multi-node TP/PP only the leader does). ``kv_events``: where pods publish
+    KV events when their annotations and port names do not say.
     """
 
     name = "kubernetes"
@@ -137,6 +189,7 @@ class KubernetesDiscovery:
         target_ports: Sequence[int] = (),
         group_label: str = LWS_GROUP_KEY,
         workers_serve: bool = False,
+        kv_events: KVEventTemplates = KVEventTemplates(),
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         watch_timeout_s: int = 300,
@@ -159,6 +212,7 @@ class KubernetesDiscovery:
         self._pool_name = pool_name
         self._group_label = group_label
         self._workers_serve = workers_serve
+        self._kv_events = kv_events
         self._backoff_initial_s = backoff_initial_s
         self._backoff_max_s = backoff_max_s
         self._watch_timeout_s = watch_timeout_s
@@ -176,6 +230,7 @@ class KubernetesDiscovery:
         self._publish: Publish | None = None
         self._last: tuple[GroupSpec, ...] | None = None
         self._role_warned: set[str] = set()  # pod UIDs already logged for an unknown role
+        self._kv_warned: set[str] = set()  # pod UIDs already logged for their KV-event publisher
         self._pool_missing_logged = False
 
     async def run(self, publish: Publish) -> None:
@@ -402,6 +457,7 @@ class KubernetesDiscovery:
             sizes[key] = max(sizes.get(key, 1), size)
         present = {_uid(pod) for pod in self._pods.values()}
         self._role_warned &= present
+        self._kv_warned &= present
         return tuple(
             GroupSpec(key, sizes[key], tuple(sorted(members[key], key=lambda m: (m.rank, m.name))))
             for key in sorted(members)
@@ -435,6 +491,7 @@ class KubernetesDiscovery:
         serves = in_pool and (rank == 0 or self._workers_serve)
         ports = _active_ports(target.ports, annotations) if serves else []
         fronted = _sidecar_ports(pod, annotations, ports)
+        kv_events = self._kv_event_publisher(pod, name, ip, len(ports))
         member = Member(
             name=name,
             identity=_identity(pod, status),
@@ -448,8 +505,27 @@ class KubernetesDiscovery:
             draining=meta.get("deletionTimestamp") is not None
             or str(annotations.get(DRAIN_ANNOTATION, "")).lower() == "true",
             scale_decision=annotations.get(SCALE_DECISION_ANNOTATION) or None,
+            kv_events=kv_events,
         )
         return group or name, max(1, _int(annotations.get(LWS_SIZE), 1)), member
+
+    def _kv_event_publisher(
+        self, pod: Mapping[str, Any], name: str, ip: str, serving: int
+    ) -> KVEventsConfig | None:
+        """Its engine's KV-event publisher, for a pod serving one address; problems logged once."""
+        if serving == 0:
+            return None
+        found, problems = kv_event_publisher(pod, ip, self._kv_events)
+        if found is not None and serving > 1:
+            # vLLM's data-parallel ranks publish on the port plus their rank: which address is
+            # which rank is not known here, and one stream for all would credit each with the others'.
+            problems.append(f"it serves {serving} addresses; KV events are followed for one-address pods")
+            found = None
+        uid = _uid(pod)
+        if problems and uid not in self._kv_warned:
+            self._kv_warned.add(uid)
+            log.warning("pod %s: %s", name, "; ".join(problems))
+        return found
 
 
 def _name(obj: Mapping[str, Any]) -> str:
@@ -491,14 +567,24 @@ def _sidecar_ports(pod: Mapping[str, Any], annotations: Mapping[str, str], ports
     """Which of ``ports`` a P/D sidecar listens on: all with the annotation, else those named so."""
     if str(annotations.get(SIDECAR_ANNOTATION, "")).lower() == "true":
         return set(ports)
-    spec = pod.get("spec") or {}
-    named = set()
-    for container in (*(spec.get("containers") or ()), *(spec.get("initContainers") or ())):
-        for port in container.get("ports") or ():
-            name = str(port.get("name") or "")
-            if name == SIDECAR_PORT_NAME or name.startswith(SIDECAR_PORT_NAME + "-"):
-                named.add(_int(port.get("containerPort"), -1))
+    named = {
+        port
+        for name, port in _named_ports(pod)
+        if name == SIDECAR_PORT_NAME or name.startswith(SIDECAR_PORT_NAME + "-")
+    }
     return named.intersection(ports)
+
+
+def _named_ports(pod: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """(name, container port) of every named port of the containers and (restartable) init
+    containers, in the pod's order."""
+    spec = pod.get("spec") or {}
+    return [
+        (str(port["name"]), _int(port.get("containerPort"), -1))
+        for container in (*(spec.get("containers") or ()), *(spec.get("initContainers") or ()))
+        for port in container.get("ports") or ()
+        if port.get("name")
+    ]
 
 
 def _address(ip: str, port: int) -> str:

@@ -30,8 +30,9 @@ from loadtests.servers.kube import (
     pool,
     serving,
 )
-from router.control.discovery.kubernetes import KubernetesDiscovery
+from router.control.discovery.kubernetes import KubernetesDiscovery, KVEventTemplates, kv_event_publisher
 from router.control.topology import GroupSpec, Member
+from router.server.config import ConfigError, KVEventsConfig, parse_config
 
 
 class Recorder:
@@ -460,3 +461,132 @@ async def test_a_restarted_container_is_a_new_identity_so_a_new_epoch(kube: Fake
         assert after.members[0].identity == "uid-p0#1"
         assert after.members[0].addresses == before.members[0].addresses
         assert after.fingerprint() != before.fingerprint()
+
+
+# -- where a pod's engine publishes KV events: its annotation, a port so named, the template --------
+
+TEMPLATES = KVEventTemplates("tcp://{ip}:5557", "tcp://{ip}:5558")
+NO_TEMPLATES = KVEventTemplates()
+
+
+def publisher(obj: dict[str, Any], templates: KVEventTemplates = NO_TEMPLATES) -> KVEventsConfig | None:
+    found, problems = kv_event_publisher(obj, obj["status"]["podIP"], templates)
+    assert not problems
+    return found
+
+
+def test_the_annotation_names_the_publisher_with_the_pods_ip_or_vllms_own_wildcard() -> None:
+    annotated = pod(
+        "a",
+        "10.0.0.5",
+        annotations={
+            "pd-router.io/kv-events": "tcp://{ip}:6000",
+            "pd-router.io/kv-events-replay": "tcp://*:6001",
+        },
+    )
+    assert publisher(annotated, TEMPLATES) == KVEventsConfig(
+        endpoint="tcp://10.0.0.5:6000", replay_endpoint="tcp://10.0.0.5:6001"
+    )
+    literal = pod("b", "10.0.0.6", annotations={"pd-router.io/kv-events": "tcp://10.9.9.9:7000"})
+    # The replay socket is the template's: each address is found on its own.
+    assert publisher(literal, TEMPLATES) == KVEventsConfig(
+        endpoint="tcp://10.9.9.9:7000", replay_endpoint="tcp://10.0.0.6:5558"
+    )
+    v6 = pod("c", "fd00::5", annotations={"pd-router.io/kv-events": "tcp://0.0.0.0:5557"})
+    assert publisher(v6) == KVEventsConfig(endpoint="tcp://[fd00::5]:5557")
+
+
+def test_a_port_named_kv_events_comes_before_the_template() -> None:
+    named = with_ports(pod("a", "10.0.0.5"), "containers", "vllm", [("http", 8000), ("kv-events", 6100)])
+    assert publisher(named, TEMPLATES) == KVEventsConfig(
+        endpoint="tcp://10.0.0.5:6100", replay_endpoint="tcp://10.0.0.5:5558"
+    )
+    both = with_ports(
+        pod("b", "10.0.0.6"), "initContainers", "relay", [("kv-events", 6100), ("kv-replay", 6101)]
+    )
+    assert publisher(both) == KVEventsConfig(
+        endpoint="tcp://10.0.0.6:6100", replay_endpoint="tcp://10.0.0.6:6101"
+    )
+    # The annotation wins over the port.
+    annotated = with_ports(
+        pod("c", "10.0.0.7", annotations={"pd-router.io/kv-events": "tcp://{ip}:6200"}),
+        "containers",
+        "vllm",
+        [("kv-events", 6100)],
+    )
+    assert publisher(annotated).endpoint == "tcp://10.0.0.7:6200"  # type: ignore[union-attr]
+
+
+def test_the_template_last_and_nothing_without_one() -> None:
+    plain = pod("a", "10.0.0.5")
+    assert publisher(plain, TEMPLATES) == KVEventsConfig(
+        endpoint="tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558"
+    )
+    assert publisher(plain, KVEventTemplates("tcp://{ip}:5557")) == KVEventsConfig(
+        endpoint="tcp://10.0.0.5:5557"
+    )
+    assert publisher(plain) is None
+    # A replay socket alone is no publisher.
+    replay_only = pod("b", "10.0.0.6", annotations={"pd-router.io/kv-events-replay": "tcp://{ip}:5558"})
+    assert publisher(replay_only) is None
+
+
+def test_an_annotation_that_is_no_endpoint_is_reported_and_the_next_source_is_used() -> None:
+    wrong = pod("a", "10.0.0.5", annotations={"pd-router.io/kv-events": "10.0.0.5:5557"})
+    found, problems = kv_event_publisher(wrong, "10.0.0.5", TEMPLATES)
+    assert found == KVEventsConfig(endpoint="tcp://10.0.0.5:5557", replay_endpoint="tcp://10.0.0.5:5558")
+    assert problems == ["annotation pd-router.io/kv-events='10.0.0.5:5557' is not tcp://host:port"]
+
+
+@pytest.mark.parametrize(
+    "template",
+    ["tcp://10.0.0.9:5557", "tcp://{ip}", "{ip}:5557", "ipc:///tmp/{ip}", "tcp://{ip}:70000"],
+)
+def test_a_template_must_name_each_pods_own_tcp_endpoint(template: str) -> None:
+    data = {"model": "m", "kubernetes": {"pool_name": "qwen", "kv_events_endpoint": template}}
+    with pytest.raises(ConfigError, match=r"kubernetes\.kv_events_endpoint: must be tcp://"):
+        parse_config(data)
+
+
+async def test_discovery_reports_each_members_publisher_and_a_change_is_a_new_fingerprint(
+    kube: FakeKube,
+) -> None:
+    kube.put("pools", pool(ports=(8000,)))
+    kube.put("pods", pod("annotated", "10.0.0.1", annotations={"pd-router.io/kv-events": "tcp://*:6000"}))
+    kube.put("pods", pod("templated", "10.0.0.2"))
+    source = discovery(kube, kv_events=KVEventTemplates("tcp://{ip}:5557"))
+    async with running(source) as seen:
+        await grows(seen, 1, "the first snapshot")
+        assert seen.member("annotated").kv_events == KVEventsConfig(endpoint="tcp://10.0.0.1:6000")
+        assert seen.member("templated").kv_events == KVEventsConfig(endpoint="tcp://10.0.0.2:5557")
+        before = seen.groups["annotated"].fingerprint()
+        kube.put("pods", pod("annotated", "10.0.0.1", annotations={"pd-router.io/kv-events": "tcp://*:6010"}))
+        await grows(seen, 2, "the annotation changed")
+        assert seen.member("annotated").kv_events == KVEventsConfig(endpoint="tcp://10.0.0.1:6010")
+        # Another stream is unknown until proven complete: a new epoch, gated again.
+        assert seen.groups["annotated"].fingerprint() != before
+
+
+async def test_a_pod_serving_several_addresses_gets_no_publisher_and_one_warning(
+    kube: FakeKube, caplog: pytest.LogCaptureFixture
+) -> None:
+    kube.put("pools", pool(ports=(8000, 8001)))
+    kube.put("pods", pod("ranks", "10.0.0.1", annotations={"pd-router.io/kv-events": "tcp://{ip}:5557"}))
+    source = discovery(kube)
+    with caplog.at_level(logging.WARNING, logger="router.control.discovery.kubernetes"):
+        async with running(source) as seen:
+            await grows(seen, 1, "the first snapshot")
+            assert seen.member("ranks").addresses == ("10.0.0.1:8000", "10.0.0.1:8001")
+            assert seen.member("ranks").kv_events is None
+            kube.put(
+                "pods",
+                pod(
+                    "ranks",
+                    "10.0.0.1",
+                    annotations={"pd-router.io/kv-events": "tcp://{ip}:5557"},
+                    ready=False,
+                ),
+            )
+            await grows(seen, 2, "another snapshot")  # the same problem, not logged again
+    warnings = [r.getMessage() for r in caplog.records if "KV events are followed" in r.getMessage()]
+    assert warnings == ["pod ranks: it serves 2 addresses; KV events are followed for one-address pods"]
