@@ -17,9 +17,10 @@ ever talk to the addresses discovery reported for the group being gated.
   a pair), so decode pods are admitted first. When the pair fails and the peer cannot answer a
   canary on its own either, the peer failed, not the group: the next peer is tried, and no
   failed canary is charged to the group's pacing.
-* ``kv_events`` — precise mode: the engine's KV-event stream is complete (``kv_covered``).
+* ``kv_events`` — precise mode: the KV-event stream of every serving address that publishes one
+  (that the consumer follows) is complete (``kv_covered``); passes at once when none does.
 
-The names, and which run by default on each discovery source, are declared once in
+The names, and where each runs by default (discovery source, precise mode), are declared once in
 ``router.server.config.GATE_CHECKS``; a gate whose checks are not exactly those refuses to start.
 """
 
@@ -77,8 +78,12 @@ class Gate:
         scraper: Scraper,
         exchange: TwoLegExchange,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        follows_kv_events: Callable[[str], bool] | None = None,
     ) -> None:
+        """``follows_kv_events``: whether an endpoint's KV-event stream is followed (precise mode)."""
         self.settings = settings
+        self.follows_kv_events = follows_kv_events
         self.pool = pool
         self.session = session
         self.scraper = scraper
@@ -233,10 +238,18 @@ class Gate:
         return await self._request("POST", address, "/v1/completions", what, orjson.dumps(body), headers)
 
     async def _kv_events(self, group: GroupSpec) -> str:
-        slots = [self.pool.slot_by_address[a] for a in _serving(group) if a in self.pool.slot_by_address]
-        while not all(self.pool.kv_covered[slot] for slot in slots):
+        pool, follows = self.pool, self.follows_kv_events
+        slots = []
+        for address in _serving(group):
+            slot = pool.slot_by_address.get(address)
+            endpoint = None if slot is None else pool.by_slot[slot]
+            if endpoint is not None and follows is not None and follows(endpoint.id):
+                slots.append(endpoint.slot)
+        if not slots:
+            return "publishes no KV events: nothing to wait for"
+        while not all(pool.kv_covered[slot] for slot in slots):
             await asyncio.sleep(0.05)  # the consumer flips kv_covered; the check's timeout bounds it
-        return "KV-event streams complete"
+        return f"KV-event streams complete ({len(slots)})"
 
     # -- helpers ----------------------------------------------------------------------------------
     async def _request(

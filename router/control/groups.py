@@ -183,6 +183,7 @@ class GroupController:
                     link=member.link,
                     name=name,
                     sidecar=address in member.sidecars,
+                    kv_events=member.kv_events,
                 )
         pool = self.pool
         for endpoint_id in record.endpoint_ids:
@@ -194,10 +195,12 @@ class GroupController:
             if current is not None and (
                 current.address != config.address
                 or current.role != config.role
+                or current.kv_events != config.kv_events
                 or (before is not None and before != identities[endpoint_id])
             ):
                 # The same name on another address, or another engine behind it (a replaced or
-                # restarted container): a different endpoint, starting with nothing cached.
+                # restarted container), or another KV-event stream to follow: a different
+                # endpoint, starting with nothing cached (and unsubscribed, then subscribed anew).
                 pool.admitted[current.slot] = False
                 pool.remove(endpoint_id)
                 current = None

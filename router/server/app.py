@@ -1,9 +1,9 @@
 """The service's lifecycle: start the built ``Parts`` in order, stop them in reverse.
 
 Build (``router.server.compose.build``): pool → prefix indexes → picker → producers → ``RequestFlow``,
-every unit converted once. Start: engine session → discovery, the group controller and the first
-gate round → first scrape round (so the pool has candidates before traffic) → scrape loop → the
-signals tick → KV events / shared index → each enabled listener (proxy, ext_proc, KEDA, metrics) →
+every unit converted once. Start: engine session → KV events → discovery, the group controller and
+the first gate round → first scrape round (so the pool has candidates before traffic) → scrape loop
+→ the signals tick → shared index → each enabled listener (proxy, ext_proc, KEDA, metrics) →
 ready. Stop (SIGTERM): not ready (still serving for ``shutdown.lame_duck_s``,
 ``router.server.cli``) → listeners drain in-flight requests → loops stop → clients close.
 Adding an adapter is its module plus one ``enter_async_context`` line in ``start``.
@@ -79,6 +79,10 @@ class App:
             stack.push_async_callback(client.aclose)
         session = await stack.enter_async_context(upstream_session())
         self._scraper = Scraper(session, parts.timing.scrape_timeout_s)
+        if parts.kv_events is not None:
+            # Before the first gate round: its kv_events check waits for streams to be followed.
+            await parts.kv_events.start()
+            stack.push_async_callback(parts.kv_events.stop)
         await self._start_control(session)
         await self.scrape_once()
         self._run(self._scrape_loop(), "scrape-loop")
@@ -91,9 +95,6 @@ class App:
             self._run(parts.shared_load.run(), "shared-load")
         if parts.precise_keys is not None:
             stack.callback(parts.precise_keys.close)
-        if parts.kv_events is not None:
-            await parts.kv_events.start()
-            stack.push_async_callback(parts.kv_events.stop)
         if parts.shared is not None:
             await parts.shared.start()
             stack.push_async_callback(parts.shared.close)
@@ -172,7 +173,15 @@ class App:
         parts, timing = self.parts, self.parts.timing
         assert self._scraper is not None
         exchange = TwoLegExchange(session, timing.connect_timeout_s, timing.request_timeout_s)
-        gate = Gate(parts.gate, parts.pool, session, self._scraper, exchange)
+        kv_events = parts.kv_events
+        gate = Gate(
+            parts.gate,
+            parts.pool,
+            session,
+            self._scraper,
+            exchange,
+            follows_kv_events=None if kv_events is None else kv_events.follows,
+        )
         control = self.control = GroupController(
             parts.pool, gate, parts.control, parts.control_metrics, shared=parts.gate_results
         )

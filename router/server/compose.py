@@ -47,7 +47,7 @@ from router.signals.perf import LearnSettings, PerformanceModel
 from router.signals.saturation import SignalsCollector
 from router.signals.scaling import PoolSignals, ScalingSettings
 from router.signals.shared import SharedDemand
-from router.state.kv_sink import IndexEventSink
+from router.state.kv_sink import IndexEventSink, PoolSubscriptions
 from router.state.pool import Pool
 from router.state.shared_load import SharedLoad
 
@@ -70,7 +70,10 @@ def gate_settings_from(config: PoolConfig) -> GateSettings:
     checks = (
         gate.checks
         if gate.checks is not None
-        else default_checks("kubernetes" if config.kubernetes is not None else "static")
+        else default_checks(
+            "kubernetes" if config.kubernetes is not None else "static",
+            precise=config.index.precise is not None,
+        )
     )
     return GateSettings(
         model=config.model,
@@ -294,13 +297,21 @@ def build(
     if shared is not None:
         producers.append(SharedLookup(shared, pool))
 
+    # Discovered engines' KV-event streams are followed while their endpoints are in the pool.
+    subscriptions = None if kv_events is None else PoolSubscriptions(kv_events)
+
     def forget_slot(slot: int) -> None:
-        # An endpoint left (or a new engine replaced it): its slot's entries go before reuse.
+        # An endpoint left (or a new engine replaced it): its slot's entries go before reuse, and
+        # its stream is no longer followed.
         index.drop_slot(slot)
         if precise_index is not None:
             precise_index.drop_slot(slot)
+        if subscriptions is not None:
+            subscriptions.left(slot)
 
     pool.on_removed = forget_slot
+    if subscriptions is not None:
+        pool.on_added = subscriptions.joined
     # Link bandwidths from answered pairs: always observed and exported, applied per signals.learn.
     links = LinkLearner(link_costs_from(config), apply=config.signals.learns("links"))
     picker = picker_from(config, pool, index, precise=precise_index, seed=seed, links=links)
@@ -446,6 +457,8 @@ def precise_keys_from(config: PoolConfig) -> PreciseKeys:
 
 
 def kv_events_from(config: PoolConfig, pool: Pool, index: MemoryPrefixIndex) -> KVEventConsumer:
+    """The consumer, subscribed to the file's endpoints' streams (discovered ones join with their
+    endpoints: ``PoolSubscriptions``)."""
     precise = config.index.precise
     assert precise is not None
     consumer = KVEventConsumer(

@@ -421,25 +421,52 @@ class ExtProcConfig(_Strict):
 
 DiscoverySource = Literal["static", "kubernetes"]
 
-# Every ready-gate check, in the order they run by default, and the discovery sources whose pools
-# run it when gate.checks is not set: a file's endpoints are what the operator wrote, so cheap
-# checks; a cluster's pods come and go with rollouts, so their weights and connectors are proven
-# before traffic. router/control/gate.py implements exactly these (it refuses to start otherwise).
-GATE_CHECKS: dict[str, tuple[DiscoverySource, ...]] = {
-    "ranks": ("static", "kubernetes"),
-    "revision": ("static", "kubernetes"),
-    "model": ("kubernetes",),
-    "kv_capacity": ("static", "kubernetes"),
-    "canary": ("kubernetes",),
-    "canary_pair": ("kubernetes",),
-    "kv_events": (),  # precise mode only
+
+@dataclass(frozen=True, slots=True)
+class DefaultOn:
+    """Where a gate check runs when ``gate.checks`` is not set."""
+
+    sources: tuple[DiscoverySource, ...]  # the discovery sources whose pools run it
+    precise_only: bool = False  # and only in precise mode (index.precise), where what it checks exists
+
+
+# Every ready-gate check, in the order they run by default, and where it runs when gate.checks is
+# not set: a file's endpoints are what the operator wrote, so cheap checks; a cluster's pods come
+# and go with rollouts, so their weights, connectors and KV-event streams are proven before traffic.
+# router/control/gate.py implements exactly these (it refuses to start otherwise).
+GATE_CHECKS: dict[str, DefaultOn] = {
+    "ranks": DefaultOn(("static", "kubernetes")),
+    "revision": DefaultOn(("static", "kubernetes")),
+    "model": DefaultOn(("kubernetes",)),
+    "kv_capacity": DefaultOn(("static", "kubernetes")),
+    "canary": DefaultOn(("kubernetes",)),
+    "canary_pair": DefaultOn(("kubernetes",)),
+    "kv_events": DefaultOn(("kubernetes",), precise_only=True),
 }
 GateCheck = Literal[tuple(GATE_CHECKS)]  # type: ignore[valid-type]
 
 
-def default_checks(source: DiscoverySource) -> tuple[str, ...]:
-    """The gate checks a pool discovered by ``source`` runs when ``gate.checks`` is not set."""
-    return tuple(name for name, sources in GATE_CHECKS.items() if source in sources)
+def default_checks(source: DiscoverySource, *, precise: bool) -> tuple[str, ...]:
+    """The gate checks a pool discovered by ``source`` runs when ``gate.checks`` is not set;
+    ``precise``: in precise mode."""
+    return tuple(
+        name for name, on in GATE_CHECKS.items() if source in on.sources and (precise or not on.precise_only)
+    )
+
+
+def _default_checks_described() -> str:
+    described = []
+    sources: tuple[tuple[DiscoverySource, str], ...] = (
+        ("static", "for a static file"),
+        ("kubernetes", "on Kubernetes"),
+    )
+    for source, where in sources:
+        checks = default_checks(source, precise=False)
+        extra = [name for name in default_checks(source, precise=True) if name not in checks]
+        described.append(
+            f"{', '.join(checks)} {where}" + (f" (plus {', '.join(extra)} in precise mode)" if extra else "")
+        )
+    return "; ".join(described)
 
 
 class GateConfig(_Strict):
@@ -447,9 +474,8 @@ class GateConfig(_Strict):
 
     checks: list[GateCheck] | None = Field(
         None,
-        description=f"run in this order; default: {', '.join(default_checks('static'))} for a static "
-        f"file, and {', '.join(default_checks('kubernetes'))} on Kubernetes; kv_events (precise "
-        "mode) runs only when listed",
+        description=f"run in this order; default: {_default_checks_described()}; kv_events passes "
+        "at once for endpoints that publish no KV events",
     )
     check_timeout_s: Positive = Field(10.0, description="a check that takes longer fails the gate")
     canary_max_tokens: Annotated[int, Field(ge=1, le=2)] = Field(

@@ -21,7 +21,7 @@ from router.state.features import CANDIDATE, FEATURES, SCRAPED, SHARED
 
 if TYPE_CHECKING:
     from router.request.types import EngineMetrics
-    from router.server.config import EndpointConfig
+    from router.server.config import EndpointConfig, KVEventsConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ class Endpoint:
     metrics: EngineMetrics | None = None
     failures: int = 0  # consecutive failed scrapes or forwards
     last_error: str | None = None
+    # Where its engine publishes KV events, as discovery reported it: precise mode follows that
+    # stream while the endpoint is in the pool.
+    kv_events: KVEventsConfig | None = None
 
     @property
     def can_prefill(self) -> bool:
@@ -126,6 +129,8 @@ class Pool:
         # A slot's endpoint left the pool: what was learned about it (cached prefixes) must go
         # before the slot serves another endpoint.
         self.on_removed: Callable[[int], None] = _forget
+        # An endpoint joined (its KV-event stream, if any, is subscribed to: router/state/kv_sink.py).
+        self.on_added: Callable[[Endpoint], None] = _joined
         self._free_slots: list[int] = []
         self._allocate(capacity)
 
@@ -166,6 +171,7 @@ class Pool:
             group=config.group or config.id,
             link=config.link,
             slot=slot,
+            kv_events=config.kv_events,
         )
         self.endpoints[endpoint.id] = endpoint
         self.by_slot[slot] = endpoint
@@ -177,6 +183,7 @@ class Pool:
         self.can_decode[slot] = endpoint.can_decode
         self.link_index[slot] = self.links.setdefault(endpoint.link, len(self.links))
         self.refresh(endpoint, config)
+        self.on_added(endpoint)
         return endpoint
 
     def refresh(self, endpoint: Endpoint, config: EndpointConfig) -> None:
@@ -319,4 +326,8 @@ def _nothing() -> None:
 
 
 def _forget(slot: int) -> None:
+    pass
+
+
+def _joined(endpoint: Endpoint) -> None:
     pass
