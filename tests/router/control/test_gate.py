@@ -14,8 +14,7 @@ from helpers import eventually, router_for
 from router.control import gate as gate_module
 from router.control.gate import CANARY_HEADER, Gate, GateFailed, GateSettings
 from router.control.topology import GroupSpec, Member
-from router.server.compose import gate_settings_from
-from router.server.config import GATE_CHECKS, EndpointConfig, parse_config
+from router.server.config import GATE_CHECKS, EndpointConfig
 from router.state.pool import Pool
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
@@ -315,30 +314,3 @@ async def test_kv_events_waits_for_the_streams_it_follows_and_passes_where_none_
     pool.kv_covered[pool.endpoints["publishing"].slot] = True  # the consumer proved its stream complete
     await gate.run(group("publishing", "10.0.0.2:8000"), results.append)
     assert results[-1].ok and results[-1].detail == "KV-event streams complete (1)"
-
-
-def test_kv_events_runs_by_default_on_kubernetes_in_precise_mode_only(tmp_path) -> None:
-    precise = {"precise": {"tokenizer": str(tmp_path / "tokenizer.json")}}
-    kube = {"namespace": "llm", "pool_name": "qwen"}
-    static = [{"address": "10.0.0.1:8000", "kv_events": {"endpoint": "tcp://10.0.0.1:5557"}}]
-    checks = {
-        name: gate_settings_from(parse_config({"model": "m", **data})).checks
-        for name, data in {
-            "kubernetes, precise": {"kubernetes": kube, "index": precise},
-            "kubernetes": {"kubernetes": kube},
-            "static, precise": {"endpoints": static, "index": precise},
-        }.items()
-    }
-    assert checks == {
-        "kubernetes, precise": (
-            "ranks",
-            "revision",
-            "model",
-            "kv_capacity",
-            "canary",
-            "canary_pair",
-            "kv_events",
-        ),
-        "kubernetes": ("ranks", "revision", "model", "kv_capacity", "canary", "canary_pair"),
-        "static, precise": ("ranks", "revision", "kv_capacity"),  # as before: listed, it runs
-    }

@@ -91,6 +91,12 @@ def test_without_gate_checks_a_file_gets_the_cheap_ones_and_a_cluster_the_canari
         "canary",
         "canary_pair",
     )
+    # Precise mode adds kv_events on a cluster (discovered pods' streams), not to a file's checks.
+    precise = {"precise": {"tokenizer": "tokenizer.json"}}
+    precise_cluster = parse_config({"model": "m", "kubernetes": {"pool_name": "pool"}, "index": precise})
+    assert gate_settings_from(precise_cluster).checks == (*gate_settings_from(cluster).checks, "kv_events")
+    precise_file = parse_config({**MINIMAL, "index": precise})
+    assert gate_settings_from(precise_file).checks == ("ranks", "revision", "kv_capacity")
     listed = parse_config({**MINIMAL, "gate": {"checks": ["kv_events", "ranks"]}})
     assert gate_settings_from(listed).checks == ("kv_events", "ranks")
 
