@@ -12,6 +12,8 @@ from typing import Any
 import msgpack
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 from helpers import RecordingSink, eventually
 from helpers import kv_payload as payload
 from hypothesis import HealthCheck, given, settings
@@ -943,3 +945,30 @@ async def test_an_engine_removed_before_start_is_never_subscribed(publishers: li
         assert sink.calls == [("cleared", "gone"), ("covered", "gone", False)]
     finally:
         await consumer.stop()
+
+
+async def test_an_engine_on_an_ipv6_pod_address_is_reached() -> None:
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.IPV6, 1)
+    try:
+        pub.bind("tcp://[::1]:0")
+    except zmq.ZMQError:
+        pub.close(linger=0)
+        ctx.term()
+        pytest.skip("no IPv6 loopback here")
+    sink = RecordingSink()
+    consumer = KVEventConsumer(sink, tick_s=0.05)
+    consumer.add_engine("v6", pub.getsockopt_string(zmq.LAST_ENDPOINT))  # tcp://[::1]:port
+    await consumer.start()
+    try:
+
+        async def arrived() -> bool:
+            await pub.send_multipart([b"", (0).to_bytes(8, "big"), payload(stored(7))])
+            return sink.blocks.get("v6") == {7}
+
+        await eventually(arrived, what="a batch over IPv6")
+    finally:
+        await consumer.stop()
+        pub.close(linger=0)
+        ctx.term()
