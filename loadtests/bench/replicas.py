@@ -8,19 +8,29 @@ process on the quality harness's virtual clock over the same simulated engines; 
 to them round robin; Redis is an in-process fakeredis server the N share, so every run is
 deterministic. Each row: TTFT p50/p90/p99 and goodput, and p90 over one replica's in the same run.
 
+``--envoy`` runs the same comparison as processes on the wall clock: each replica a
+``pd-router serve`` process, one real Envoy whose ext_proc cluster has every replica as a host
+(round robin, the example configuration), a real redis-server for the shared setups, the engines
+serving real HTTP. On a small machine the replicas, Envoy, the engines and the load share the
+cores, so read its ratios, not its milliseconds, and run it more than once.
+
     python -m loadtests.bench.replicas                        # (a) and (b), 1/2/4 replicas
     python -m loadtests.bench.replicas --scenarios b --replicas 1,2 --seeds 0,1
+    python -m loadtests.bench.replicas --envoy --scenarios ab --replicas 1,2,4
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
 import json
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -36,6 +46,9 @@ from loadtests.bench.scenarios import (
     router_links,
     scaled_links,
 )
+from loadtests.servers.envoy import in_front_of_picker, run_envoy
+from loadtests.servers.picker import PickerProcess
+from loadtests.servers.redis import RedisServer
 from router.adapters.openai import Proxy
 from router.http.exchange import TwoLegExchange
 from router.server import app as app_module
@@ -46,7 +59,7 @@ from simulator.cluster import link_cost_from
 from simulator.engine import SimCluster, TimeModel
 from simulator.local_net import LocalSession
 from simulator.virtual_clock import run_virtual
-from simulator.workloads.client import Summary, percentile
+from simulator.workloads.client import Summary, percentile, run_workload
 
 
 class _FakeRedis(fakeredis.FakeAsyncRedis):
@@ -136,6 +149,55 @@ def run_setup(
     return run_virtual(run, seed=seed)
 
 
+async def _run_behind_envoy(
+    scn: Scenario, setup: Setup, seed: int, requests: int, workdir: Path, share_load_ms: float | None
+) -> Summary:
+    tm = TimeModel()
+    workload = scn.workload(requests, scn.rate, seed)
+    link_cost = link_cost_from(LinksConfig.model_validate(scn.links)) if scn.links else None
+    async with contextlib.AsyncExitStack() as stack:
+        cluster = await stack.enter_async_context(SimCluster(scn.specs(tm), link_cost))
+        endpoints = [(n, cluster.address(n), e.spec.role, e.spec.link) for n, e in cluster.engines.items()]
+        data = config_data(endpoints, tm, router_links(scn, tm.speed), {"policy": "joint"})
+        # The replicas' own listeners and scraping (PickerProcess) over the scenario's pool and model.
+        settings = {key: value for key, value in data.items() if key not in ("proxy", "scrape")}
+        if setup.shared:
+            redis = RedisServer(workdir)
+            redis.start()
+            stack.callback(redis.kill)
+            settings["index"] = {
+                **settings.get("index", {}),
+                "redis": {
+                    "url": f"redis://127.0.0.1:{redis.port}/0",
+                    **({} if share_load_ms is None else {"share_load_ms": share_load_ms}),
+                },
+            }
+        pickers = [
+            PickerProcess(workdir / f"picker{i}", [], settings=settings) for i in range(setup.replicas)
+        ]
+        for picker in pickers:
+            stack.push_async_callback(picker.kill)
+            await picker.start()
+        first, *others = pickers
+        config, listen, admin = in_front_of_picker("buffered", first.port, replicas=[p.port for p in others])
+        await stack.enter_async_context(run_envoy(config, workdir, admin))
+        return await run_workload(f"http://127.0.0.1:{listen}", workload, name=setup.name)
+
+
+def run_setup_behind_envoy(
+    scn: Scenario,
+    setup: Setup,
+    seed: int,
+    *,
+    share_load_ms: float | None = None,
+    requests: int | None = None,
+) -> Summary:
+    """One setup as processes behind a real Envoy, on the wall clock (see the module's docstring)."""
+    with tempfile.TemporaryDirectory(prefix="replicas-") as workdir:
+        run = _run_behind_envoy(scn, setup, seed, requests or scn.requests, Path(workdir), share_load_ms)
+        return asyncio.run(run)
+
+
 def row(scn: Scenario, setup: Setup, summaries: list[Summary], one_p90: float | None) -> dict[str, Any]:
     ttft = [r.ttft_s for s in summaries for r in s.ok]
     total = sum(len(s.results) for s in summaries)
@@ -177,6 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--share-load-ms", type=float, help="index.redis.share_load_ms (default: its default)"
     )
     parser.add_argument("--requests", type=int, help="requests per run (default: the scenario's)")
+    parser.add_argument(
+        "--envoy", action="store_true", help="processes behind a real Envoy on the wall clock instead"
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead")
     args = parser.parse_args(argv)
     counts = sorted({int(n) for n in args.replicas.split(",")} | {1})
@@ -186,10 +251,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         scn = SCENARIOS[key]
         one_p90 = None
         for setup in setups(counts):
-            summaries = [
-                run_setup(scn, setup, seed, share_load_ms=args.share_load_ms, requests=args.requests)
-                for seed in seeds
-            ]
+            if args.envoy:
+                summaries = [
+                    run_setup_behind_envoy(
+                        scn, setup, seed, share_load_ms=args.share_load_ms, requests=args.requests
+                    )
+                    for seed in seeds
+                ]
+            else:
+                summaries = [
+                    run_setup(scn, setup, seed, share_load_ms=args.share_load_ms, requests=args.requests)
+                    for seed in seeds
+                ]
             result = row(scn, setup, summaries, one_p90)
             if setup.replicas == 1:
                 one_p90 = result["ttft_p90_ms"]

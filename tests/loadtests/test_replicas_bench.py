@@ -26,8 +26,8 @@ def test_replicas_that_share_their_load_route_nearly_as_one() -> None:
         p90(Setup(2, True), share_load_ms=0),  # the prefix index shared, the reservations not
         p90(Setup(2, False)),
     )
-    assert one <= shared < index_only < blind
-    assert shared <= 1.25 * one  # virtual time: the same numbers on every machine
+    assert shared < index_only < blind
+    assert shared <= 1.1 * one  # virtual time: the same numbers on every machine
 
 
 def test_the_command_prints_one_row_per_setup(capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,3 +36,13 @@ def test_the_command_prints_one_row_per_setup(capsys: pytest.CaptureFixture[str]
     rows = json.loads(capsys.readouterr().out)
     assert [r["setup"] for r in rows] == ["1 replica", "2 replicas, shared", "2 replicas, independent"]
     assert rows[0]["p90_vs_one"] == 1.0 and all(r["ok"] == "40/40" for r in rows)
+
+
+def test_behind_a_real_envoy_every_replica_setup_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--envoy", "--scenarios", "b", "--replicas", "2", "--requests", "30", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["setup"] for r in rows] == ["1 replica", "2 replicas, shared", "2 replicas, independent"]
+    for r in rows:
+        ok, sent = r["ok"].split("/")
+        assert ok == sent and int(sent) > 0  # every request routed by the replicas through Envoy
