@@ -12,17 +12,12 @@ replica then counts its own rates alone, logs once per outage and counts the fai
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-log = logging.getLogger(__name__)
+from router.state.replica_board import ReplicaBoard
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +36,11 @@ class Rates:
         )
 
 
+def _rates(value: Any) -> Rates:
+    prompt_tokens, requests, answer_tokens = (float(v) for v in value)
+    return Rates(prompt_tokens, requests, answer_tokens)
+
+
 class SharedDemand:
     def __init__(
         self,
@@ -51,61 +51,29 @@ class SharedDemand:
         timeout_s: float = 0.5,
         clock: Callable[[], float] = time.time,  # wall time: replicas compare each other's stamps
     ) -> None:
-        self.client = client
-        self.key = f"{namespace}:demand"
-        self.stale_after_s = stale_after_s
-        self.timeout_s = timeout_s
-        self.clock = clock
-        self.replica = secrets.token_hex(4)
+        self.board = ReplicaBoard(
+            client,
+            f"{namespace}:demand",
+            "rates",
+            _rates,
+            stale_after_s=stale_after_s,
+            timeout_s=timeout_s,
+            clock=clock,
+        )
         self.others = Rates()  # the fresh others' sum, as last read
         self.replicas = 1  # replicas whose rates the pool's include (this one too)
-        self.errors = 0
-        self._down = False
+
+    @property
+    def replica(self) -> str:
+        return self.board.replica
+
+    @property
+    def errors(self) -> int:
+        return self.board.errors
 
     async def exchange(self, own: Rates) -> None:
         """Publish ``own``, then read the others' (``others``, ``replicas``)."""
-        now = self.clock()
-        entry = orjson.dumps({"at": now, "rates": [own.prompt_tokens, own.requests, own.answer_tokens]})
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    pipe.hset(self.key, self.replica, entry)
-                    pipe.pexpire(self.key, max(1, int(self.stale_after_s * 3000)))
-                    pipe.hgetall(self.key)
-                    *_, everyone = await pipe.execute()
-                gone = self._read(everyone, now)
-                if gone:
-                    await self.client.hdel(self.key, *gone)
-        except Exception as exc:  # Redis down, slow or answering garbage: count our own
-            self.errors += 1
-            self.others, self.replicas = Rates(), 1
-            if not self._down:
-                log.warning("shared demand: Redis exchange failed (%s); counting this replica's only", exc)
-            self._down = True
-            return
-        if self._down:
-            log.info("shared demand: Redis is back; counting %d replicas", self.replicas)
-        self._down = False
-
-    def _read(self, everyone: dict[bytes, bytes], now: float) -> list[bytes]:
-        """Sum the fresh others into ``others``; returns the fields of replicas gone stale."""
-        others, replicas, gone = Rates(), 1, []
-        me = self.replica.encode()
-        for field, raw in everyone.items():
-            if field == me:
-                continue
-            try:
-                entry = orjson.loads(raw)
-                at = float(entry["at"])
-                prompt_tokens, requests, answer_tokens = (float(v) for v in entry["rates"])
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                log.warning("shared demand: ignoring a malformed entry %r", field)
-                gone.append(field)
-                continue
-            if now - at > self.stale_after_s:
-                gone.append(field)
-                continue
-            others += Rates(prompt_tokens, requests, answer_tokens)
-            replicas += 1
-        self.others, self.replicas = others, replicas
-        return gone
+        others = await self.board.exchange([own.prompt_tokens, own.requests, own.answer_tokens])
+        others = others or []  # Redis failed: count our own
+        self.others = sum(others, Rates())
+        self.replicas = 1 + len(others)

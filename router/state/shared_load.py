@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import math
-import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import orjson
 
 from router.state.features import SHARED
 from router.state.pool import Pool
-
-log = logging.getLogger(__name__)
+from router.state.replica_board import ReplicaBoard
 
 
 class SharedLoad:
@@ -50,18 +46,19 @@ class SharedLoad:
         min_gap_s: float = 0.01,
         clock: Callable[[], float] = time.time,  # wall time: replicas compare each other's stamps
     ) -> None:
-        self.client = client
-        self.key = f"{namespace}:load"
         self.pool = pool
         self.interval_s = interval_s
         # Three missed exchanges: the replica is gone (or cut off), its share no longer counts.
-        self.stale_after_s = max(3 * interval_s, 0.5)
-        self.timeout_s = timeout_s
-        self.clock = clock
-        self.replica = secrets.token_hex(4)
+        self.board = ReplicaBoard(
+            client,
+            f"{namespace}:load",
+            "load",
+            _load,
+            stale_after_s=max(3 * interval_s, 0.5),
+            timeout_s=timeout_s,
+            clock=clock,
+        )
         self.replicas = 1  # replicas whose reservations the pool's view includes (this one too)
-        self.errors = 0
-        self._down = False
         self.min_gap_s = min_gap_s
         self._changed = asyncio.Event()
         self._running: asyncio.Task[None] | None = None
@@ -91,7 +88,7 @@ class SharedLoad:
         ``min_gap_s``: fresh enough for a pick, without one round trip per caller."""
         if self._running is not None:
             await asyncio.shield(self._running)
-        elif not self._down and time.monotonic() - self._last >= self.min_gap_s:
+        elif not self.board.down and time.monotonic() - self._last >= self.min_gap_s:
             await self._start()
         # down: the heartbeat in ``run`` finds out when Redis is back
 
@@ -118,65 +115,39 @@ class SharedLoad:
                 out[endpoint.id] = [float(a[slot]) for a in arrays]
         return out
 
+    @property
+    def replica(self) -> str:
+        return self.board.replica
+
+    @property
+    def errors(self) -> int:
+        return self.board.errors
+
+    @property
+    def stale_after_s(self) -> float:
+        return self.board.stale_after_s
+
     async def exchange(self) -> None:
-        """Publish this replica's reservations, then read the others' into the pool."""
-        now = self.clock()
-        entry = orjson.dumps({"at": now, "load": self.own()})
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    pipe.hset(self.key, self.replica, entry)
-                    pipe.pexpire(self.key, max(1, int(self.stale_after_s * 3000)))
-                    pipe.hgetall(self.key)
-                    *_, everyone = await pipe.execute()
-                gone = self._read(everyone, now)
-                if gone:
-                    await self.client.hdel(self.key, *gone)
-        except Exception as exc:  # Redis down, slow or answering garbage: route on our own view
-            self.errors += 1
-            self._clear()
-            self.replicas = 1
-            if not self._down:
-                log.warning("shared load: Redis exchange failed (%s); routing on this replica's own", exc)
-            self._down = True
-            return
-        if self._down:
-            log.info("shared load: Redis is back; %d replicas share their reservations", self.replicas)
-        self._down = False
-
-    def _clear(self) -> None:
-        for name in SHARED:
-            getattr(self.pool, f"others_{name}")[:] = 0
-
-    def _read(self, everyone: dict[bytes, bytes], now: float) -> list[bytes]:
-        """Sum the fresh others' reservations into the pool; returns the stale or broken fields."""
-        pool, me = self.pool, self.replica.encode()
-        others = [getattr(pool, f"others_{name}") for name in SHARED]
-        sums = [np.zeros_like(a) for a in others]
-        replicas, gone = 1, []
-        for field, raw in everyone.items():
-            if field == me:
-                continue
-            try:
-                entry = orjson.loads(raw)
-                at, load = float(entry["at"]), entry["load"]
-                rows = [
-                    (pool.endpoints.get(name), [float(v) for v in values]) for name, values in load.items()
-                ]
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-                log.warning("shared load: ignoring a malformed entry %r", field)
-                gone.append(field)
-                continue
-            if now - at > self.stale_after_s:
-                gone.append(field)
-                continue
-            replicas += 1
-            for endpoint, values in rows:
-                if endpoint is None or len(values) != len(sums):  # an endpoint we do not know (yet)
+        """Publish this replica's reservations, then add the others' up into the pool (none when
+        Redis failed: the pick then sees this replica's own, as without sharing)."""
+        others = await self.board.exchange(self.own()) or []
+        pool = self.pool
+        sums = {name: np.zeros_like(getattr(pool, name)) for name in SHARED}
+        for load in others:
+            for endpoint_id, values in load.items():
+                endpoint = pool.endpoints.get(endpoint_id)
+                if endpoint is None:  # an endpoint this replica does not know (yet)
                     continue
-                for total, value in zip(sums, values, strict=True):
-                    total[endpoint.slot] += value
-        for array, total in zip(others, sums, strict=True):
-            array[:] = total
-        self.replicas = replicas
-        return gone
+                for name, value in zip(SHARED, values, strict=True):
+                    sums[name][endpoint.slot] += value
+        for name, total in sums.items():
+            getattr(pool, f"others_{name}")[:] = total
+        self.replicas = 1 + len(others)
+
+
+def _load(value: Any) -> dict[str, list[float]]:
+    """An entry's reservations per endpoint id, each one number per shared feature."""
+    load = {str(name): [float(v) for v in values] for name, values in value.items()}
+    if any(len(values) != len(SHARED) for values in load.values()):
+        raise ValueError(f"{len(SHARED)} numbers per endpoint")
+    return load
