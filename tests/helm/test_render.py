@@ -4,6 +4,7 @@ arguments and pool configuration through pd-router's own parser and loader."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,12 @@ def test_the_role_reads_objectives_and_rewrites_under_both_groups() -> None:
     for group in ("llm-d.ai", "inference.networking.x-k8s.io"):
         for resource in ("inferenceobjectives", "inferencemodelrewrites"):
             assert {(group, resource, verb) for verb in ("get", "list", "watch")} <= granted
+
+
+def test_the_value_sets_the_docs_show_are_the_ones_tested() -> None:
+    """A values block in docs/ whose first line names a chart test set is that file, byte for byte."""
+    docs = "\n".join(p.read_text() for p in sorted((CHART.parent.parent / "docs").glob("*.md")))
+    shown = re.findall(r"```yaml\n(# helm/pd-router/ci/([\w-]+\.yaml)\n.*?)```", docs, re.S)
+    assert shown, "the deployment guide shows a chart test set"
+    for block, name in shown:
+        assert block == (CHART / "ci" / name).read_text(), f"docs show a stale copy of ci/{name}"
