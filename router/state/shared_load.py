@@ -43,7 +43,7 @@ class SharedLoad:
         timeout_s: float = 0.5,
         # Closer together, exchanges only cost CPU (~0.5 ms each for 16 pods and 4 replicas, redis-py):
         # at 2 ms, four replicas on two cores routed worse than with no sharing at all.
-        min_gap_s: float = 0.01,
+        min_gap_s: float = 0.005,
         clock: Callable[[], float] = time.time,  # wall time: replicas compare each other's stamps
     ) -> None:
         self.pool = pool
