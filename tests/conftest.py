@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from redis.asyncio import Redis
 
 from loadtests.servers.redis import RedisServer
 
@@ -17,3 +18,11 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+async def redis_client(redis: RedisServer) -> AsyncIterator[Redis]:
+    """A client of that server with a short socket timeout (a test never waits long on Redis)."""
+    client = Redis(host="127.0.0.1", port=redis.port, socket_timeout=0.5)
+    yield client
+    await client.aclose()

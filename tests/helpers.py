@@ -249,3 +249,13 @@ async def sse_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
             payload = line[6:].strip()
             events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
     return events
+
+
+class Clock:
+    """A clock the test moves by hand (``clock.now += 2.0``), for code that takes ``clock=``."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

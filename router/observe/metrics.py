@@ -340,7 +340,7 @@ class IndexCollector:
                 yield declared.one_sample(float(getattr(self.shared, counter)))
         if self.shared_load is not None:
             yield series.SHARED_LOAD_REPLICAS.one_sample(float(self.shared_load.replicas))
-            yield series.SHARED_LOAD_ERRORS.one_sample(float(self.shared_load.errors))
+            yield series.SHARED_LOAD_ERRORS.one_sample(float(self.shared_load.board.errors))
 
 
 class MetricsListener:

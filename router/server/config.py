@@ -307,10 +307,11 @@ class RedisConfig(_Strict):
     )
     ttl_s: Positive = Field(600.0, description="entries expire this long after their last write")
     lookup_timeout_ms: Positive = Field(50.0, description="past this, a request routes on the local view")
-    share_load_ms: NonNegative = Field(
+    share_load_ms: Annotated[float, Field(ge=0, le=10_000, allow_inf_nan=False)] = Field(
         50.0,
-        description="replicas exchange their in-flight reservations per endpoint this often, so each "
-        "routes on what all have in flight (0: each sees only its own)",
+        description="replicas exchange their in-flight reservations per endpoint at least this often "
+        "(also when they change, at most every 5 ms, and before each pick), so each routes on what all "
+        "have in flight; a replica silent for three intervals drops out (0: each sees only its own)",
     )
 
 

@@ -612,5 +612,5 @@ class PoolSignals:
         yield refused
         yield series.SIGNALS_REPLICAS.one_sample(1 if self.shared is None else self.shared.replicas)
         if self.shared is not None:
-            yield series.SHARED_DEMAND_ERRORS.one_sample(self.shared.errors)
+            yield series.SHARED_DEMAND_ERRORS.one_sample(self.shared.board.errors)
         yield series.SCALING_HORIZON.one_sample(self.horizon_s())

@@ -63,14 +63,6 @@ class SharedDemand:
         self.others = Rates()  # the fresh others' sum, as last read
         self.replicas = 1  # replicas whose rates the pool's include (this one too)
 
-    @property
-    def replica(self) -> str:
-        return self.board.replica
-
-    @property
-    def errors(self) -> int:
-        return self.board.errors
-
     async def exchange(self, own: Rates) -> None:
         """Publish ``own``, then read the others' (``others``, ``replicas``)."""
         others = await self.board.exchange([own.prompt_tokens, own.requests, own.answer_tokens])

@@ -115,18 +115,6 @@ class SharedLoad:
                 out[endpoint.id] = [float(a[slot]) for a in arrays]
         return out
 
-    @property
-    def replica(self) -> str:
-        return self.board.replica
-
-    @property
-    def errors(self) -> int:
-        return self.board.errors
-
-    @property
-    def stale_after_s(self) -> float:
-        return self.board.stale_after_s
-
     async def exchange(self) -> None:
         """Publish this replica's reservations, then add the others' up into the pool (none when
         Redis failed: the pick then sees this replica's own, as without sharing)."""

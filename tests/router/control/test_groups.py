@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 
 import pytest
-from helpers import eventually
+from helpers import Clock, eventually
 
 from router.control.gate import CheckResult, GateFailed
 from router.control.groups import ControlSettings, GroupController, GroupState
@@ -36,14 +36,6 @@ class ScriptedGate:
 
     def fails(self, key: str, why: str) -> None:
         self._queue(key).put_nowait(why)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def rank(

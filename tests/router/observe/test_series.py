@@ -44,12 +44,12 @@ def every_collector_with_a_sample() -> CollectorRegistry:
     perf.observe_ttft(1000.0, 0.2, 0.1)
     scaling = PoolSignals(pool, perf, lambda: picker.cost_model, lambda _: None, clock=lambda: 1000.0)
     scaling.tick()
-    scaling.shared = SimpleNamespace(replicas=2, errors=1)  # read by the export alone
+    scaling.shared = SimpleNamespace(replicas=2, board=SimpleNamespace(errors=1))  # read by the export alone
     registry.register(scaling)
     registry.register(GroupCollector(lambda: {("admitted", "decode"): 2}, dict))
     stats = SimpleNamespace(**{counter: 1 for counter in series.KV_EVENTS})
     shared_index = SimpleNamespace(healthy=True, **{counter: 1 for counter in series.SHARED_INDEX})
-    shared_load = SimpleNamespace(replicas=2, errors=1)
+    shared_load = SimpleNamespace(replicas=2, board=SimpleNamespace(errors=1))
     registry.register(
         IndexCollector(SimpleNamespace(stats=lambda: {"p0": stats}), shared_index, pool, shared_load)
     )

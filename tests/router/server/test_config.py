@@ -42,6 +42,10 @@ def test_minimal_config_gets_sane_defaults() -> None:
         ),
         ({**MINIMAL, "picker": {"policy": "random"}}, "picker.policy: Input should be 'joint',"),
         (
+            {**MINIMAL, "index": {"redis": {"share_load_ms": 1e9}}},
+            "index.redis.share_load_ms: Input should be less than or equal to 10000",
+        ),
+        (
             {**MINIMAL, "kubernetes": {"namespace": "x"}},
             "kubernetes: set exactly one of pool_name and selector",
         ),

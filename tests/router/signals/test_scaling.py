@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import PD_TWO_RACKS, Metrics, make_config, make_picker, make_pool
+from helpers import PD_TWO_RACKS, Clock, Metrics, make_config, make_picker, make_pool
 
 from router.scheduling.costmodel.view import EngineModel
 from router.signals.perf import LearnSettings, PerformanceModel
@@ -123,20 +123,12 @@ def test_capacity_per_replica_at_the_slo() -> None:
     assert decode_capacity(perf, 1000.0, 0.005, 0.0, 0.8) == 1.0  # the SLO is below one step
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def pool_signals(metrics: dict[str, Metrics], **sections: Any) -> tuple[PoolSignals, Clock]:
     config = make_config(PD_TWO_RACKS, slo={"ttft_ms": 1000, "tpot_ms": 50}, **sections)
     pool = make_pool(config, metrics, 100.0)
     pool.stale_after_s = 1e9
     picker = make_picker(config, pool)
-    clock = Clock()
+    clock = Clock(100.0)
     signals = PoolSignals(
         pool,
         PerformanceModel(picker.cost_model.model, LearnSettings()),

@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
+from helpers import Clock
 from redis.asyncio import Redis
 
 from loadtests.servers.redis import RedisServer
@@ -19,14 +20,6 @@ from router.state.pool import Pool
 from router.state.shared_load import SharedLoad
 
 pytestmark = pytest.mark.integration
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def replica_pool(*order: str) -> Pool:
@@ -55,18 +48,13 @@ async def poll(check: Callable[[], Awaitable[bool]], deadline_s: float) -> bool:
     return False
 
 
-@pytest.fixture
-async def client(redis: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis(host="127.0.0.1", port=redis.port, socket_timeout=0.5)
-    yield client
-    await client.aclose()
-
-
-async def test_a_replica_sees_what_the_others_have_in_flight_by_endpoint_not_by_slot(client: Redis) -> None:
+async def test_a_replica_sees_what_the_others_have_in_flight_by_endpoint_not_by_slot(
+    redis_client: Redis,
+) -> None:
     clock = Clock()
     pool_a, pool_b = replica_pool("e0", "e1"), replica_pool("e1", "e0")  # slots differ
-    a = SharedLoad(client, "pool", pool_a, interval_s=0.05, clock=clock)
-    b = SharedLoad(client, "pool", pool_b, interval_s=0.05, clock=clock)
+    a = SharedLoad(redis_client, "pool", pool_a, interval_s=0.05, clock=clock)
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=0.05, clock=clock)
     e0 = pool_a.endpoints["e0"].slot
     pool_a.reserve(e0, None, prefill_tokens=3000.0, kv_tokens=3500.0)
     held = pool_b.reserve(pool_b.endpoints["e1"].slot, None, prefill_tokens=100.0, kv_tokens=200.0)
@@ -82,34 +70,36 @@ async def test_a_replica_sees_what_the_others_have_in_flight_by_endpoint_not_by_
     await a.exchange()
     assert load_on(pool_a, "e1") == (0.0, 0.0, 0)
     assert load_on(pool_a, "e0") == (3000.0, 3500.0, 1)  # its own is never doubled
-    assert await client.pttl("pool:load") > 0  # the hash expires once nobody writes
+    assert await redis_client.pttl("pool:load") > 0  # the hash expires once nobody writes
 
 
-async def test_a_replica_that_stops_writing_drops_out_and_its_entry_goes(client: Redis) -> None:
+async def test_a_replica_that_stops_writing_drops_out_and_its_entry_goes(redis_client: Redis) -> None:
     clock = Clock()
     pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
-    a = SharedLoad(client, "pool", pool_a, interval_s=0.05, clock=clock)
-    b = SharedLoad(client, "pool", pool_b, interval_s=0.05, clock=clock)
+    a = SharedLoad(redis_client, "pool", pool_a, interval_s=0.05, clock=clock)
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=0.05, clock=clock)
     pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=500.0, kv_tokens=600.0)
     await a.exchange()
     await b.exchange()
     assert load_on(pool_b, "e0") == (500.0, 600.0, 1)
-    clock.now += b.stale_after_s + 0.1  # A was killed with its request in flight
+    clock.now += b.board.stale_after_s + 0.1  # A was killed with its request in flight
     await b.exchange()
     assert load_on(pool_b, "e0") == (0.0, 0.0, 0)
     assert b.replicas == 1
-    assert await client.hkeys("pool:load") == [b.replica.encode()]
+    assert await redis_client.hkeys("pool:load") == [b.board.replica.encode()]
 
 
-async def test_malformed_entries_and_unknown_endpoints_are_skipped(client: Redis) -> None:
+async def test_malformed_entries_and_unknown_endpoints_are_skipped(redis_client: Redis) -> None:
     clock = Clock()
     pool_b = replica_pool("e0")
-    b = SharedLoad(client, "pool", pool_b, interval_s=0.05, clock=clock)
-    await client.hset("pool:load", "garbage", b"not json")
-    await client.hset("pool:load", "other", b'{"at": 1000.0, "load": {"e9": [1, 2, 3], "e0": [4, 5, 6]}}')
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=0.05, clock=clock)
+    await redis_client.hset("pool:load", "garbage", b"not json")
+    await redis_client.hset(
+        "pool:load", "other", b'{"at": 1000.0, "load": {"e9": [1, 2, 3], "e0": [4, 5, 6]}}'
+    )
     await b.exchange()
     assert load_on(pool_b, "e0") == (4.0, 5.0, 6)  # e9 is not in this replica's pool (yet)
-    assert b"garbage" not in await client.hkeys("pool:load")
+    assert b"garbage" not in await redis_client.hkeys("pool:load")
 
 
 async def test_without_redis_each_replica_routes_on_its_own_view(redis: RedisServer) -> None:
@@ -122,14 +112,14 @@ async def test_without_redis_each_replica_routes_on_its_own_view(redis: RedisSer
     redis.kill()
     await b.exchange()
     assert load_on(pool_b, "e0") == (0.0, 0.0, 0)  # the others' share is dropped, not frozen
-    assert (b.errors, b.replicas) == (1, 1)
+    assert (b.board.errors, b.replicas) == (1, 1)
     await client.aclose()
 
 
-async def test_a_change_is_told_at_once_not_at_the_next_interval(client: Redis) -> None:
+async def test_a_change_is_told_at_once_not_at_the_next_interval(redis_client: Redis) -> None:
     pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
-    a = SharedLoad(client, "pool", pool_a, interval_s=30.0)  # the heartbeat alone would take 30 s
-    b = SharedLoad(client, "pool", pool_b, interval_s=30.0)
+    a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0)  # the heartbeat alone would take 30 s
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0)
     pool_a.on_load_change = a.changed
     task = asyncio.create_task(a.run())
     try:
@@ -148,9 +138,9 @@ async def test_a_change_is_told_at_once_not_at_the_next_interval(client: Redis) 
             await task
 
 
-async def test_concurrent_refreshes_share_one_exchange(client: Redis) -> None:
+async def test_concurrent_refreshes_share_one_exchange(redis_client: Redis) -> None:
     pool = replica_pool("e0")
-    shared = SharedLoad(client, "pool", pool, interval_s=30.0)
+    shared = SharedLoad(redis_client, "pool", pool, interval_s=30.0)
     calls = 0
     real = shared.exchange
 
@@ -164,9 +154,9 @@ async def test_concurrent_refreshes_share_one_exchange(client: Redis) -> None:
     assert calls == 1
 
 
-async def test_a_caller_that_gives_up_does_not_stop_later_exchanges(client: Redis) -> None:
+async def test_a_caller_that_gives_up_does_not_stop_later_exchanges(redis_client: Redis) -> None:
     pool = replica_pool("e0")
-    shared = SharedLoad(client, "pool", pool, interval_s=30.0, min_gap_s=0.0)
+    shared = SharedLoad(redis_client, "pool", pool, interval_s=30.0, min_gap_s=0.0)
     slow = asyncio.Event()
     real, calls = shared.exchange, 0
 
