@@ -386,7 +386,10 @@ def tree_module(name: str) -> Any:
 def started_app(app_module: Any, config: Any, seed: int) -> Any:
     """The tree's ``App`` (an async context manager) as the tree builds it: from
     ``compose.build``'s parts, or from the configuration itself in older trees."""
-    build = getattr(tree_module("router.server.compose"), "build", None)
+    try:
+        build = getattr(tree_module("router.server.compose"), "build", None)
+    except ModuleNotFoundError:  # a tree from before compose.py (e304d75 and its time)
+        build = None
     return app_module.App(config, seed=seed) if build is None else app_module.App(build(config, seed=seed))
 
 
