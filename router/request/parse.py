@@ -1,11 +1,25 @@
-"""OpenAI request body (and headers) → ``RouteRequest``, with the size limits enforced.
+"""A request body (and headers) → ``RouteRequest``, with the size limits enforced.
 
 The one parser for every adapter: the proxy, the ext_proc picker (through ``router.flow.flight``) and the
 sidecar's body check all reject the same mistakes with the same ``router.request.rejections`` answer.
+
+The request path names the API, so the body's shape is read as that API's (``API_PATHS``):
+
+* ``/v1/completions`` (``prompt``: a string, token ids, or a batch of either) and
+  ``/v1/chat/completions`` (``messages``);
+* ``/v1/messages``, Anthropic's Messages API (``system``, ``messages``, ``max_tokens`` required);
+* ``/v1/responses``, OpenAI's Responses API (``instructions``, ``input``, ``max_output_tokens``).
+
+The last two become the chat conversation vLLM renders for them (``kvindex.chat_messages``), so
+they are routed on the same prompt text as a chat request. Any other path is an API we do not
+read: its request is routed on load alone, to one pod (``other_request``). Without a path (an
+ext_proc stream whose headers had no ``:path``) the body's keys decide between completions and chat.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import reprlib
 import uuid
 from collections.abc import Mapping
@@ -15,12 +29,37 @@ from typing import Any
 import numpy as np
 import orjson
 
+from kvindex.chat_messages import anthropic_messages, responses_messages
 from kvindex.hashing import MAX_TOKEN_ID, estimate_tokens, text_block_keys, token_block_keys
 from router.request.rejections import BadRequest, BodyTooLarge, UnknownModel
 from router.request.rewrite import ModelRewrites
 from router.request.types import RequestLimits, RouteRequest
 
-COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+COMPLETIONS, CHAT, MESSAGES, RESPONSES, OTHER = "completions", "chat", "messages", "responses", "other"
+# The APIs whose bodies are read, by path. A path that ends with one of these (a gateway's prefix
+# before it) is that API too.
+API_PATHS = {
+    "/v1/completions": COMPLETIONS,
+    "/v1/chat/completions": CHAT,
+    "/v1/messages": MESSAGES,
+    "/v1/responses": RESPONSES,
+}
+# Where a prefill leg can hand its KV to a decode leg: vLLM answers these with the prefill's
+# ``kv_transfer_params``. Its Responses API takes them in a request but never answers with them.
+PD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages"})
+
+
+def api_of(path: str | None) -> str | None:
+    """The API a request path names (``API_PATHS``), ``OTHER``, or None without a path."""
+    if path is None:
+        return None
+    path = path.split("?", 1)[0].rstrip("/")
+    api = API_PATHS.get(path)
+    if api is None:
+        api = next((name for known, name in API_PATHS.items() if path.endswith(known)), OTHER)
+    return api
+
+
 # orjson encodes at most this many nested arrays/objects (it reads up to 1024), and the proxy
 # re-encodes bodies (the usage request of a streamed answer, both legs of a P/D pair): a deeper
 # body is refused at parse, whichever adapter it came through, instead of failing half-way.
@@ -112,33 +151,48 @@ def _common_prefix(prompts: list[list[int]]) -> list[int]:
     return first[:n]
 
 
+def text_batch(body: dict[str, Any]) -> list[str] | None:
+    """A completions ``prompt`` that is a batch of two or more strings, else None."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        return prompt
+    return None
+
+
 def prompt_text(body: dict[str, Any]) -> str:
     """The prompt as one string: a completions ``prompt`` or the rendered chat ``messages``.
 
-    The rendering is ours, not the model's chat template: approximate locality only needs equal
-    conversations to give equal prefixes. The simulated engine renders the same way. A prompt of
-    token ids has no text (``token_prompt``).
+    A prompt of token ids has no text (``token_prompt``), a batch of strings is read by
+    ``text_batch``.
     """
     if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("'messages' must be a non-empty array")
-        parts = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'")
-            parts.append(f"<|{message['role']}|>\n{_content_text(message.get('content'), i)}\n")
-        parts.append("<|assistant|>\n")
-        return "".join(parts)
+        return chat_text(body["messages"])
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
     raise BadRequest(
-        "'prompt' must be a string, a one-string array, an array of token ids (integers from 0 to "
+        "'prompt' must be a string, an array of strings, an array of token ids (integers from 0 to "
         f"{MAX_TOKEN_ID}) or an array of such arrays"
     )
+
+
+def chat_text(messages: Any) -> str:
+    """Chat ``messages`` rendered as one string.
+
+    The rendering is ours, not the model's chat template: approximate locality only needs equal
+    conversations to give equal prefixes. The simulated engine renders the same way.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array")
+    parts = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'")
+        parts.append(f"<|{message['role']}|>\n{_content_text(message.get('content'), i)}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -150,15 +204,21 @@ def _content_text(content: Any, index: int) -> str:
     raise BadRequest(f"'messages[{index}].content' must be a string or an array of parts")
 
 
-def max_tokens_of(body: dict[str, Any], default: int) -> int:
-    """``max_completion_tokens`` or ``max_tokens`` (the first present), validated; else ``default``."""
-    for name in ("max_completion_tokens", "max_tokens"):
+def max_tokens_of(
+    body: dict[str, Any],
+    default: int | None,
+    names: tuple[str, ...] = ("max_completion_tokens", "max_tokens"),
+) -> int:
+    """The first of ``names`` present, validated; else ``default`` (None: one of them is required)."""
+    for name in names:
         value = body.get(name)
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise BadRequest(f"'{name}' must be a positive integer, got {_shown(value)}")
         return value
+    if default is None:
+        raise BadRequest(f"missing required field '{names[0]}'")
     return default
 
 
@@ -184,23 +244,56 @@ def client_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_request(
-    raw: bytes,
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """What a body's prompt gives the picker."""
+
+    text: str  # the text to route on (a batch: what every prompt starts with); "" for token ids
+    tokens: int  # prompt tokens the engine computes (a batch: every prompt's), exact or estimated
+    ids: TokenPrompt | None = None
+    chat: list[dict[str, Any]] | None = None  # the conversation, for the model's chat template
+    prompts: int = 1
+
+
+def _prompt(api: str, body: dict[str, Any], limits: RequestLimits) -> _Prompt:
+    chat: list[dict[str, Any]] | None = None
+    try:
+        if api == MESSAGES:
+            chat = anthropic_messages(body)
+        elif api == RESPONSES:
+            chat = responses_messages(body)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    if chat is not None:
+        text = chat_text(chat)
+    elif (ids := token_prompt(body)) is not None:
+        return _Prompt("", ids.tokens, ids=ids, prompts=ids.prompts)  # counted, not estimated
+    elif (batch := text_batch(body)) is not None:
+        # As a batch of ids: routed on what all its prompts start with, every prompt's work counted.
+        tokens = sum(estimate_tokens(p, limits.chars_per_token) for p in batch)
+        # Characters, not path parts, are what text blocks are cut from.
+        return _Prompt(os.path.commonprefix(batch), tokens, prompts=len(batch))  # noqa: RUF071
+    else:
+        text = prompt_text(body)
+        if "messages" in body:
+            chat = body["messages"]
+    return _Prompt(text, estimate_tokens(text, limits.chars_per_token), chat=chat)
+
+
+def _model_of(
+    body: dict[str, Any],
     limits: RequestLimits,
-    headers: Mapping[str, str] | None = None,
-    rewrites: ModelRewrites | None = None,
-    objectives: Mapping[str, int] | None = None,
-) -> RouteRequest:
-    """Validate and digest one completions/chat body (with its request headers, lower-case keys
-    or case-insensitive). ``rewrites``: model-name rewrites, applied to ``body`` (what goes
-    upstream) before the served-model check; ``objectives``: each InferenceObjective's priority
-    by name. Raises a ``Rejection`` subclass."""
-    headers = headers or {}
-    if len(raw) > limits.max_body_bytes:
-        raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
-    body = client_json(raw)
+    headers: Mapping[str, str],
+    rewrites: ModelRewrites | None,
+    default: str | None,
+) -> tuple[str, str | None, str]:
+    """The body's ``model`` after any rewrite (written back into ``body``), the name the client
+    asked for when a rewrite changed it, and the rule; checked against a strict pool's model.
+    ``default``: the model of a body that may omit it (None: it may not)."""
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None and default is not None:
+        model = default
+    elif not isinstance(model, str) or not model:
         raise BadRequest("missing required field 'model'")
     requested, rule = None, ""
     if rewrites is not None:
@@ -215,39 +308,136 @@ def parse_request(
     if served is not None and model != served and (rewrites is None or model not in rewrites.targets):
         asked = f"model {_shown(model)}" + (f" (rewritten from {_shown(requested)})" if requested else "")
         raise UnknownModel(f"{asked} is not served here; this pool serves {served!r}")
-    ids = token_prompt(body)
-    if ids is None:
-        text = prompt_text(body)
-        prompt_tokens = estimate_tokens(text, limits.chars_per_token)
-        counted = f"about {prompt_tokens}"
-    else:
-        text, prompt_tokens = "", ids.tokens  # counted, not estimated
-        counted = str(prompt_tokens)
-    if prompt_tokens > limits.max_prompt_tokens:
+    return model, requested, rule
+
+
+def parse_request(
+    raw: bytes,
+    limits: RequestLimits,
+    headers: Mapping[str, str] | None = None,
+    rewrites: ModelRewrites | None = None,
+    objectives: Mapping[str, int] | None = None,
+    *,
+    path: str | None = None,
+    pool_model: str = "",
+) -> RouteRequest:
+    """Validate and digest one request body (with its request headers, lower-case keys or
+    case-insensitive) as the API its ``path`` names (``api_of``). ``rewrites``: model-name
+    rewrites, applied to ``body`` (what goes upstream) before the served-model check;
+    ``objectives``: each InferenceObjective's priority by name; ``pool_model``: the model of a
+    body that may omit it (the Responses API's). Raises a ``Rejection`` subclass."""
+    headers = headers or {}
+    if len(raw) > limits.max_body_bytes:
+        raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
+    api = api_of(path)
+    if api == OTHER:
+        return other_request(raw, limits, headers, rewrites, objectives, pool_model)
+    body = client_json(raw)
+    if api is None:
+        api = CHAT if "messages" in body else COMPLETIONS
+    default = (limits.served_model or pool_model or None) if api == RESPONSES else None
+    model, requested, rule = _model_of(body, limits, headers, rewrites, default)
+    prompt = _prompt(api, body, limits)
+    counted = str(prompt.tokens) if prompt.ids is not None else f"about {prompt.tokens}"
+    if prompt.tokens > limits.max_prompt_tokens:
         raise BodyTooLarge(f"prompt is {counted} tokens; the limit is {limits.max_prompt_tokens}")
     stream = body.get("stream", False)
+    # Anthropic's and the Responses API's schemas take a null stream as false; the OpenAI ones here do not.
+    if stream is None and api in (MESSAGES, RESPONSES):
+        stream = False
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
-    if ids is None:
-        block_keys = text_block_keys(text, max(1, round(limits.block_tokens * limits.chars_per_token)))
+    if prompt.ids is None:
+        block_chars = max(1, round(limits.block_tokens * limits.chars_per_token))
+        block_keys = text_block_keys(prompt.text, block_chars)
     else:
         # No tokenizer needed: blocks of exactly block_tokens ids, as in vLLM's own index.
-        block_keys = token_block_keys(ids.ids, limits.block_tokens)
+        block_keys = token_block_keys(prompt.ids.ids, limits.block_tokens)
+    if api == MESSAGES:
+        max_tokens = max_tokens_of(body, None, ("max_tokens",))  # required by the Messages API
+    elif api == RESPONSES:
+        max_tokens = max_tokens_of(body, limits.default_max_tokens, ("max_output_tokens",))
+    else:
+        max_tokens = max_tokens_of(body, limits.default_max_tokens)
     return RouteRequest(
         model=model,
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=prompt.tokens,
         # A batch's completions all run on the pod chosen: its KV and decode work are all of them.
-        max_tokens=max_tokens_of(body, limits.default_max_tokens) * (1 if ids is None else ids.prompts),
+        max_tokens=max_tokens * prompt.prompts,
         block_keys=block_keys,
         body=body,
         request_id=headers.get("x-request-id") or uuid.uuid4().hex,
         stream=stream,
         priority=priority_of(headers, objectives),
-        prompt=text,
-        prompt_ids=None if ids is None else ids.ids,
-        exact_tokens=ids is not None,
+        prompt=prompt.text,
+        prompt_ids=None if prompt.ids is None else prompt.ids.ids,
+        # A P/D pair only where the engine hands a prefill's KV over for this one prompt: a
+        # prefill answer carries one kv_transfer_params, so a batch is computed where it decodes.
+        prefill_leg=api != RESPONSES and prompt.prompts == 1,
+        exact_tokens=prompt.ids is not None,
         requested_model=requested,
         rewrite_rule=rule,
+        api=api,
+        chat=prompt.chat,
+        prompts=prompt.prompts,
+    )
+
+
+def other_request(
+    raw: bytes,
+    limits: RequestLimits,
+    headers: Mapping[str, str],
+    rewrites: ModelRewrites | None,
+    objectives: Mapping[str, int] | None,
+    pool_model: str,
+) -> RouteRequest:
+    """A request to an API whose body we do not read (embeddings, scoring, audio, ...): routed on
+    load alone, to one pod, its body passed on as it came.
+
+    Never refused for its shape. A strict pool (``strict_model``) still refuses what it exists
+    to refuse: a body that names another model, or none it can read (a body that is not a JSON
+    object naming its ``model``), since it cannot tell which model such a request is for.
+    """
+    try:
+        body = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict):
+        if limits.served_model is not None:
+            raise BadRequest(
+                "this pool serves one model only (strict_model): a request to this path needs a "
+                "JSON object body with its 'model'"
+            )
+        body = {}
+    elif "kv_transfer_params" in body:  # the same rule as for every body: only the router sets them
+        raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
+    if "model" in body or limits.served_model is not None:
+        model, requested, rule = _model_of(body, limits, headers, rewrites, None)
+    else:
+        model, requested, rule = pool_model, None, ""
+    # Its prompt is unknown: the body's size, in tokens, stands for the work it brings.
+    tokens = min(limits.max_prompt_tokens, max(1, math.ceil(len(raw) / limits.chars_per_token)))
+    limit = next(
+        (
+            v
+            for v in (body.get(n) for n in ("max_completion_tokens", "max_tokens", "max_output_tokens"))
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        ),
+        1,
+    )
+    return RouteRequest(
+        model=model,
+        prompt_tokens=tokens,
+        max_tokens=limit,
+        block_keys=_NO_BLOCKS,
+        body=body,
+        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+        stream=body.get("stream") is True,
+        priority=priority_of(headers, objectives),
+        prefill_leg=False,
+        requested_model=requested,
+        rewrite_rule=rule,
+        api=OTHER,
     )
 
 

@@ -43,6 +43,16 @@ class RouteRequest:
     # The model the client asked for, when a rewrite changed ``model`` (and the body's "model").
     requested_model: str | None = None
     rewrite_rule: str = ""  # the rule (or "header") that rewrote it
+    # The API the body was read as (``router.request.parse.API_PATHS``: "completions", "chat",
+    # "messages", "responses"; "other": not read, routed on load alone); "" without a body. The
+    # adapters build the legs, and the meter reads the answer, by it.
+    api: str = ""
+    # The conversation as chat messages (chat, and the Messages and Responses APIs converted as
+    # the engine converts them), for the model's chat template in precise mode.
+    chat: list[dict[str, Any]] | None = None
+    # A completions batch's prompts: each is its own engine request of up to max_tokens / prompts
+    # tokens; ``prompt_tokens`` counts them all, ``prompt``/``prompt_ids`` is what they share.
+    prompts: int = 1
 
 
 @dataclass(frozen=True, slots=True)

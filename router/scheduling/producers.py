@@ -50,6 +50,8 @@ class PreciseKeys:
         if tokenized is None:
             return
         request.precise_keys = tokenized.keys
+        if request.prompts > 1:
+            return  # the text the batch's prompts share, not their count: the estimate stays
         # The engine's own tokenizer counted them: an exact count, never rescaled by calibration.
         request.prompt_tokens = tokenized.tokens
         request.exact_tokens = True
@@ -61,7 +63,7 @@ class PreciseKeys:
             self.chat_tokenizer.close()
 
     async def _tokenize(self, request: RouteRequest) -> Tokenized | None:
-        messages = request.body.get("messages")
+        messages = request.chat  # chat, Messages and Responses bodies alike, as the engine renders them
         if messages is None:
             return await self.tokenizer.tokenize(request.prompt) if request.prompt else None
         if self.chat_template is None or self.chat_tokenizer is None:

@@ -134,8 +134,8 @@ async def test_precise_mode_and_exact_counts_are_never_rescaled(monkeypatch: pyt
 
     parse = router.flow.flight.parse_request
 
-    def exact(*args: Any) -> RouteRequest:  # as a prompt of token ids, or one a tokenizer counted
-        request = parse(*args)
+    def exact(*args: Any, **kwargs: Any) -> RouteRequest:  # as token ids, or a tokenizer's count
+        request = parse(*args, **kwargs)
         request.exact_tokens = True
         return request
 
