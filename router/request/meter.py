@@ -3,11 +3,15 @@
 ``ResponseMeter`` is fed the answer's body as it passes (the proxy's stream, or ext_proc's
 response body messages) and keeps only what the router learns from:
 
-* ``usage`` as the OpenAI API reports it (vLLM: ``prompt_tokens``, ``completion_tokens``,
-  ``prompt_tokens_details.cached_tokens``), from a JSON answer or from a streamed chunk that
-  carries it (``stream_options.include_usage``);
-* for a streamed answer, the number of SSE ``data:`` events that carry text (vLLM sends one per
-  token unless told to batch them; a role-only opening chunk and the usage chunk do not count)
+* ``usage`` as the API reports it, from a JSON answer or from a streamed event that carries it:
+  OpenAI's (vLLM: ``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``;
+  streamed with ``stream_options.include_usage``), Anthropic's Messages API (``input_tokens``,
+  ``output_tokens``, ``cache_read_input_tokens``; streamed in ``message_delta``) and the
+  Responses API (``input_tokens``, ``output_tokens``, ``input_tokens_details.cached_tokens``;
+  streamed in ``response.completed``, under ``response``);
+* for a streamed answer, the number of SSE events that carry text (vLLM sends one per token
+  unless told to batch them): OpenAI ``data:`` chunks (not a role-only opening chunk, not the
+  usage chunk), Anthropic ``content_block_delta`` events, Responses ``response.*.delta`` events;
   and the times of the first and last of them.
 
 A JSON answer is kept up to ``MAX_JSON_BYTES`` to read its usage; a larger one is counted as
@@ -82,16 +86,26 @@ class ResponseMeter:
             if self.first_at is None:
                 self.first_at = now
             self.last_at = now
-        match = _USAGE.search(complete) if b'"usage"' in complete else None
-        if match is not None:
+        if b'"usage"' not in complete:
+            return complete if self.strip_usage else chunk
+        # An Anthropic stream names usage twice (message_start's, then message_delta's) and one
+        # chunk can hold both: every event that has it is read, the last one counts.
+        kept, at = [], 0
+        for match in _USAGE.finditer(complete):
+            if match.start() < at:
+                continue  # inside an event already read
             start = complete.rfind(b"data:", 0, match.start())
             end = complete.find(b"\n\n", match.end())
             self._read_usage(complete[start + 5 if start >= 0 else 0 : end])
-            if self.strip_usage and start >= 0:
-                complete = complete[:start] + complete[end + 2 :]
+            if self.strip_usage and start >= 0:  # OpenAI's usage chunk, asked for by the router
+                kept.append(complete[at:start])
+                at = end + 2
+            else:
+                at = end
         if not self.strip_usage:
             return chunk
-        return complete
+        kept.append(complete[at:])
+        return b"".join(kept)
 
     def rest(self) -> bytes:
         """The end of the stream: whatever ``feed`` still held back (an unterminated event)."""
@@ -106,9 +120,14 @@ class ResponseMeter:
 
     def _read_usage(self, payload: bytes) -> None:
         try:
-            usage = usage_of(orjson.loads(payload).get("usage"))
+            answer = orjson.loads(payload)
+            usage = answer.get("usage")
+            if usage is None and isinstance(answer.get("response"), dict):
+                usage = answer["response"].get("usage")  # the Responses API's closing event
         except (orjson.JSONDecodeError, AttributeError):
             return
+        # (Anthropic's message_start nests a usage of no output yet under "message": not read.)
+        usage = usage_of(usage)
         if usage is not None:
             self.usage = usage
 
@@ -130,17 +149,30 @@ class ResponseMeter:
 
 
 def usage_of(usage: object) -> Usage | None:
-    """An answer's ``usage`` object as counts (a field that is not a count reads None)."""
+    """An answer's ``usage`` object as counts (a field that is not a count reads None), in the
+    OpenAI names or in the Anthropic and Responses ones (``input_tokens``, ``output_tokens``)."""
     if not isinstance(usage, dict):
         return None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _count(cached))
+    if "prompt_tokens" in usage or "completion_tokens" in usage:
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return Usage(
+            _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")), _count(cached)
+        )
+    details = usage.get("input_tokens_details")
+    cached = (
+        details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens")
+    )
+    return Usage(_count(usage.get("input_tokens")), _count(usage.get("output_tokens")), _count(cached))
 
 
 def _is_token(event: bytes) -> bool:
-    """An SSE event that carries generated text: not the role-only opening chunk (some servers
-    send it before the prompt is computed), not the usage chunk, not ``[DONE]``."""
+    """An SSE event that carries generated text: a named event (Anthropic's, the Responses API's)
+    that is a delta; of OpenAI's unnamed ones, not the role-only opening chunk (some servers send
+    it before the prompt is computed), not the usage chunk, not ``[DONE]``."""
+    if event.startswith(b"event:"):
+        name = event[6 : event.find(b"\n")].strip()
+        return name == b"content_block_delta" or (name.startswith(b"response.") and name.endswith(b".delta"))
     if not event.startswith(b"data:") or event.startswith(_DONE):
         return False
     if b'"choices":[]' in event:

@@ -79,3 +79,91 @@ def test_a_json_answer_to_a_streamed_request_passes_whole() -> None:
     assert meter.feed(body) + meter.rest() == body
     meter.finish()
     assert not meter.streaming and meter.events == 0
+
+
+# --- the Messages and Responses APIs ----------------------------------------------------------------
+
+
+def named(event: str, payload: dict) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def test_an_anthropic_stream_counts_its_deltas_and_reads_the_closing_usage() -> None:
+    meter = ResponseMeter(streaming=True)
+    opening_usage = {"input_tokens": 300, "output_tokens": 0}
+    start = named(
+        "message_start", {"type": "message_start", "message": {"content": [], "usage": opening_usage}}
+    )
+    block = named("content_block_start", {"type": "content_block_start", "index": 0})
+    first = named("content_block_delta", {"type": "content_block_delta", "delta": {"text": "a"}})
+    meter.feed(start + block + first, now=10.0)  # message_start's zero output is not the answer's
+    assert meter.usage is None and meter.events == 1 and meter.first_at == 10.0
+    for i in range(1, 5):
+        meter.feed(
+            named("content_block_delta", {"type": "content_block_delta", "delta": {"text": "b"}}), 10 + i
+        )
+    usage = {"input_tokens": 300, "output_tokens": 5, "cache_read_input_tokens": 256}
+    tail = (
+        named("content_block_stop", {"type": "content_block_stop", "index": 0})
+        + named(
+            "message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage}
+        )
+        + named("message_stop", {"type": "message_stop"})
+    )
+    meter.feed(tail, now=15.0)
+    assert meter.usage is not None and (meter.usage.prompt_tokens, meter.usage.cached_tokens) == (300, 256)
+    assert meter.events == 5 and meter.output_tokens == 5 and meter.tpot() == pytest.approx(1.0)
+
+
+def test_a_whole_anthropic_stream_in_one_chunk_reads_its_last_usage() -> None:
+    meter = ResponseMeter(streaming=True)
+    chunk = named("message_start", {"message": {"usage": {"input_tokens": 9, "output_tokens": 0}}})
+    chunk += named("content_block_delta", {"delta": {"text": "a"}}) * 3
+    chunk += named("message_delta", {"usage": {"input_tokens": 9, "output_tokens": 3}})
+    meter.feed(chunk, now=1.0)
+    assert meter.usage is not None and (meter.usage.prompt_tokens, meter.usage.completion_tokens) == (9, 3)
+
+
+def test_a_responses_stream_counts_text_deltas_and_reads_the_usage_of_the_completed_response() -> None:
+    meter = ResponseMeter(streaming=True)
+    opening = {"id": "resp_1", "status": "in_progress", "usage": None}
+    meter.feed(named("response.created", {"type": "response.created", "response": opening}), now=1.0)
+    meter.feed(named("response.in_progress", {"type": "response.in_progress", "response": opening}), now=1.0)
+    assert meter.events == 0  # opened before the prompt is computed: not a token
+    for i in range(4):
+        delta = {"type": "response.output_text.delta", "delta": "x"}
+        meter.feed(named("response.output_text.delta", delta), now=2.0 + 0.5 * i)
+    usage = {"input_tokens": 40, "input_tokens_details": {"cached_tokens": 32}, "output_tokens": 4}
+    done = named("response.output_text.done", {"text": "xxxx"})
+    done += named(
+        "response.completed", {"type": "response.completed", "response": {**opening, "usage": usage}}
+    )
+    meter.feed(done, now=4.0)
+    assert meter.usage is not None and (meter.usage.prompt_tokens, meter.usage.cached_tokens) == (40, 32)
+    assert (meter.events, meter.output_tokens, meter.first_at) == (4, 4, 2.0)
+    assert meter.tpot() == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("answer", "counts"),
+    [
+        ({"type": "message", "usage": {"input_tokens": 11, "output_tokens": 3}}, (11, 3, None)),
+        (
+            {
+                "object": "response",
+                "usage": {
+                    "input_tokens": 11,
+                    "output_tokens": 3,
+                    "input_tokens_details": {"cached_tokens": 8},
+                },
+            },
+            (11, 3, 8),
+        ),
+    ],
+)
+def test_json_answers_of_the_messages_and_responses_apis(answer: dict, counts: tuple) -> None:
+    meter = ResponseMeter(streaming=False)
+    meter.feed(orjson.dumps(answer))
+    meter.finish()
+    assert meter.usage is not None
+    assert (meter.usage.prompt_tokens, meter.usage.completion_tokens, meter.usage.cached_tokens) == counts
