@@ -37,6 +37,7 @@ from aiohttp import web
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from kvindex.chat_messages import anthropic_messages, responses_messages
 from kvindex.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.hashing import MAX_TOKEN_ID, estimate_tokens, text_block_keys, token_block_keys
 from kvindex.vllm_hash import HashAlgo, VllmBlockHasher
@@ -50,6 +51,15 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 ROLES = frozenset({"prefill", "decode", "prefill-decode"})
 DEFAULT_LINK_COST: tuple[float, float] = (0.0005, 25e9)
 DEFAULT_MAX_TOKENS = 16
+# The generating APIs the engine serves, by path, as vLLM serves them: the Messages and Responses
+# bodies become chat conversations (kvindex.chat_messages), answered in their own shapes.
+API_PATHS = {
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
+}
+_ID_PREFIX = {"completions": "cmpl-", "chat": "chatcmpl-", "messages": "msg_", "responses": "resp_"}
 # The simulated model's chat template (vLLM renders chat requests with the model's template, then
 # tokenizes the text): "<|role|>\ncontent\n" per message, then "<|assistant|>\n". Text parts of
 # multi-part content are joined. Give the router this file's template in precise mode to match it.
@@ -189,12 +199,17 @@ class _Request:
 class _Call:
     """An accepted completion request and what its answer needs (HTTP or in-process alike)."""
 
-    req: _Request
-    chat: bool
+    reqs: tuple[_Request, ...]  # one per prompt: a completions batch is one engine request each
+    api: str  # a value of API_PATHS: the answer's shape
     response_id: str
     stream: bool
     include_usage: bool
     remote_decode: bool
+    max_tokens: int
+
+    @property
+    def req(self) -> _Request:
+        return self.reqs[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +373,8 @@ class SimEngine:
     def prompt_blocks(self, body: Mapping[str, Any]) -> tuple[int, list[int]]:
         """(prompt tokens, full-block cache keys) this engine would give a completions body (chat
         when it has ``messages``), exactly as it tokenizes a request; raises ``InvalidRequest``."""
-        prompt = self._chat_text(dict(body)) if "messages" in body else _completion_prompt(dict(body))
+        chat = "messages" in body
+        prompt = self._chat_text(dict(body), "chat") if chat else _completion_prompts(dict(body))[0]
         token_ids, block_keys = self._tokenize(prompt)
         if token_ids is not None:
             return len(token_ids), block_keys
@@ -528,8 +544,8 @@ class SimEngine:
     async def start(self, host: str = "127.0.0.1") -> None:
         self._host = host
         app = web.Application(middlewares=[self._middleware])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._completions)
+        for path in API_PATHS:
+            app.router.add_post(path, self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -713,7 +729,7 @@ class SimEngine:
         lowered = {name.lower(): value for name, value in (headers or {}).items()}
         rid = lowered.get("x-request-id")
         echo = {} if rid is None else {"X-Request-Id": rid}
-        if method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+        if method == "POST" and path in API_PATHS:
             call = self._accept(path, lowered, body)
             if isinstance(call, _Refusal):
                 yield LocalAnswer(
@@ -757,7 +773,7 @@ class SimEngine:
     def _accept(self, path: str, headers: dict[str, str], raw: bytes) -> _Call | _Refusal:
         """A completion request as the engine takes it in: logged, validated and queued (the
         ``_Call`` to answer) or refused. The one path of the HTTP handler and ``local_call``."""
-        chat = path == "/v1/chat/completions"
+        api = API_PATHS[path]
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -771,10 +787,10 @@ class SimEngine:
         if model != self.spec.model and model not in self.spec.lora_adapters:
             return _Refusal(404, f"The model `{model}` does not exist.")
         try:
-            parsed = self._parse(body, chat)
+            parsed = self._parse(body, api)
         except InvalidRequest as exc:
             return _Refusal(400, str(exc))
-        text, max_tokens, stream, include_usage, kvp = parsed
+        prompts, max_tokens, stream, include_usage, kvp = parsed
         remote_decode = bool(kvp.get("do_remote_decode")) if kvp else False
         remote_prefill = bool(kvp.get("do_remote_prefill")) if kvp else False
         role = self.spec.role
@@ -786,14 +802,15 @@ class SimEngine:
             return _Refusal(self._failing, f"engine {self.spec.name} is failing (fault injection)")
         if remote_prefill and self._pull_broken:
             return _Refusal(500, f"engine {self.spec.name}: KV transfer from the prefill engine failed")
-        token_ids, block_keys = self._tokenize(text)
-        prompt_tokens = (
-            len(token_ids) if token_ids is not None else estimate_tokens(text, self.spec.chars_per_token)
-        )
-        if prompt_tokens == 0:
+        tokenized = [self._tokenize(text) for text in prompts]
+        counts = [
+            len(ids) if ids is not None else estimate_tokens(text, self.spec.chars_per_token)
+            for (ids, _), text in zip(tokenized, prompts, strict=True)
+        ]
+        if min(counts) == 0:
             return _Refusal(400, "prompt is empty")
         max_len = self.spec.num_gpu_blocks * self.spec.block_tokens
-        if prompt_tokens + max_tokens > max_len:
+        if (prompt_tokens := max(counts)) + max_tokens > max_len:
             return _Refusal(
                 400,
                 f"This model's maximum context length is {max_len} tokens. However, you "
@@ -811,31 +828,34 @@ class SimEngine:
                     self.spec.name,
                     kvp.get("remote_engine_id") if kvp else None,
                 )
-        if len(self._waiting) >= WAITING_LIMIT:
+        if len(self._waiting) + len(prompts) > WAITING_LIMIT:
             self.stats.rejected_full += 1
             return _Refusal(503, "waiting queue is full")
         header_rid = headers.get("x-request-id")
         rid = header_rid or uuid.uuid4().hex
-        req = _Request(
-            rid=rid,
-            prompt_tokens=prompt_tokens,
-            block_keys=block_keys,
-            max_tokens=max_tokens,
-            out=asyncio.Queue(maxsize=max_tokens + 1),  # every token plus the end marker, never more
-            arrival=time.monotonic(),
-            token_ids=token_ids,
-            remote=remote,
-            target=prompt_tokens,
+        reqs = tuple(
+            _Request(
+                rid=rid if len(prompts) == 1 else f"{rid}-{i}",  # vLLM's ids for a batch's prompts
+                prompt_tokens=count,
+                block_keys=block_keys,
+                max_tokens=max_tokens,
+                out=asyncio.Queue(maxsize=max_tokens + 1),  # every token plus the end marker, never more
+                arrival=time.monotonic(),
+                token_ids=token_ids,
+                remote=remote,
+                target=count,
+            )
+            for i, ((token_ids, block_keys), count) in enumerate(zip(tokenized, counts, strict=True))
         )
-        self._waiting.append(req)
+        self._waiting.extend(reqs)
         self._wake.set()
-        response_id = ("chatcmpl-" if chat else "cmpl-") + rid
-        return _Call(req, chat, response_id, stream, include_usage, remote_decode)
+        return _Call(reqs, api, _ID_PREFIX[api] + rid, stream, include_usage, remote_decode, max_tokens)
 
     def _end(self, call: _Call) -> None:
         """The answer is over (sent, failed or abandoned): free what the request still holds."""
-        if call.req.state != "done":
-            self._drop(call.req)
+        for req in call.reqs:
+            if req.state != "done":
+                self._drop(req)
 
     def _tokenize(self, text: str | list[int]) -> tuple[list[int] | None, list[int]]:
         """(token ids or None, full-block keys): vLLM-exact in precise mode, else the text estimate.
@@ -852,17 +872,28 @@ class SimEngine:
         return ids, self._hasher.keys(ids).tolist()
 
     def _parse(
-        self, body: dict[str, Any], chat: bool
-    ) -> tuple[str | list[int], int, bool, bool, dict[str, Any] | None]:
-        text = self._chat_text(body) if chat else _completion_prompt(body)
-        fields = ("max_completion_tokens", "max_tokens")
+        self, body: dict[str, Any], api: str
+    ) -> tuple[list[str | list[int]], int, bool, bool, dict[str, Any] | None]:
+        """(the prompts, max tokens per prompt, stream, whether a stream ends with its usage,
+        kv_transfer_params), as vLLM reads the API's body."""
+        prompts = _completion_prompts(body) if api == "completions" else [self._chat_text(body, api)]
+        if api == "messages":
+            fields: tuple[str, ...] = ("max_tokens",)
+            if body.get("max_tokens") is None:
+                raise InvalidRequest("Field required: 'max_tokens'")
+        elif api == "responses":
+            fields = ("max_output_tokens",)
+        else:
+            fields = ("max_completion_tokens", "max_tokens")
         max_tokens = next((body[f] for f in fields if body.get(f) is not None), DEFAULT_MAX_TOKENS)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise InvalidRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
+            raise InvalidRequest(f"'{fields[0]}' must be a positive integer, got {max_tokens!r}")
         min_tokens = body.get("min_tokens", 0)
         if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
             raise InvalidRequest(f"'min_tokens' must be a non-negative integer, got {min_tokens!r}")
         stream = body.get("stream", False)
+        if stream is None and api in ("messages", "responses"):
+            stream = False
         if not isinstance(stream, bool):
             raise InvalidRequest("'stream' must be a boolean")
         options = body.get("stream_options") or {}
@@ -871,10 +902,20 @@ class SimEngine:
         kvp = body.get("kv_transfer_params")
         if kvp is not None and not isinstance(kvp, dict):
             raise InvalidRequest("'kv_transfer_params' must be an object")
-        return text, max_tokens, stream, bool(options.get("include_usage")), kvp
+        # A Messages or Responses stream always ends with its usage; an OpenAI one when asked.
+        include_usage = api in ("messages", "responses") or bool(options.get("include_usage"))
+        return prompts, max_tokens, stream, include_usage, kvp
 
-    def _chat_text(self, body: dict[str, Any]) -> str:
-        messages = body.get("messages")
+    def _chat_text(self, body: dict[str, Any], api: str) -> str:
+        try:
+            if api == "messages":
+                messages: Any = anthropic_messages(body)
+            elif api == "responses":
+                messages = responses_messages(body)
+            else:
+                messages = body.get("messages")
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
         if not isinstance(messages, list) or not messages:
             raise InvalidRequest("'messages' must be a non-empty array")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
@@ -892,51 +933,116 @@ class SimEngine:
 
     async def _json_answer(self, call: _Call) -> bytes:
         """The whole non-streamed answer, once every token is out."""
-        req, chat = call.req, call.chat
-        parts: list[str] = []
-        while (token := await self._next_token(req)) is not None:
-            parts.append(token)
-        text = "".join(parts)
-        choice: dict[str, Any]
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {
+        texts: list[str] = []
+        for req in call.reqs:
+            parts: list[str] = []
+            while (token := await self._next_token(req)) is not None:
+                parts.append(token)
+            texts.append("".join(parts))
+        kv_params = self._remote_params(call.req) if call.remote_decode else None
+        created = int(time.time())
+        if call.api == "messages":
+            usage = self._usage(call)
+            return orjson.dumps(
+                {
+                    "id": call.response_id,
+                    "type": "message",
                     "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "tool_calls": [],
-                    "reasoning_content": None,
-                },
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
+                    "content": [{"type": "text", "text": texts[0]}],
+                    "model": self.spec.model,
+                    "stop_reason": "max_tokens",
+                    "stop_sequence": None,
+                    "usage": {
+                        "input_tokens": usage["prompt_tokens"],
+                        "output_tokens": usage["completion_tokens"],
+                    },
+                    "kv_transfer_params": kv_params,
+                }
+            )
+        if call.api == "responses":
+            # vLLM's Responses answer has no kv_transfer_params field: a prefill leg gets none back.
+            return orjson.dumps(self._response_object(call, created, "incomplete", texts[0]))
+        choices: list[dict[str, Any]]
+        if call.api == "chat":
+            message = {
+                "role": "assistant",
+                "content": texts[0],
+                "refusal": None,
+                "tool_calls": [],
+                "reasoning_content": None,
             }
+            choices = [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                }
+            ]
         else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "prompt_logprobs": None,
-            }
-        kv_params: dict[str, Any] | None = None
-        if call.remote_decode:
-            kv_params = self._remote_params(req)
+            choices = [
+                {
+                    "index": i,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": "length",
+                    "stop_reason": None,
+                    "prompt_logprobs": None,
+                }
+                for i, text in enumerate(texts)
+            ]
         body = {
             "id": call.response_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
+            "object": "chat.completion" if call.api == "chat" else "text_completion",
+            "created": created,
             "model": self.spec.model,
-            "choices": [choice],
-            "usage": self._usage(req),
+            "choices": choices,
+            "usage": self._usage(call),
             "service_tier": None,
             "system_fingerprint": None,
             "prompt_logprobs": None,
             "kv_transfer_params": kv_params,
         }
         return orjson.dumps(body)
+
+    def _response_object(self, call: _Call, created: int, status: str, text: str | None) -> dict[str, Any]:
+        """A Responses API response object; ``text`` None: no output yet (the stream's opening)."""
+        usage = self._usage(call)
+        item_id = "msg_" + call.req.rid
+        output = (
+            []
+            if text is None
+            else [
+                {
+                    "id": item_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}],
+                }
+            ]
+        )
+        return {
+            "id": call.response_id,
+            "object": "response",
+            "created_at": created,
+            "status": status,
+            # The simulated engine always stops at the limit, which vLLM reports as incomplete.
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.spec.model,
+            "output": output,
+            "max_output_tokens": call.max_tokens,
+            "usage": None
+            if text is None
+            else {
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage["total_tokens"],
+            },
+        }
 
     async def _stream(self, request: web.Request, call: _Call) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Cache-Control": "no-cache"})
@@ -953,51 +1059,180 @@ class SimEngine:
 
     async def _events(self, call: _Call) -> AsyncIterator[bytes]:
         """The streamed answer's SSE events, each as it becomes available (a token per event)."""
-        req, chat = call.req, call.chat
+        if call.api == "messages":
+            events = self._anthropic_events(call)
+        elif call.api == "responses":
+            events = self._responses_events(call)
+        else:
+            events = self._openai_events(call)
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+
+    async def _openai_events(self, call: _Call) -> AsyncIterator[bytes]:
+        chat = call.api == "chat"
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": call.response_id, "object": obj, "created": created, "model": self.spec.model}
-        sent = 0
-        while (token := await self._next_token(req)) is not None:
-            if chat and sent == 0:
-                # As vLLM's chat stream: the role chunk goes out with the first engine output, i.e.
-                # once the prompt is computed, so a client's first byte is not earlier than its
-                # first token (the proxy reads the first byte as the end of the prefill).
-                first = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield _sse({**base, "choices": [first]})
-            sent += 1
-            finish = "length" if sent >= req.max_tokens else None
-            if chat:
-                choice = {
-                    "index": 0,
-                    "delta": {"content": token},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                }
-            else:
-                choice = {
-                    "index": 0,
-                    "text": token,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                }
-            yield _sse({**base, "choices": [choice]})
+        # A batch's prompts are streamed one after the other (vLLM interleaves them; the client
+        # tells them apart by index either way).
+        for index, req in enumerate(call.reqs):
+            sent = 0
+            while (token := await self._next_token(req)) is not None:
+                if chat and sent == 0:
+                    # As vLLM's chat stream: the role chunk goes out with the first engine output,
+                    # i.e. once the prompt is computed, so a client's first byte is not earlier than
+                    # its first token (the proxy reads the first byte as the end of the prefill).
+                    first = {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield _sse({**base, "choices": [first]})
+                sent += 1
+                finish = "length" if sent >= req.max_tokens else None
+                if chat:
+                    choice = {
+                        "index": 0,
+                        "delta": {"content": token},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                else:
+                    choice = {
+                        "index": index,
+                        "text": token,
+                        "logprobs": None,
+                        "finish_reason": finish,
+                        "stop_reason": None,
+                    }
+                yield _sse({**base, "choices": [choice]})
         if call.include_usage:
-            yield _sse({**base, "choices": [], "usage": self._usage(req)})
+            yield _sse({**base, "choices": [], "usage": self._usage(call)})
         yield b"data: [DONE]\n\n"
 
-    def _usage(self, req: _Request) -> dict[str, Any]:
+    async def _anthropic_events(self, call: _Call) -> AsyncIterator[bytes]:
+        """vLLM's Messages stream: named events, opened with the first engine output as its chat
+        stream is (message_start carries the prompt's tokens), closed with the usage."""
+        req = call.req
+        sent = 0
+        while (token := await self._next_token(req)) is not None:
+            if sent == 0:
+                usage = {"input_tokens": req.prompt_tokens, "output_tokens": 0}
+                message = {
+                    "id": call.response_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "content": [],
+                    "model": self.spec.model,
+                    "stop_reason": None,
+                    "stop_sequence": None,
+                    "usage": usage,
+                }
+                yield _named("message_start", {"type": "message_start", "message": message})
+                block = {"type": "text", "text": ""}
+                yield _named(
+                    "content_block_start", {"type": "content_block_start", "index": 0, "content_block": block}
+                )
+            sent += 1
+            delta = {"type": "text_delta", "text": token}
+            yield _named("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
+        yield _named("content_block_stop", {"type": "content_block_stop", "index": 0})
+        usage = self._usage(call)
+        closing = {
+            "type": "message_delta",
+            "delta": {"stop_reason": "max_tokens"},
+            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
+        }
+        yield _named("message_delta", closing)
+        yield _named("message_stop", {"type": "message_stop"})
+
+    async def _responses_events(self, call: _Call) -> AsyncIterator[bytes]:
+        """vLLM's Responses stream: ``response.created`` and ``response.in_progress`` at once
+        (before the prompt is computed), a ``response.output_text.delta`` per token, the whole
+        response with its usage in ``response.completed``."""
+        created = int(time.time())
+        seq = itertools.count()
+        item_id = "msg_" + call.req.rid
+        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
+        opening = self._response_object(call, created, "in_progress", None)
+        yield _named(
+            "response.created",
+            {"type": "response.created", "response": opening, "sequence_number": next(seq)},
+        )
+        yield _named(
+            "response.in_progress",
+            {"type": "response.in_progress", "response": opening, "sequence_number": next(seq)},
+        )
+        parts: list[str] = []
+        while (token := await self._next_token(call.req)) is not None:
+            if not parts:
+                item = {
+                    "id": item_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "status": "in_progress",
+                    "content": [],
+                }
+                yield _named(
+                    "response.output_item.added",
+                    {
+                        "type": "response.output_item.added",
+                        "output_index": 0,
+                        "item": item,
+                        "sequence_number": next(seq),
+                    },
+                )
+                part = {"type": "output_text", "text": "", "annotations": []}
+                yield _named(
+                    "response.content_part.added",
+                    {
+                        "type": "response.content_part.added",
+                        **where,
+                        "part": part,
+                        "sequence_number": next(seq),
+                    },
+                )
+            parts.append(token)
+            delta = {"type": "response.output_text.delta", **where, "delta": token, "logprobs": []}
+            yield _named("response.output_text.delta", {**delta, "sequence_number": next(seq)})
+        text = "".join(parts)
+        done = {"type": "response.output_text.done", **where, "text": text, "logprobs": []}
+        yield _named("response.output_text.done", {**done, "sequence_number": next(seq)})
+        final = self._response_object(call, created, "incomplete", text)
+        item = final["output"][0]
+        yield _named(
+            "response.content_part.done",
+            {
+                "type": "response.content_part.done",
+                **where,
+                "part": item["content"][0],
+                "sequence_number": next(seq),
+            },
+        )
+        yield _named(
+            "response.output_item.done",
+            {
+                "type": "response.output_item.done",
+                "output_index": 0,
+                "item": item,
+                "sequence_number": next(seq),
+            },
+        )
+        yield _named(
+            "response.completed",
+            {"type": "response.completed", "response": final, "sequence_number": next(seq)},
+        )
+
+    def _usage(self, call: _Call) -> dict[str, Any]:
+        prompt = sum(req.prompt_tokens for req in call.reqs)
+        generated = sum(req.generated for req in call.reqs)
         return {
-            "prompt_tokens": req.prompt_tokens,
-            "completion_tokens": req.generated,
-            "total_tokens": req.prompt_tokens + req.generated,
-            "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+            "prompt_tokens": prompt,
+            "completion_tokens": generated,
+            "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": sum(req.cached_tokens for req in call.reqs)},
         }
 
     def _remote_params(self, req: _Request) -> dict[str, Any]:
@@ -1383,6 +1618,11 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
+def _named(event: str, obj: dict[str, Any]) -> bytes:
+    """An SSE event with its name, as the Messages and Responses streams send them."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(obj) + b"\n\n"
+
+
 _ERROR_TYPES: Mapping[int, str] = {
     400: "BadRequestError",
     404: "NotFoundError",
@@ -1535,16 +1775,22 @@ async def run_sim(specs: Sequence[EngineSpec], link_cost: LinkCost | None = None
         await asyncio.Event().wait()
 
 
-def _completion_prompt(body: dict[str, Any]) -> str | list[int]:
-    """The completions prompt: its text, or its token ids (not batches: one prompt per request)."""
+def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """The completions prompts: a string, token ids, or a batch (an array) of either."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt):
-        return prompt
-    raise InvalidRequest("'prompt' must be a string, a one-string array or an array of token ids")
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        return list(prompt)
+    raise InvalidRequest("'prompt' must be a string, token ids, or an array of strings or of token-id arrays")
+
+
+def _is_ids(prompt: object) -> bool:
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in prompt)
+    )
 
 
 def _lower_headers(request: web.Request) -> dict[str, str]:
