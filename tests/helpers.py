@@ -241,6 +241,33 @@ async def eventually(
         await asyncio.sleep(0.005)
 
 
+# A long system prompt shared by every request of a Messages or Responses test: the blocks that
+# bring a conversation back to the pod that cached them.
+SHAPES_SYSTEM = "You answer questions about foxes and dogs, briefly. " * 30
+
+
+def anthropic_body(question: str, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
+    """An Anthropic Messages body: ``SHAPES_SYSTEM`` as system blocks, ``question`` as a text block."""
+    return {
+        "model": "sim-model",
+        "system": [{"type": "text", "text": SHAPES_SYSTEM}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+def responses_body(question: str, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
+    """An OpenAI Responses body: ``SHAPES_SYSTEM`` as instructions, ``question`` as input."""
+    return {
+        "model": "sim-model",
+        "instructions": SHAPES_SYSTEM,
+        "input": question,
+        "max_output_tokens": max_tokens,
+        **extra,
+    }
+
+
 async def sse_events(resp: aiohttp.ClientResponse) -> list[dict | str]:
     """The ``data:`` events of an SSE response: parsed JSON, or the string ``[DONE]``."""
     events: list[dict | str] = []

@@ -1,5 +1,9 @@
 """The standalone OpenAI-compatible proxy: HTTP in, ``RequestFlow`` calls, the two-leg exchange out.
 
+It serves the APIs whose bodies the parser reads (``router.request.parse.API_PATHS``: completions,
+chat, Anthropic's Messages, OpenAI's Responses) and passes a POST to any other path to one pod
+chosen on load alone, body and content type as they came.
+
 The adapter reads the body, runs the flow (parse → prepare → pick), forwards through
 ``router.http.exchange.TwoLegExchange`` with failover (prefill → next prefill pod, or local
 prefill; decode before the first byte → next decode pod; after it → an SSE error event), and
@@ -23,7 +27,7 @@ from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
 from router.http.server import bearer_ok, http_runner
-from router.request.parse import COMPLETION_PATHS
+from router.request.parse import API_PATHS, OTHER
 from router.request.rejections import Rejection, UpstreamFailed
 from router.server.config import ProxyConfig
 from router.transport.tls import HTTP1_ALPN, ServerTls, started
@@ -52,11 +56,12 @@ class Proxy:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes + 1)
-        for path in sorted(COMPLETION_PATHS):
+        for path in sorted(API_PATHS):
             app.router.add_post(path, self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        app.router.add_post("/{tail:.*}", self.completions)  # an API we do not read: load-only
         return app
 
     async def models(self, _: web.Request) -> web.Response:
@@ -84,7 +89,7 @@ class Proxy:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         flight = self.flow.start(request.headers)
         try:
-            await self.flow.route(flight, await read_body(request, self.max_body_bytes))
+            await self.flow.route(flight, await read_body(request, self.max_body_bytes), request.path)
             return await self._forward(request, flight)
         except Rejection as rejection:
             return answer_response(flight.reject(rejection))
@@ -99,11 +104,13 @@ class Proxy:
         assert route is not None and decision is not None
         headers = forwardable(request.headers)
         headers["X-Request-Id"] = route.request_id
+        if route.api == OTHER and "Content-Type" in request.headers:  # not ours to re-encode: as sent
+            headers["content-type"] = request.headers["Content-Type"]
         leg = Leg(request.path, headers)
         kv_params = await self._prefill(flight, leg) if decision.prefill is not None else None
         # Ask a streamed answer for its usage (what the engine counted and had cached); the
         # client gets that chunk only if it asked for it itself.
-        body = with_usage(route.body)
+        body = with_usage(route.body, route.api)
         flight.expect_answer(strip_usage=body is not None)
         body = route.body if body is None else body
         if kv_params is not None:

@@ -24,7 +24,7 @@ from typing import Any
 from router.flow.hold_queue import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.request.meter import ResponseMeter, Usage, usage_of
-from router.request.parse import headers_only_request, parse_request
+from router.request.parse import RESPONSES, headers_only_request, parse_request
 from router.request.rejections import UPSTREAM_DISCONNECTED, Answer, NoCapacity, Rejection, Saturated, answer
 from router.request.rewrite import ModelRewrites
 from router.request.types import RequestLimits, RouteRequest
@@ -119,9 +119,9 @@ class RequestFlow:
         """A request arrived (its headers): the flight that carries it to ``close``."""
         return Flight(self, headers)
 
-    async def route(self, flight: Flight, body: bytes) -> RouteDecision:
+    async def route(self, flight: Flight, body: bytes, path: str | None = None) -> RouteDecision:
         """A request's way to its pods, top to bottom (a rejection on the way raises)."""
-        request = flight.parse(body)  # OpenAI body -> RouteRequest: limits, model, rewrite
+        request = flight.parse(body, path=path)  # body -> RouteRequest: limits, model, rewrite
         if self.prepares:
             await self.prepare(request)  # I/O before the pick: the tokenizer, the shared index
         await self.admit(flight)  # pick now (sync, reserves), or held until a pod has room
@@ -179,10 +179,19 @@ class Flight:
         self.held = False  # flow control said wait: ``admit`` goes straight to its queue
         self.rejection: Rejection | None = None  # the pick's answer, when it was a final no
 
-    def parse(self, raw: bytes, subset: frozenset[str] | None = None) -> RouteRequest:
-        """The body and headers as a ``RouteRequest``; raises a ``Rejection``."""
+    def parse(
+        self, raw: bytes, subset: frozenset[str] | None = None, path: str | None = None
+    ) -> RouteRequest:
+        """The body and headers as a ``RouteRequest``; raises a ``Rejection``. ``path``: the
+        request's, which names its API (default: the ``:path`` header, as Envoy sends it)."""
         request = self.request = parse_request(
-            raw, self.flow.limits, self.headers, self.flow.rewrites, self.flow.objectives
+            raw,
+            self.flow.limits,
+            self.headers,
+            self.flow.rewrites,
+            self.flow.objectives,
+            path=self.headers.get(":path") if path is None else path,
+            pool_model=self.flow.model,
         )
         if request.requested_model is not None:
             self.flow.metrics.rewritten(request.rewrite_rule, request.requested_model, request.model)
@@ -250,6 +259,8 @@ class Flight:
 
     def first_byte(self) -> None:
         """The answer's first byte reached the client: its time to first token, observed once."""
+        if self._opening_only():
+            return
         if self.first_byte_at is None and self.series is not None:
             self.first_byte_at = time.perf_counter()
             for ttft in self.series.ttft:
@@ -271,7 +282,23 @@ class Flight:
         if self.meter is None:
             self.expect_answer()
         assert self.meter is not None
-        return self.meter.feed(chunk)
+        out = self.meter.feed(chunk)
+        responses = self.request is not None and self.request.api == RESPONSES
+        if responses and self.first_byte_at is None and self.meter.events:
+            self.prefill_done()  # its first token: what its opening events were held back for
+            self.first_byte()
+        return out
+
+    def _opening_only(self) -> bool:
+        """A streamed Responses answer has not sent a token yet: vLLM opens it with events
+        (``response.created``) before the prompt is computed, so its first byte is neither the
+        end of the prefill nor the first token; ``body`` calls both at its first delta instead."""
+        request, meter = self.request, self.meter
+        if request is None or request.api != RESPONSES:
+            return False
+        if meter is None:  # ext_proc: the first response body message has not been read yet
+            return request.stream
+        return meter.streaming and meter.events == 0
 
     def body_rest(self) -> bytes:
         """The answer ended: what ``body`` still held back."""
@@ -296,7 +323,7 @@ class Flight:
 
     def prefill_done(self) -> None:
         """The prompt is computed (prefill leg answered, or the first byte): free the queue charge."""
-        if self.decision is not None:
+        if self.decision is not None and not self._opening_only():
             self.decision.reservation.finish_prefill()
 
     def retarget(self, *, prefill: Endpoint | None = None, decode: Endpoint | None = None) -> None:

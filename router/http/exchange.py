@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from router.request.parse import CHAT, COMPLETIONS, MESSAGES, RESPONSES, api_of
 from router.request.rejections import UPSTREAM_DISCONNECTED
 
 log = logging.getLogger(__name__)
@@ -41,21 +42,29 @@ class UpstreamError(Exception):
         self.connect = connect
 
 
-def prefill_body(body: dict[str, Any]) -> bytes:
-    """The prefill leg: the client's request computing one token, no stream, remote decode."""
+def prefill_body(body: dict[str, Any], path: str) -> bytes:
+    """The prefill leg to ``path``: the client's request computing one token, no stream, remote
+    decode."""
     leg = dict(body)
     leg.pop("stream_options", None)
-    leg.update(max_tokens=1, min_tokens=1, stream=False, kv_transfer_params=PREFILL_KV_TRANSFER_PARAMS)
-    if "max_completion_tokens" in leg:
-        leg["max_completion_tokens"] = 1
+    leg.update(max_tokens=1, stream=False, kv_transfer_params=PREFILL_KV_TRANSFER_PARAMS)
+    if api_of(path) != MESSAGES:  # OpenAI sampling fields, not in the Messages API's schema
+        leg["min_tokens"] = 1
+        if "max_completion_tokens" in leg:
+            leg["max_completion_tokens"] = 1
     return orjson.dumps(leg)
 
 
-def with_usage(body: dict[str, Any]) -> dict[str, Any] | None:
-    """The body asking for the usage chunk a streamed answer omits unless asked
-    (``stream_options.include_usage``); None when it is not streamed or already asks."""
+def with_usage(body: dict[str, Any], api: str = COMPLETIONS) -> dict[str, Any] | None:
+    """The body asking for the usage chunk a streamed OpenAI answer omits unless asked
+    (``stream_options.include_usage``); None when it is not streamed or already asks, and for
+    the other APIs: a streamed Messages or Responses answer always ends with its usage."""
     options = body.get("stream_options")
-    if body.get("stream") is not True or (isinstance(options, dict) and options.get("include_usage")):
+    if (
+        api not in (COMPLETIONS, CHAT)
+        or body.get("stream") is not True
+        or (isinstance(options, dict) and options.get("include_usage"))
+    ):
         return None
     return {
         **body,
@@ -91,7 +100,7 @@ class TwoLegExchange:
         try:
             async with self.session.post(
                 f"http://{address}{leg.path}",
-                data=prefill_body(body),
+                data=prefill_body(body, leg.path),
                 headers={**leg.headers, "content-type": "application/json"},
                 timeout=self.timeout,
             ) as resp:
@@ -133,7 +142,7 @@ class TwoLegExchange:
             resp = await self.session.post(
                 f"http://{address}{leg.path}",
                 data=data,
-                headers={**leg.headers, "content-type": "application/json"},
+                headers={"content-type": "application/json", **leg.headers},
                 timeout=self.timeout,
             )
         except aiohttp.ClientConnectorError as exc:
@@ -171,7 +180,9 @@ class TwoLegExchange:
                     ) from None
                 log.warning("decode stream from %s cut mid-way: %s", address, type(exc).__name__)
                 on_cut(f"decode stream cut mid-way: {type(exc).__name__}")
-                await out.write(_sse_error("upstream engine stopped mid-stream", UPSTREAM_DISCONNECTED))
+                await out.write(
+                    sse_error("upstream engine stopped mid-stream", UPSTREAM_DISCONNECTED, leg.path)
+                )
             if out is None:
                 on_first_byte()
                 out = await start_response(resp)
@@ -180,6 +191,15 @@ class TwoLegExchange:
             return out
 
 
-def _sse_error(message: str, code: str) -> bytes:
+def sse_error(message: str, code: str, path: str) -> bytes:
+    """The event that ends a stream cut mid-way, in the stream's API's own error shape, so its
+    client's SDK reports an error instead of a truncated answer."""
+    api = api_of(path)
+    if api == MESSAGES:
+        error: dict[str, Any] = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
+    if api == RESPONSES:
+        error = {"type": "error", "code": code, "message": message, "param": None}
+        return b"event: error\ndata: " + orjson.dumps(error) + b"\n\n"
     error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return b"data: " + orjson.dumps(error) + b"\n\n"

@@ -33,7 +33,7 @@ from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS, Leg, TwoLegExchange
 from router.http.headers import HOP_HEADERS, PASSTHROUGH_DROPPED, PREFILL_LEG, PREFILLER, forwardable
 from router.http.server import http_runner
 from router.http.session import upstream_session
-from router.request.parse import COMPLETION_PATHS, client_json
+from router.request.parse import PD_PATHS, client_json
 from router.request.rejections import BadRequest, PrefillForbidden, Rejection, UpstreamFailed, answer
 from router.sidecar.allow import PrefillAllowList, first_prefiller, format_host_port, parse_host_port
 from router.transport.tls import HTTP1_ALPN, started
@@ -65,7 +65,7 @@ class Sidecar:
     def app(self) -> web.Application:
         # +1 so a body of exactly the limit is read, and one byte more is ours to reject as JSON.
         app = web.Application(client_max_size=self.max_body_bytes + 1)
-        for path in sorted(COMPLETION_PATHS):
+        for path in sorted(PD_PATHS):
             app.router.add_post(path, self.completions)
         app.router.add_route("*", "/{tail:.*}", self.passthrough)
         return app

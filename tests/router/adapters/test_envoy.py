@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 from gateway import SINGLE, envoy_with_picker, example_config, gateway, run_envoy
-from helpers import eventually, router_for
+from helpers import anthropic_body, eventually, responses_body, router_for
 
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
@@ -346,3 +346,74 @@ async def test_envoy_reaches_the_picker_over_tls_by_default_or_in_cleartext(
         ]
         assert secured and all(secure == tls for secure in secured)  # Envoy's connections, all as configured
         await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservations released")
+
+
+# --- the Messages and Responses APIs: ext_proc reads the API from the request's :path ---
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("path", "body"), [("/v1/messages", anthropic_body), ("/v1/responses", responses_body)]
+)
+async def test_a_shared_system_prompt_keeps_the_requests_on_the_pod_that_cached_it(
+    tmp_path: Path, mode: str, path: str, body: Any
+) -> None:
+    async with gateway(tmp_path, mode) as gw, aiohttp.ClientSession() as http:
+        sent = []
+        for i in range(4):
+            raw = orjson.dumps(body(f"question {i}", 5, stream=i % 2 == 1))
+            sent.append(orjson.loads(raw))
+            async with http.post(
+                f"{gw.url}{path}", data=raw, headers={"content-type": "application/json"}
+            ) as resp:
+                assert resp.status == 200
+                answer = await resp.read()
+            if i % 2:  # streamed in the API's own named events, to its last one
+                last = answer.rstrip().rsplit(b"\n\n", 1)[-1]
+                assert last.startswith(
+                    b"event: message_stop" if "messages" in path else b"event: response.completed"
+                )
+            else:
+                usage = orjson.loads(answer)["usage"]
+                assert usage["output_tokens"] == 5
+        served = {name: n for name, n in gw.served_by().items() if n}
+        assert list(served.values()) == [4]  # its prefix (the system prompt) was cached there
+        (engine,) = [gw.cluster.engines[name] for name in served]
+        assert [seen for _, _, seen in engine.requests_seen] == sent  # the bodies went on unchanged
+        perf = gw.app.parts.scaling.perf
+        # Response processing read the streamed answers' tokens in their own event format.
+        await eventually(lambda: perf.tpot.count == 2, what="TPOT observed from both streams")
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservations released")
+
+
+async def test_a_messages_request_runs_its_prefill_leg_through_the_decode_sidecar(tmp_path: Path) -> None:
+    from router.sidecar.server import SidecarServer
+
+    specs = [EngineSpec("p0", "prefill", time=FAST), EngineSpec("d0", "decode", time=FAST)]
+    async with SimCluster(specs) as engines, contextlib.AsyncExitStack() as stack:
+        server = SidecarServer(engines.address("d0"), "127.0.0.1", 0, [engines.address("p0")])
+        await stack.enter_async_context(server)
+        sidecar = f"127.0.0.1:{server.port}"
+        pool = [
+            {"address": engines.address("p0"), "role": "prefill", "name": "p0"},
+            {"address": sidecar, "role": "decode", "name": "d0", "sidecar": True},
+        ]
+        data = {
+            "endpoints": pool,
+            "proxy": {"enabled": False},
+            "extproc": {"enabled": True, "port": 0, "health_port": 0},
+            "picker": {"allow_local_prefill": False},
+        }
+        async with router_for(data) as (app, _):
+            config, listen, admin = example_config("full-duplex", app.extproc_port, sidecar)
+            async with (
+                run_envoy(config, tmp_path, admin),
+                aiohttp.ClientSession() as http,
+                http.post(f"http://127.0.0.1:{listen}/v1/messages", json=anthropic_body("Why?", 5)) as resp,
+            ):
+                assert resp.status == 200
+                assert resp.headers["x-pd-sidecar-prefill"] == "remote"
+                assert (await resp.json())["usage"]["output_tokens"] == 5
+        _, _, prefill_body = engines.engines["p0"].requests_seen[-1]
+        assert prefill_body["max_tokens"] == 1 and "min_tokens" not in prefill_body
+        assert engines.engines["d0"].stats.remote_prefills_received == 1

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import orjson
 import pytest
-from helpers import eventually, router_on_sim, sse_events
+from helpers import SHAPES_SYSTEM, anthropic_body, eventually, responses_body, router_on_sim, sse_events
 
 from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS
 from simulator.engine import EngineSpec
@@ -254,3 +255,134 @@ async def test_models_health_and_metrics() -> None:
             text = await resp.text()
         assert 'pd_router_requests_total{outcome="ok"} 1.0' in text
         assert "llm_d_epp_ready_endpoints" in text and "pd_router_pick_duration_seconds_bucket" in text
+
+
+# --- other request shapes: the Messages and Responses APIs, batches, APIs the router does not read ---
+
+
+async def named_events(resp: aiohttp.ClientResponse) -> list[str]:
+    """The event names of a named-event SSE stream (Anthropic's, the Responses API's), in order."""
+    return [line[7:].strip().decode() async for line in resp.content if line.startswith(b"event: ")]
+
+
+async def test_messages_stream_through_a_pd_pair_and_its_tokens_are_counted() -> None:
+    async with router_on_sim(PD_SPECS, ALWAYS_PAIR) as (cluster, app, base), aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/v1/messages", json=anthropic_body("Why?", stream=True)) as resp:
+            assert resp.status == 200 and resp.content_type == "text/event-stream"
+            prefill_name, decode_name = (
+                resp.headers["x-pd-router-prefill"],
+                resp.headers["x-pd-router-decode"],
+            )
+            raw = await resp.read()
+        events = [block.split(b"\n", 1)[0] for block in raw.strip().split(b"\n\n")]
+        assert events[0] == b"event: message_start" and events[-1] == b"event: message_stop"
+        assert events.count(b"event: content_block_delta") == 6
+        engines = cluster.engines
+        _, _, p_body = engines[prefill_name].requests_seen[-1]
+        assert p_body["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
+        assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+        assert "min_tokens" not in p_body  # not a field of the Messages API
+        _, _, d_body = engines[decode_name].requests_seen[-1]
+        assert d_body["kv_transfer_params"]["remote_engine_id"] == prefill_name
+        assert d_body["system"] == anthropic_body("")["system"] and "stream_options" not in d_body
+        assert engines[decode_name].stats.remote_prefills_received == 1
+        perf = app.parts.scaling.perf
+        await eventually(lambda: perf.tpot.count == 1, what="TPOT observed from the Messages stream")
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservation released")
+
+
+async def test_messages_json_answers_and_a_shared_system_prompt_goes_back_to_its_pod() -> None:
+    async with router_on_sim(SINGLE_SPECS) as (_cluster, app, base), aiohttp.ClientSession() as http:
+        chosen = set()
+        for i in range(4):
+            async with http.post(f"{base}/v1/messages", json=anthropic_body(f"question {i}")) as resp:
+                assert resp.status == 200
+                answer = await resp.json()
+                chosen.add(resp.headers["x-pd-router-decode"])
+            assert answer["type"] == "message" and answer["content"][0]["type"] == "text"
+            assert answer["usage"]["output_tokens"] == 6 and answer["usage"]["input_tokens"] > 300
+        assert len(chosen) == 1  # the system prompt's blocks were cached there
+        # Anthropic requires max_tokens: refused at the router, as vLLM would.
+        body = anthropic_body("no limit")
+        del body["max_tokens"]
+        async with http.post(f"{base}/v1/messages", json=body) as resp:
+            assert resp.status == 400 and "max_tokens" in (await resp.json())["error"]["message"]
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
+
+
+async def test_responses_are_routed_to_one_pod_even_when_pairs_are_preferred() -> None:
+    # vLLM's Responses answer carries no kv_transfer_params, so no prefill leg could hand its KV over.
+    async with router_on_sim(PD_SPECS, ALWAYS_PAIR) as (cluster, app, base), aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/v1/responses", json=responses_body("Why?", stream=True)) as resp:
+            assert resp.status == 200
+            assert "x-pd-router-prefill" not in resp.headers
+            decode_name = resp.headers["x-pd-router-decode"]
+            names = await named_events(resp)
+        assert names[:2] == ["response.created", "response.in_progress"]
+        assert names.count("response.output_text.delta") == 6 and names[-1] == "response.completed"
+        _, _, seen = cluster.engines[decode_name].requests_seen[-1]
+        assert "kv_transfer_params" not in seen and seen["input"] == "Why?"
+        assert sum(len(cluster.engines[p].requests_seen) for p in ("p0", "p1")) == 0
+        async with http.post(f"{base}/v1/responses", json=responses_body("And?")) as resp:
+            answer = await resp.json()
+        assert answer["object"] == "response" and answer["usage"]["output_tokens"] == 6
+        assert answer["output"][0]["content"][0]["type"] == "output_text"
+        perf = app.parts.scaling.perf
+        await eventually(lambda: perf.tpot.count == 1, what="TPOT observed from the Responses stream")
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
+
+
+async def test_a_batch_of_string_prompts_is_answered_by_one_pod() -> None:
+    async with router_on_sim(PD_SPECS, ALWAYS_PAIR) as (cluster, app, base), aiohttp.ClientSession() as http:
+        prompts = [SHAPES_SYSTEM + "first", SHAPES_SYSTEM + "second", SHAPES_SYSTEM + "third"]
+        body = {"model": "sim-model", "prompt": prompts, "max_tokens": 4}
+        async with http.post(f"{base}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            assert "x-pd-router-prefill" not in resp.headers
+            answer = await resp.json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+        assert answer["usage"]["completion_tokens"] == 12
+        async with http.post(f"{base}/v1/completions", json={**body, "stream": True}) as resp:
+            events = await sse_events(resp)
+        assert events[-1] == "[DONE]"
+        assert sorted({e["choices"][0]["index"] for e in events[:-1] if isinstance(e, dict)}) == [0, 1, 2]
+        assert sum(len(cluster.engines[p].requests_seen) for p in ("p0", "p1")) == 0
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
+
+
+async def test_other_apis_are_forwarded_on_load_alone_unless_a_strict_pool_cannot_check_the_model() -> None:
+    lenient = {"strict_model": False}
+    async with router_on_sim(SINGLE_SPECS, lenient) as (cluster, app, base), aiohttp.ClientSession() as http:
+        # No body at all: one pod gets it, and answers it itself.
+        async with http.post(f"{base}/reset_prefix_cache") as resp:
+            assert resp.status == 200 and resp.headers["x-pd-router-decode"] in cluster.engines
+        # A JSON body the router does not read goes on unchanged, with its content type; the
+        # engine's own answer (this one serves no embeddings) comes back as it is.
+        raw = b'{"input": ["a", "b"], "encoding_format": "float"}'
+        async with http.post(
+            f"{base}/v1/embeddings", data=raw, headers={"content-type": "application/json"}
+        ) as resp:
+            assert resp.status == 404 and resp.headers["x-pd-router-decode"] in cluster.engines
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
+    async with router_on_sim(SINGLE_SPECS) as (_cluster, _app, base), aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/v1/embeddings", json={"input": "a"}) as resp:
+            assert resp.status == 400 and "model" in (await resp.json())["error"]["message"]
+        async with http.post(f"{base}/v1/embeddings", json={"model": "other", "input": "a"}) as resp:
+            assert resp.status == 404 and "x-pd-router-decode" not in resp.headers  # the router's 404
+        async with http.post(f"{base}/v1/embeddings", json={"model": "sim-model", "input": "a"}) as resp:
+            assert resp.status == 404 and "x-pd-router-decode" in resp.headers  # routed; the engine's 404
+
+
+async def test_a_messages_stream_cut_mid_way_ends_with_an_anthropic_error_event() -> None:
+    async with (
+        router_on_sim(SINGLE_SPECS, speed=2.0) as (cluster, app, base),
+        aiohttp.ClientSession() as http,
+    ):
+        body = anthropic_body("Why?", 400, stream=True)
+        async with http.post(f"{base}/v1/messages", json=body) as resp:
+            assert (await resp.content.readline()).startswith(b"event: message_start")
+            await cluster.kill(resp.headers["x-pd-router-decode"])
+            last = (await resp.read()).rstrip().rsplit(b"\n\n", 1)[-1]
+        name, data = last.split(b"\n", 1)
+        assert name == b"event: error" and orjson.loads(data[6:])["error"]["type"] == "api_error"
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservation released")
