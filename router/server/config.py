@@ -233,7 +233,7 @@ class LimitsConfig(_Strict):
     max_prompt_tokens: Annotated[int, Field(gt=0)] = Field(
         131072,
         description="a prompt estimated (or counted) longer is refused (413); for a batch of "
-        "token-id prompts, all of them together",
+        "prompts, all of them together",
     )
     default_max_tokens: Annotated[int, Field(gt=0)] = Field(
         256,
@@ -801,7 +801,11 @@ class PoolConfig(_Strict):
     model: str = Field(
         min_length=1, description="the model name the engines serve: what clients ask for and the gate checks"
     )
-    strict_model: bool = Field(True, description="404 for any other model name")
+    strict_model: bool = Field(
+        True,
+        description="404 for any other model name; a request to an API the router does not read "
+        "is then forwarded only with a JSON body naming this model (else 400)",
+    )
     endpoints: list[EndpointConfig] = Field(
         default_factory=list, description="the static pool; with kubernetes, may be empty"
     )
