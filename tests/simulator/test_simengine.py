@@ -588,3 +588,44 @@ def test_the_simulated_chat_template_renders_as_the_router_flattens(messages) ->
         .render(messages=messages)
     )
     assert rendered == prompt_text({"messages": messages})
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/messages",
+            {
+                "model": "sim-model",
+                "max_tokens": 4,
+                "system": [{"type": "text", "text": "be brief"}],
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}],
+                    },
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}],
+                    },
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": "42"}],
+                    },
+                ],
+            },
+        ),
+        ("/v1/responses", {"instructions": "be brief", "input": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_the_engine_renders_messages_and_responses_bodies_as_the_router_reads_them(
+    path: str, body: dict
+) -> None:
+    from router.request.parse import parse_request
+    from router.request.types import RequestLimits
+
+    engine = SimEngine(EngineSpec("e0", "prefill-decode"))
+    routed = parse_request(
+        orjson.dumps(body), RequestLimits(1 << 20, 1 << 20, 16, 16, 4.0), path=path, pool_model="m"
+    )
+    assert engine._chat_text(body, path.rsplit("/", 1)[-1]) == routed.prompt

@@ -222,6 +222,27 @@ def test_client_mistakes_are_immediate_json_responses(raw: bytes, status: int, c
     assert pool.outstanding == 0
 
 
+def test_an_api_the_router_does_not_read_is_routed_on_load_and_its_body_passes_unchanged() -> None:
+    upload = b"--b\r\nContent-Disposition: form-data; name=file\r\n\r\nRIFF....\r\n--b--\r\n"
+    for strict, raw, path in (
+        (False, upload, "/v1/audio/transcriptions"),
+        (False, b'{"input": ["a", "b"]}', "/v1/embeddings"),
+        (True, b'{"model": "m", "input": ["a", "b"]}', "/v1/embeddings"),
+    ):
+        stream, pool = make_stream(strict_model=strict)
+        stream.on_message(headers({":path": path}))
+        out = stream.on_message(body(raw, eos=True))
+        assert set_headers(out[0])["x-gateway-destination-endpoint"] in {e["address"] for e in SINGLE_PODS}
+        assert streamed(out[1:])[0] == raw and pool.outstanding == 1
+        assert stream.flight is not None and stream.flight.request is not None
+        assert (stream.flight.request.api, len(stream.flight.request.block_keys)) == ("other", 0)
+    # A strict pool refuses a body whose model it cannot check, as it refuses another model.
+    stream, pool = make_stream()
+    stream.on_message(headers({":path": "/v1/embeddings"}))
+    (out,) = stream.on_message(body(b'{"input": "a"}', eos=True))
+    assert out.immediate_response.status.code == 400 and pool.outstanding == 0
+
+
 def test_body_over_the_limit_is_413_as_soon_as_it_is_exceeded() -> None:
     stream, _ = make_stream(limits={"max_body_bytes": 1000})
     stream.on_message(headers())

@@ -267,6 +267,45 @@ async def test_token_ids_are_hashed_as_they_are_and_a_batch_on_the_ids_its_promp
     assert len(route.precise_keys) == 3
 
 
+async def test_messages_and_responses_bodies_hash_as_the_chat_they_become(tmp_path: Path) -> None:
+    tokenizer = str(train_tiny_tokenizer(tmp_path / "tokenizer.json"))
+    template_path = tmp_path / "tokenizer_config.json"
+    template_path.write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "bos_token": "<s>"}))
+    precise = {"tokenizer": tokenizer, "chat_template": str(template_path)}
+    parts = build(
+        parse_config({"model": "m", "endpoints": [{"address": "127.0.0.1:9"}], "index": {"precise": precise}})
+    )
+    bodies = [
+        ("/v1/chat/completions", {"model": "m", "messages": CHAT[:1] + CHAT[1:] * 8}),
+        (
+            "/v1/messages",
+            {"model": "m", "max_tokens": 5, "system": "You are terse.", "messages": CHAT[1:] * 8},
+        ),
+        ("/v1/responses", {"model": "m", "instructions": "You are terse.", "input": CHAT[1:] * 8}),
+    ]
+    keys = []
+    for path, body in bodies:
+        route = parse_request(json.dumps(body).encode(), LIMITS, path=path)
+        await parts.flow.prepare(route)
+        assert route.exact_tokens and route.precise_keys is not None
+        keys.append(route.precise_keys.tolist())
+    # The system prompt given three ways is one conversation, so one prompt: the same blocks.
+    assert keys[0] == keys[1] == keys[2] and len(keys[0]) > 2
+
+
+async def test_a_batch_of_strings_keeps_its_estimated_work_and_hashes_its_shared_text(tmp_path: Path) -> None:
+    parts = precise_parts(tmp_path)
+    shared = "the quick brown fox jumps over the lazy dog " * 20
+    prompts = [shared + "one", shared + "two"]
+    route = parse_request(json.dumps({"model": "m", "prompt": prompts}).encode(), LIMITS)
+    estimate = route.prompt_tokens
+    await parts.flow.prepare(route)
+    # The shared text's count is not the batch's work: the estimate of both prompts stays.
+    assert (route.prompt_tokens, route.exact_tokens) == (estimate, False)
+    assert route.precise_keys is not None
+    assert route.precise_keys.tolist() == parts.precise_keys.tokenizer.block_keys_sync(shared).tolist()
+
+
 async def test_the_gate_waits_for_a_complete_kv_event_stream(tmp_path: Path) -> None:
     tokenizer, specs = await _precise_gateway(tmp_path, ["e0"])
     async with SimCluster(specs) as cluster:
