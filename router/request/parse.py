@@ -411,9 +411,10 @@ def other_request(
         body = {}
     elif "kv_transfer_params" in body:  # the same rule as for every body: only the router sets them
         raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
-    if "model" in body or limits.served_model is not None:
+    named = body.get("model")
+    if limits.served_model is not None or (isinstance(named, str) and named):
         model, requested, rule = _model_of(body, limits, headers, rewrites, None)
-    else:
+    else:  # a lenient pool does not need the name: whatever its shape, the request goes on
         model, requested, rule = pool_model, None, ""
     # Its prompt is unknown: the body's size, in tokens, stands for the work it brings.
     tokens = min(limits.max_prompt_tokens, max(1, math.ceil(len(raw) / limits.chars_per_token)))

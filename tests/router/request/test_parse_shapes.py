@@ -195,6 +195,8 @@ def test_an_api_we_do_not_read_is_routed_on_load_alone() -> None:
     audio = parse_request(b"\x00RIFF....WAVE", LENIENT, path="/v1/audio/transcriptions", pool_model="m")
     assert (audio.model, audio.api, audio.body) == ("m", "other", {})
     assert parse_request(b"", LENIENT, path="/tokenize", pool_model="m").prompt_tokens == 1
+    odd = parse_request(b'{"model": 7, "max_tokens": true}', LENIENT, path="/v1/score", pool_model="m")
+    assert (odd.model, odd.max_tokens) == ("m", 1)  # not ours to validate: forwarded as it is
 
 
 def test_a_strict_pool_routes_other_apis_only_when_their_model_is_its_own() -> None:
