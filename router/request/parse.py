@@ -222,6 +222,18 @@ def max_tokens_of(
     return default
 
 
+def _too_deep(raw: bytes, body: dict[str, Any]) -> bool:
+    """Whether ``body`` (parsed from ``raw``) is nested too deep to be encoded again."""
+    # Only a body with that many brackets can be that deep: the common case costs two counts in C.
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return False
+    try:
+        orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        return True
+    return False
+
+
 def client_json(raw: bytes) -> dict[str, Any]:
     """A client's body as a JSON object, with no field only the router may set."""
     if not raw:
@@ -232,12 +244,8 @@ def client_json(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    # Only a body with that many brackets can be that deep: the common case costs two counts in C.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
-        try:
-            orjson.dumps(body)
-        except orjson.JSONEncodeError:
-            raise BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
+    if _too_deep(raw, body):
+        raise BadRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
     # A client-chosen remote_host would make an engine pull KV from a host of the client's choice.
     if "kv_transfer_params" in body:
         raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
@@ -402,7 +410,8 @@ def other_request(
         body = orjson.loads(raw) if raw else None
     except orjson.JSONDecodeError:
         body = None
-    if not isinstance(body, dict):
+    # Too deep to encode again (as a model rewrite would): not a body we can read either.
+    if not isinstance(body, dict) or _too_deep(raw, body):
         if limits.served_model is not None:
             raise BadRequest(
                 "this pool serves one model only (strict_model): a request to this path needs a "

@@ -92,6 +92,11 @@ def openai_bodies(models: st.SearchStrategy[Any], max_tokens: st.SearchStrategy[
             "kv_transfer_params": json_values,
             "temperature": json_values,
             "extra": json_values,
+            # The Messages and Responses APIs' own fields (their messages are the ones above).
+            "system": st.text(max_size=80) | content_parts | json_values,
+            "input": st.text(max_size=80) | messages | json_values,
+            "instructions": st.text(max_size=80) | json_values,
+            "max_output_tokens": max_tokens,
         },
     )
 
@@ -196,12 +201,18 @@ limits = st.builds(
 # -- the parser -----------------------------------------------------------------------------------
 
 
+# Each API the parser reads, one it does not, and none (an ext_proc stream without :path).
+paths = st.sampled_from(
+    [None, "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/embeddings"]
+)
+
+
 def parse_or_reject(
-    raw: bytes, limits: RequestLimits, headers: Mapping[str, str]
+    raw: bytes, limits: RequestLimits, headers: Mapping[str, str], path: str | None = None
 ) -> RouteRequest | Rejection:
     """``parse_request``'s result or its rejection; any other exception fails the test."""
     try:
-        return parse_request(raw, limits, headers)
+        return parse_request(raw, limits, headers, path=path, pool_model="m")
     except Rejection as rejection:
         return rejection
 
@@ -236,11 +247,11 @@ def check_request(request: RouteRequest, limits: RequestLimits) -> None:
 
 
 @fuzz_settings(250)
-@given(raw_bodies("m", token_counts), limits, request_headers)
+@given(raw_bodies("m", token_counts), limits, request_headers, paths)
 def test_every_body_is_a_route_request_or_a_4xx_json_rejection(
-    raw: bytes, limits: RequestLimits, headers: dict[str, str]
+    raw: bytes, limits: RequestLimits, headers: dict[str, str], path: str | None
 ) -> None:
-    result = parse_or_reject(raw, limits, headers)
+    result = parse_or_reject(raw, limits, headers, path)
     event(type(result).__name__)  # --hypothesis-show-statistics
     if isinstance(result, Rejection):
         check_rejection(result)
