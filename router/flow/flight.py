@@ -24,7 +24,7 @@ from typing import Any
 from router.flow.hold_queue import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.request.meter import ResponseMeter, Usage, usage_of
-from router.request.parse import RESPONSES, headers_only_request, parse_request
+from router.request.parse import OTHER, RESPONSES, headers_only_request, parse_request
 from router.request.rejections import UPSTREAM_DISCONNECTED, Answer, NoCapacity, Rejection, Saturated, answer
 from router.request.rewrite import ModelRewrites
 from router.request.types import RequestLimits, RouteRequest
@@ -196,7 +196,8 @@ class Flight:
         if request.requested_model is not None:
             self.flow.metrics.rewritten(request.rewrite_rule, request.requested_model, request.model)
         request.subset = subset
-        self.estimated_tokens = 0 if request.exact_tokens else request.prompt_tokens
+        # Another API's "prompt" is its body's size, no estimate of characters: never calibrated.
+        self.estimated_tokens = 0 if request.exact_tokens or request.api == OTHER else request.prompt_tokens
         return request
 
     def headers_only(self, subset: frozenset[str] | None = None) -> RouteRequest:
@@ -370,7 +371,9 @@ class Flight:
         metrics = self.flow.metrics
         metrics.observe_request(self.outcome, seconds)
         self._count(seconds)
-        if self.outcome == OK and self.decision is not None and not self.retargeted:
+        # Another API's answer (an embedding, a score) says nothing of prompt or decode speed.
+        learns = self.request is None or self.request.api != OTHER
+        if self.outcome == OK and self.decision is not None and not self.retargeted and learns:
             self._learn(self.decision)
 
     def _learn(self, decision: RouteDecision) -> None:

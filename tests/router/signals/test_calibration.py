@@ -233,3 +233,25 @@ async def test_streamed_answers_carry_the_usage_the_router_asked_for_and_the_cli
         async with http.post(f"{base}/v1/completions", json=asked) as resp:
             events = await sse_events(resp)
         assert events[-2]["usage"]["completion_tokens"] == 5  # the client asked: it gets it
+
+
+def test_answers_to_apis_the_router_does_not_read_teach_nothing() -> None:
+    flow = learning_flow()
+    assert flow.signals is not None
+    for i in range(24):  # an embeddings API's body is not its prompt: its size is no estimate
+        flight = flow.start({})
+        flight.parse(
+            orjson.dumps({"model": "m", "input": "x" * (600 + i)}), frozenset({E0}), "/v1/embeddings"
+        )
+        flight.pick()
+        flight.responded(200)
+        # A plausible count for a body of that size: were it read as an estimate, it would count.
+        usage = {"prompt_tokens": 100 + i, "total_tokens": 100 + i}
+        flight.body(orjson.dumps({"data": [], "usage": usage}))
+        flight.close()
+    assert (flow.signals.tokens.samples, flow.signals.tokens.rejected, flow.signals.tokens.ratio) == (
+        0,
+        0,
+        1.0,
+    )
+    assert flow.signals.perf.ttft.count == 0
