@@ -885,9 +885,10 @@ class SimEngine:
             fields = ("max_output_tokens",)
         else:
             fields = ("max_completion_tokens", "max_tokens")
-        max_tokens = next((body[f] for f in fields if body.get(f) is not None), DEFAULT_MAX_TOKENS)
+        field = next((f for f in fields if body.get(f) is not None), None)
+        max_tokens = DEFAULT_MAX_TOKENS if field is None else body[field]
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise InvalidRequest(f"'{fields[0]}' must be a positive integer, got {max_tokens!r}")
+            raise InvalidRequest(f"'{field}' must be a positive integer, got {max_tokens!r}")
         min_tokens = body.get("min_tokens", 0)
         if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
             raise InvalidRequest(f"'min_tokens' must be a non-negative integer, got {min_tokens!r}")
