@@ -173,6 +173,7 @@ class GroupController:
         wanted: dict[str, EndpointConfig] = {}
         identities: dict[str, str] = {}
         for member in record.spec.members:
+            streams = dict(zip(member.addresses, member.kv_events, strict=False))
             for address in member.addresses:
                 name = member.name if len(member.addresses) == 1 else f"{member.name}@{address}"
                 identities[name] = member.identity
@@ -183,7 +184,7 @@ class GroupController:
                     link=member.link,
                     name=name,
                     sidecar=address in member.sidecars,
-                    kv_events=member.kv_events,
+                    kv_events=streams.get(address),
                 )
         pool = self.pool
         for endpoint_id in record.endpoint_ids:
@@ -466,7 +467,7 @@ class GroupController:
                             "role": m.role,
                             "addresses": list(m.addresses),
                             "draining": m.draining,
-                            "kv_events": None if m.kv_events is None else m.kv_events.model_dump(),
+                            "kv_events": [events.model_dump() for events in m.kv_events],
                         }
                         for m in sorted(record.spec.members, key=lambda m: m.rank)
                     ],

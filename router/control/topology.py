@@ -29,9 +29,10 @@ class Member:
     draining: bool = False  # deletion timestamp, or the drain annotation
     scale_decision: str | None = None  # an autoscaler's decision id (annotation), for tracing
     sidecars: tuple[str, ...] = ()  # those of ``addresses`` a P/D sidecar listens on
-    # Where the engine behind its one serving address publishes KV events (precise mode subscribes
-    # while the endpoint is in the pool). Kubernetes only: a static file's are subscribed from the file.
-    kv_events: KVEventsConfig | None = None
+    # Where the engine behind each of ``addresses`` publishes KV events, in the same order (precise
+    # mode subscribes while the endpoint is in the pool); empty: none. Kubernetes only: a static
+    # file's are subscribed from the file.
+    kv_events: tuple[KVEventsConfig, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +68,7 @@ class GroupSpec:
 def _stream(member: Member) -> str:
     # Nothing without one, so that the fingerprints of pools without KV events stay as they were
     # (replicas of two versions share gate verdicts by fingerprint during a rollout).
-    events = member.kv_events
-    return "" if events is None else f"\0{events.endpoint}\0{events.replay_endpoint}"
+    return "".join(f"\0{events.endpoint}\0{events.replay_endpoint}" for events in member.kv_events)
 
 
 class Publish(Protocol):

@@ -31,8 +31,8 @@ Pods become ``Member``s:
 * a pod's engine publishes KV events (precise mode) where its annotation ``pd-router.io/kv-events``
   says (``tcp://{ip}:5557``, or vLLM's own ``tcp://*:5557``: the host is the pod's IP), else on a
   container port named ``kv-events``, else where the configured template says; its replay socket
-  likewise (``pd-router.io/kv-events-replay``, ``kv-replay``). Only a pod that serves exactly one
-  address gets one (a data-parallel pod's ranks each publish on a port of their own);
+  likewise (``pd-router.io/kv-events-replay``, ``kv-replay``). A pod serving several ports runs
+  data-parallel ranks: rank r on its r-th port (ascending), publishing on those ports plus r;
 * a LeaderWorkerSet group is one group: ``leaderworkerset.sigs.k8s.io/group-key`` joins its pods
   (``group-index`` is reused when LWS recreates a group, the key is not),
   ``leaderworkerset.sigs.k8s.io/worker-index`` is the rank (0 = the leader) and the annotation
@@ -491,7 +491,7 @@ class KubernetesDiscovery:
         serves = in_pool and (rank == 0 or self._workers_serve)
         ports = _active_ports(target.ports, annotations) if serves else []
         fronted = _sidecar_ports(pod, annotations, ports)
-        kv_events = self._kv_event_publisher(pod, name, ip, len(ports))
+        kv_events = self._kv_event_publishers(pod, name, ip, ports)
         member = Member(
             name=name,
             identity=_identity(pod, status),
@@ -509,23 +509,40 @@ class KubernetesDiscovery:
         )
         return group or name, max(1, _int(annotations.get(LWS_SIZE), 1)), member
 
-    def _kv_event_publisher(
-        self, pod: Mapping[str, Any], name: str, ip: str, serving: int
-    ) -> KVEventsConfig | None:
-        """Its engine's KV-event publisher, for a pod serving one address; problems logged once."""
-        if serving == 0:
-            return None
+    def _kv_event_publishers(
+        self, pod: Mapping[str, Any], name: str, ip: str, ports: Sequence[int]
+    ) -> tuple[KVEventsConfig, ...]:
+        """Its engines' KV-event publishers, one per serving port (none when it has none); problems
+        logged once per pod.
+
+        A pod serving several ports runs vLLM's data-parallel ranks, rank r on the r-th port in
+        ascending order; each rank publishes on the publisher's port plus r (its replay socket too).
+        """
+        if not ports:
+            return ()
         found, problems = kv_event_publisher(pod, ip, self._kv_events)
-        if found is not None and serving > 1:
-            # vLLM's data-parallel ranks publish on the port plus their rank: which address is
-            # which rank is not known here, and one stream for all would credit each with the others'.
-            problems.append(f"it serves {serving} addresses; KV events are followed for one-address pods")
-            found = None
         uid = _uid(pod)
         if problems and uid not in self._kv_warned:
             self._kv_warned.add(uid)
             log.warning("pod %s: %s", name, "; ".join(problems))
-        return found
+        if found is None:
+            return ()
+        by_port = {port: rank_publisher(found, rank) for rank, port in enumerate(sorted(ports))}
+        return tuple(by_port[port] for port in ports)
+
+
+def rank_publisher(base: KVEventsConfig, rank: int) -> KVEventsConfig:
+    """Where data-parallel rank ``rank`` publishes, given rank 0's publisher (vLLM adds the rank to
+    both sockets' ports)."""
+    if rank == 0:
+        return base
+    replay = None if base.replay_endpoint is None else _port_plus(base.replay_endpoint, rank)
+    return base.model_copy(update={"endpoint": _port_plus(base.endpoint, rank), "replay_endpoint": replay})
+
+
+def _port_plus(endpoint: str, offset: int) -> str:
+    head, _, port = endpoint.rpartition(":")
+    return f"{head}:{int(port) + offset}"
 
 
 def _name(obj: Mapping[str, Any]) -> str:

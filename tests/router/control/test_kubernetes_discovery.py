@@ -557,36 +557,28 @@ async def test_discovery_reports_each_members_publisher_and_a_change_is_a_new_fi
     source = discovery(kube, kv_events=KVEventTemplates("tcp://{ip}:5557"))
     async with running(source) as seen:
         await grows(seen, 1, "the first snapshot")
-        assert seen.member("annotated").kv_events == KVEventsConfig(endpoint="tcp://10.0.0.1:6000")
-        assert seen.member("templated").kv_events == KVEventsConfig(endpoint="tcp://10.0.0.2:5557")
+        assert seen.member("annotated").kv_events == (KVEventsConfig(endpoint="tcp://10.0.0.1:6000"),)
+        assert seen.member("templated").kv_events == (KVEventsConfig(endpoint="tcp://10.0.0.2:5557"),)
         before = seen.groups["annotated"].fingerprint()
         kube.put("pods", pod("annotated", "10.0.0.1", annotations={"pd-router.io/kv-events": "tcp://*:6010"}))
         await grows(seen, 2, "the annotation changed")
-        assert seen.member("annotated").kv_events == KVEventsConfig(endpoint="tcp://10.0.0.1:6010")
+        assert seen.member("annotated").kv_events == (KVEventsConfig(endpoint="tcp://10.0.0.1:6010"),)
         # Another stream is unknown until proven complete: a new epoch, gated again.
         assert seen.groups["annotated"].fingerprint() != before
 
 
-async def test_a_pod_serving_several_addresses_gets_no_publisher_and_one_warning(
-    kube: FakeKube, caplog: pytest.LogCaptureFixture
-) -> None:
-    kube.put("pools", pool(ports=(8000, 8001)))
-    kube.put("pods", pod("ranks", "10.0.0.1", annotations={"pd-router.io/kv-events": "tcp://{ip}:5557"}))
-    source = discovery(kube)
-    with caplog.at_level(logging.WARNING, logger="router.control.discovery.kubernetes"):
-        async with running(source) as seen:
-            await grows(seen, 1, "the first snapshot")
-            assert seen.member("ranks").addresses == ("10.0.0.1:8000", "10.0.0.1:8001")
-            assert seen.member("ranks").kv_events is None
-            kube.put(
-                "pods",
-                pod(
-                    "ranks",
-                    "10.0.0.1",
-                    annotations={"pd-router.io/kv-events": "tcp://{ip}:5557"},
-                    ready=False,
-                ),
+async def test_a_pod_serving_data_parallel_ranks_has_a_publisher_per_rank(kube: FakeKube) -> None:
+    """vLLM's rank r serves on the r-th port and publishes on the publisher's port + r (its replay
+    socket too), whatever order the pool lists the ports in."""
+    kube.put("pools", pool(ports=(8002, 8000, 8001)))
+    annotations = {"pd-router.io/kv-events": "tcp://*:5557", "pd-router.io/kv-events-replay": "tcp://*:5600"}
+    kube.put("pods", pod("ranks", "10.0.0.1", annotations=annotations))
+    async with running(discovery(kube)) as seen:
+        await grows(seen, 1, "the first snapshot")
+        member = seen.member("ranks")
+        assert dict(zip(member.addresses, member.kv_events, strict=True)) == {
+            f"10.0.0.1:{8000 + r}": KVEventsConfig(
+                endpoint=f"tcp://10.0.0.1:{5557 + r}", replay_endpoint=f"tcp://10.0.0.1:{5600 + r}"
             )
-            await grows(seen, 2, "another snapshot")  # the same problem, not logged again
-    warnings = [r.getMessage() for r in caplog.records if "KV events are followed" in r.getMessage()]
-    assert warnings == ["pod ranks: it serves 2 addresses; KV events are followed for one-address pods"]
+            for r in range(3)
+        }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -189,3 +190,69 @@ async def test_a_pod_replaced_under_the_same_ip_is_followed_anew_and_gated_on_it
         await eventually(lambda: held(app, keys, "e1") == len(keys), 10, "the new engine's events")
         resp = await complete(http, base)
         assert resp.headers["x-pd-router-decode"] == "e1"
+
+
+def consecutive_free_ports(count: int, start: int = 20000) -> list[int]:
+    """``count`` bases, each free together with base + 1 on 127.0.0.1 (data-parallel ranks' ports)."""
+    bases: list[int] = []
+    port = start
+    while len(bases) < count:
+        with contextlib.ExitStack() as stack:
+            try:
+                for p in (port, port + 1):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", p))
+            except OSError:
+                port += 2
+                continue
+        bases.append(port)
+        port += 2
+    return bases
+
+
+async def test_a_data_parallel_pods_ranks_each_route_on_their_own_events(tmp_path: Path) -> None:
+    """One pod, two vLLM data-parallel ranks: rank r serves on the r-th port and publishes on the
+    annotated publisher's port + r. Each rank's endpoint follows its own stream."""
+    tokenizer = str(train_tiny_tokenizer(tmp_path / "tokenizer.json"))
+    http_base, events_base, replay_base = consecutive_free_ports(3)
+    specs = [
+        EngineSpec(
+            f"rank{r}",
+            "prefill-decode",
+            port=http_base + r,
+            tokenizer=tokenizer,
+            kv_events=True,
+            kv_events_port=events_base + r,
+            kv_replay_port=replay_base + r,
+            time=TimeModel(speed=20),
+        )
+        for r in range(2)
+    ]
+    annotations = {
+        "pd-router.io/kv-events": f"tcp://*:{events_base}",
+        "pd-router.io/kv-events-replay": f"tcp://{{ip}}:{replay_base}",
+    }
+    async with serving() as kube, SimCluster(specs) as cluster, aiohttp.ClientSession() as http:
+        kube.put("pools", pool("qwen", ports=(http_base, http_base + 1)))
+        kube.put("pods", pod("dp", "127.0.0.1", annotations=annotations))
+        config = parse_config(
+            {
+                "model": "sim-model",
+                "kubernetes": {"namespace": NS, "pool_name": "qwen"},
+                "index": {"precise": {"tokenizer": tokenizer, "replay_timeout_s": 0.5}},
+                "scrape": {"interval_ms": 50, "timeout_ms": 300, "stale_after_ms": 1000},
+                "proxy": {"port": 0, "debug_headers": True},
+                "gate": {"retry_base_s": 0.05, "retry_max_s": 0.2, "check_timeout_s": 1, "initial_wait_s": 5},
+            }
+        )
+        source = KubernetesDiscovery(kube.client(), NS, pool_name="qwen", backoff_initial_s=0.01)
+        async with App(build(config, discovery=source)) as app:
+            ranks = [f"dp@127.0.0.1:{http_base + r}" for r in range(2)]
+            await eventually(lambda: all(admitted(app, n) for n in ranks), 10, "both ranks admitted")
+            assert all(app.parts.kv_events.follows(n) for n in ranks)
+            keys = app.parts.precise_keys.tokenizer.block_keys_sync(PROMPT)
+            await complete(http, f"http://{cluster.address('rank1')}")  # behind the router's back
+            await eventually(lambda: held(app, keys, ranks[1]) == len(keys), 10, "rank 1's events")
+            assert held(app, keys, ranks[0]) == 0  # not credited to the other rank
+            resp = await complete(http, f"http://127.0.0.1:{app.proxy_port}")
+            assert resp.headers["x-pd-router-decode"] == ranks[1]
