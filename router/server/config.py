@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from router.control.checks import CHECKS
 from router.request.types import RequestLimits
 from router.scheduling.costmodel.policies import POLICIES
 from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
@@ -423,27 +424,11 @@ class ExtProcConfig(_Strict):
 DiscoverySource = Literal["static", "kubernetes"]
 
 
-@dataclass(frozen=True, slots=True)
-class DefaultOn:
-    """Where a gate check runs when ``gate.checks`` is not set."""
-
-    sources: tuple[DiscoverySource, ...]  # the discovery sources whose pools run it
-    precise_only: bool = False  # and only in precise mode (index.precise), where what it checks exists
-
-
-# Every ready-gate check, in the order they run by default, and where it runs when gate.checks is
-# not set: a file's endpoints are what the operator wrote, so cheap checks; a cluster's pods come
-# and go with rollouts, so their weights, connectors and KV-event streams are proven before traffic.
-# router/control/gate.py implements exactly these (it refuses to start otherwise).
-GATE_CHECKS: dict[str, DefaultOn] = {
-    "ranks": DefaultOn(("static", "kubernetes")),
-    "revision": DefaultOn(("static", "kubernetes")),
-    "model": DefaultOn(("kubernetes",)),
-    "kv_capacity": DefaultOn(("static", "kubernetes")),
-    "canary": DefaultOn(("kubernetes",)),
-    "canary_pair": DefaultOn(("kubernetes",)),
-    "kv_events": DefaultOn(("kubernetes",), precise_only=True),
-}
+# Every ready-gate check (one module each in router/control/checks/), in the order they run by
+# default, and where it runs when gate.checks is not set: a file's endpoints are what the operator
+# wrote, so cheap checks; a cluster's pods come and go with rollouts, so their weights, connectors
+# and KV-event streams are proven before traffic.
+GATE_CHECKS = {name: check.default_on for name, check in CHECKS.items()}
 GateCheck = Literal[tuple(GATE_CHECKS)]  # type: ignore[valid-type]
 
 

@@ -4,6 +4,7 @@ that did not pass gets no traffic, counted from the engines' own request logs.""
 from __future__ import annotations
 
 import dataclasses
+import pkgutil
 from typing import Any
 
 import aiohttp
@@ -11,10 +12,11 @@ import orjson
 import pytest
 from helpers import eventually, router_for
 
-from router.control import gate as gate_module
+from router.control import checks as checks_package
+from router.control.checks import CHECKS
 from router.control.gate import CANARY_HEADER, Gate, GateFailed, GateSettings
 from router.control.topology import GroupSpec, Member
-from router.server.config import GATE_CHECKS, EndpointConfig
+from router.server.config import GATE_CHECKS, ConfigError, EndpointConfig, parse_config
 from router.state.pool import Pool
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
@@ -55,11 +57,25 @@ async def debug_pool(app) -> dict[str, Any]:
 SECTIONS = {"metrics": {"enabled": True, "port": 0}}
 
 
-def test_a_gate_whose_checks_differ_from_the_declared_ones_refuses_to_start(monkeypatch) -> None:
-    Gate(GateSettings("m", tuple(GATE_CHECKS)), Pool(), None, None, None)  # type: ignore[arg-type]
-    monkeypatch.setattr(gate_module, "GATE_CHECKS", {**GATE_CHECKS, "warmup": ()})
-    with pytest.raises(TypeError, match="warmup"):
-        Gate(GateSettings("m", ()), Pool(), None, None, None)  # type: ignore[arg-type]
+POOL = {"model": "m", "endpoints": [{"address": "127.0.0.1:8000"}]}
+
+
+def test_every_check_module_is_a_check_the_configuration_accepts_in_its_order() -> None:
+    modules = [info.name for info in pkgutil.iter_modules(checks_package.__path__) if info.name != "base"]
+    assert set(CHECKS) == set(modules)  # a module in the package is a check, by its file's name
+    assert (
+        list(GATE_CHECKS)
+        == list(CHECKS)
+        == ["ranks", "revision", "model", "kv_capacity", "canary", "canary_pair", "kv_events"]
+    )
+    assert parse_config({**POOL, "gate": {"checks": ["kv_events", "ranks"]}}).gate.checks == [
+        "kv_events",
+        "ranks",
+    ]
+    with pytest.raises(ConfigError, match="warmup"):
+        parse_config({**POOL, "gate": {"checks": ["warmup"]}})
+    with pytest.raises(ValueError, match="warmup"):
+        Gate(GateSettings("m", ("warmup",)), Pool(), None, None, None)  # type: ignore[arg-type]
 
 
 async def test_a_rank_with_another_revision_fails_the_gate_and_never_gets_traffic() -> None:
