@@ -19,7 +19,8 @@ LeaderWorkerSet's workers).
   given): the router stops routing to the group the moment its epoch changes.
 
 Every replica's life (requested, Ready, draining, stopped) is kept for the replica-time accounting.
-Everything listens on 127.0.0.1; time is the event loop's clock (wall seconds).
+Everything listens on 127.0.0.1 (or nowhere, ``in_process``); time is the event loop's clock (wall
+seconds, or virtual ones on ``simulator.virtual_clock``'s loop).
 """
 
 from __future__ import annotations
@@ -87,7 +88,10 @@ class Fleet:
         poll_s: float = 0.01,
         ranks: int = 1,
         rank_stagger_s: float = 0.0,
+        in_process: bool = False,
     ) -> None:
+        """``in_process``: the engines listen nowhere and are called in-process
+        (``simulator.local_net``), for a run on the virtual clock."""
         self.templates = dict(templates)
         self.ready_s = ready_s
         self.revision = revision
@@ -97,7 +101,7 @@ class Fleet:
         self.synced = False
         # Whether the router still has requests in flight to this endpoint (set once the router exists).
         self.busy: Callable[[str], bool] = never_busy
-        self.cluster = SimCluster([], link_cost)
+        self.cluster = SimCluster([], link_cost, in_process=in_process)
         self.replicas: dict[str, Replica] = {}  # every replica ever, stopped ones included
         self._counters: dict[str, int] = {}
         self._changed = asyncio.Event()

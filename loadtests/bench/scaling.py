@@ -13,6 +13,14 @@ autoscaler's period and window are all divided by it). The simulated engines are
 purpose (a simulated token stands for a chunk of real ones) so that a replay of minutes costs
 seconds of CPU.
 
+By default the replay runs in virtual time (``simulator.virtual_clock``): the fleet's engines, the
+router (``App``: discovery, the ready gate, scrapes, the signals tick, the proxy's own handler) and
+the client share one process and talk in-process (``simulator.local_net``; each proxy → engine leg
+takes ``HOP_S``, the router's own CPU time is not simulated), and the clock jumps from event to
+event. The same seed gives the same numbers on any machine, and all ten scenarios cost about a CPU
+minute. ``--wall-clock`` runs the same replay end to end instead: real HTTP on 127.0.0.1 in wall-clock
+time (~15 minutes for all; the numbers move from run to run with the machine's timing).
+
 Scenarios (each ~4.5 simulated minutes; ``--quick`` shrinks every duration 5×):
   ramp        linear ramp 0.1 → 1.0 req/s over 4 min: both roles grow
   isl-burst   2 min of 6k-token prompts (from 2k), same rate and answers: prefill should scale, not decode
@@ -46,12 +54,15 @@ and load over time (``--png``, needs matplotlib: ``pip install -e '.[bench]'``);
 router's recommendation per autoscaler tick and role (``--trace``: demand, forecast, capacity,
 load, desired, recommended, refusal; in wall-clock units, as the compressed router sees them).
 
-    python -m loadtests.bench.scaling                      # every scenario and policy (~15 min)
+    python -m loadtests.bench.scaling                      # every scenario and policy (~1 CPU min)
+    python -m loadtests.bench.scaling --seeds 0,1,2        # and the verdicts on the means over seeds
+    python -m loadtests.bench.scaling --wall-clock         # over HTTP in wall-clock time (~15 min)
     python -m loadtests.bench.scaling --quick --scenarios isl-burst --policies queue
     python -m loadtests.bench.scaling --png scaling.png --table scaling.md
     python -m loadtests.bench.scaling --scenarios ramp --trace ramp.csv  # the router's reasoning per tick
 
-Everything listens on 127.0.0.1; every run is bounded by its scenario's length and ``--run-timeout``.
+With ``--wall-clock`` everything listens on 127.0.0.1; every run is bounded by its scenario's length
+and ``--run-timeout`` (wall seconds, or virtual ones).
 """
 
 from __future__ import annotations
@@ -67,17 +78,25 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
+from unittest import mock
 
+from loadtests.bench.quality import RouterUnderTest, _drive
 from loadtests.bench.routing import KV_BYTES_PER_TOKEN, scaled_links
+from loadtests.bench.scenarios import HOP_S
+from router.adapters.openai import Proxy
+from router.http.exchange import TwoLegExchange
+from router.server import app as app_module
 from router.server.app import App
 from router.server.compose import build
 from router.server.config import LinksConfig, PoolConfig, parse_config
 from simulator.cluster import engine_model_for, link_cost_from
 from simulator.engine import EngineSpec, TimeModel
 from simulator.fleet import Fleet
+from simulator.local_net import LocalSession
+from simulator.virtual_clock import run_virtual
 from simulator.workloads.client import Result, Summary, run_workload
 from simulator.workloads.generate import Phase, WorkItem, Workload, phased
 
@@ -103,6 +122,9 @@ LINKS = {"same": {"latency_ms": 0.05, "bandwidth_gbytes_per_s": 25.0}}
 LINK = "rack-a"
 TYPICAL_PROMPT = 2000
 RANK_STAGGER_S = 5.0  # a multi-rank group's workers come up this far apart (simulated s)
+# How often the fleet looks for replicas whose ready time came and drained ones gone idle (simulated s;
+# 10 ms of wall time at the default speed, as before the virtual mode)
+FLEET_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -118,11 +140,16 @@ class Settings:
     stretch: float = 1.0  # scenario durations × this (--quick: 0.2)
     max_replicas: int = 8
     min_replicas: int = 1
-    run_timeout_s: float = 120.0  # wall: per request, and the tail after the scenario's end
+    # wall (or virtual) s: the tail after the scenario's end; over HTTP, each request's too
+    run_timeout_s: float = 120.0
     # Let the picker skip the prefill leg (a decode replica computes the prompt itself). Off: every
     # prompt is prefilled on a prefill replica, so each role's load is its own; that choice also
     # weighs wall-clock overheads (the extra leg's HTTP exchange) that time compression inflates.
     local_prefill: bool = False
+    # Virtual time (``simulator.virtual_clock``): the fleet, the router and the client in one process,
+    # no socket, the clock moved from event to event, so a run is deterministic and costs only its
+    # CPU. False: real HTTP on 127.0.0.1 in wall-clock time (``--wall-clock``), end to end.
+    virtual: bool = True
 
     def wall(self, sim_s: float) -> float:
         return sim_s / self.speed
@@ -419,6 +446,7 @@ class Outcome:
     shares: list[float] = field(default_factory=list)  # per bucket: share of requests that missed
     # per autoscaler tick and role: the router's recommendation (whichever policy applies it)
     trace: list[dict[str, Any]] = field(default_factory=list)
+    seed: int = 0
 
     @property
     def failed(self) -> int:
@@ -481,7 +509,8 @@ def make_config(fleet: Fleet, tm: TimeModel, settings: Settings) -> PoolConfig:
             "stale_after_ms": max(200.0, 4 * settings.scrape_s * wall_ms),
             "timeout_ms": 1000.0,
         },
-        "proxy": {"port": 0, "debug_headers": True},
+        # virtual: no listener, the replay calls the proxy's handler in-process (``serving``)
+        "proxy": {"enabled": not settings.virtual, "port": 0, "debug_headers": True},
         "picker": {"allow_local_prefill": settings.local_prefill},
         "gate": {"initial_wait_s": 5.0, "retry_base_s": 0.05, "retry_max_s": 0.5},
     }
@@ -569,24 +598,54 @@ def rec_fields(rec: Any) -> dict[str, Any]:
     return out
 
 
+# Sends a workload (arrivals in wall seconds) to the router under test, every request at its time.
+Drive = Callable[[Workload, str], Awaitable[Summary]]
+
+
 @contextlib.asynccontextmanager
 async def serving(
     initial: Mapping[str, int], settings: Settings, seed: int, ranks: int = 1
-) -> AsyncIterator[tuple[Fleet, App]]:
-    """A fresh fleet with ``initial`` replicas per role (Ready at once) and a router discovering it."""
+) -> AsyncIterator[tuple[Fleet, App, Drive]]:
+    """A fresh fleet with ``initial`` replicas per role (Ready at once), a router discovering it, and
+    how to send it a workload: over HTTP, or (``settings.virtual``) in-process, to the proxy's own
+    handler, with the router's engine session answered by the fleet's engines in-process."""
     tm = dataclasses.replace(WORLD, speed=settings.speed)
     links = LinksConfig.model_validate(scaled_links(LINKS, settings.speed))
-    async with Fleet(
-        templates(tm),
-        ready_s=settings.wall(settings.ready_s),
-        link_cost=link_cost_from(links),
-        ranks=ranks,
-        rank_stagger_s=settings.wall(RANK_STAGGER_S),
-    ) as fleet:
+    async with (
+        Fleet(
+            templates(tm),
+            ready_s=settings.wall(settings.ready_s),
+            link_cost=link_cost_from(links),
+            poll_s=settings.wall(FLEET_POLL_S),
+            ranks=ranks,
+            rank_stagger_s=settings.wall(RANK_STAGGER_S),
+            in_process=settings.virtual,
+        ) as fleet,
+        contextlib.AsyncExitStack() as stack,
+    ):
         await fleet.start(initial)
-        async with App(build(make_config(fleet, tm, settings), discovery=fleet, seed=seed)) as app:
-            fleet.busy = functools.partial(router_busy, app)
-            yield fleet, app
+        config = make_config(fleet, tm, settings)
+        session = LocalSession(fleet.cluster, hop_s=HOP_S) if settings.virtual else None
+        if session is not None:  # App.start opens its engine session: this one instead
+            stack.enter_context(mock.patch.object(app_module, "upstream_session", lambda: session))
+        app = await stack.enter_async_context(App(build(config, discovery=fleet, seed=seed)))
+        fleet.busy = functools.partial(router_busy, app)
+        if session is None:
+            url = f"http://127.0.0.1:{app.proxy_port}"
+
+            def drive(workload: Workload, name: str) -> Awaitable[Summary]:
+                return run_workload(url, workload, name=name, timeout_s=settings.run_timeout_s)
+
+        else:
+            cfg = config.proxy
+            exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)  # type: ignore[arg-type]
+            proxy = Proxy(app.parts.flow, exchange, lambda: app.ready, debug_headers=cfg.debug_headers)
+            router = RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", app=app)
+
+            def drive(workload: Workload, name: str) -> Awaitable[Summary]:
+                return _drive(router, workload, name)
+
+        yield fleet, app, drive
 
 
 async def _roll_at(fleet: Fleet, at: float, role: str) -> None:
@@ -600,7 +659,7 @@ async def replay(scn: Scenario, policy: Policy, workload: Workload, settings: Se
     duration = sum(p.duration_s for p in phases)
     outcome = Outcome(scn.key, policy.name, duration, [], [], {})
     loop = asyncio.get_running_loop()
-    async with serving(dict(scn.initial), settings, seed, scn.ranks) as (fleet, app):
+    async with serving(dict(scn.initial), settings, seed, scn.ranks) as (fleet, app, drive):
         t0 = loop.time()
         scaler = asyncio.create_task(autoscale(app, fleet, policy, settings, outcome, t0))
         rolls = [
@@ -608,12 +667,7 @@ async def replay(scn: Scenario, policy: Policy, workload: Workload, settings: Se
             for at, role in scn.rolls
         ]
         try:
-            run = run_workload(
-                f"http://127.0.0.1:{app.proxy_port}",
-                compressed(workload, settings.speed),
-                name=policy.name,
-                timeout_s=settings.run_timeout_s,
-            )
+            run = drive(compressed(workload, settings.speed), policy.name)
             summary = await asyncio.wait_for(run, settings.wall(duration) + settings.run_timeout_s + 10.0)
             await asyncio.sleep(max(0.0, t0 + settings.wall(duration) - loop.time()))
         finally:
@@ -634,10 +688,11 @@ def _fmt(value: float, digits: int = 1) -> str:
     return "-" if value != value else f"{value:.{digits}f}"
 
 
-def table(scn: Scenario, outcomes: Sequence[Outcome], settings: Settings) -> str:
-    """One scenario's markdown table (one row per policy) and its verdict."""
+def table(scn: Scenario, outcomes: Sequence[Outcome], settings: Settings, seed: int | None = None) -> str:
+    """One scenario's markdown table (one row per policy) and its verdict; ``seed``: named in the
+    title (a run of several seeds)."""
     lines = [
-        f"### {scn.key}: {scn.title}",
+        f"### {scn.key}{'' if seed is None else f' (seed {seed})'}: {scn.title}",
         "",
         f"Expected: {scn.expect}. SLO: TTFT ≤ {TTFT_SLO_S:g} s, TPOT ≤ {TPOT_SLO_S:g} s (simulated); "
         f"ready time {settings.ready_s:g} s, scale-down window {settings.window_s:g} s.",
@@ -661,16 +716,30 @@ def table(scn: Scenario, outcomes: Sequence[Outcome], settings: Settings) -> str
     return "\n".join(lines)
 
 
-def verdict(outcomes: Sequence[Outcome]) -> str:
-    """The issue's target: pd-router has the least violation at ≤ the best threshold's replica-minutes."""
+def _printed(o: Outcome) -> tuple[float, float]:
+    """Violation area and replica-minutes as printed (0.1 s, 0.1 replica-minute): closer than that is
+    a tie, not a loss."""
+    return round(o.violation_area_s, 1), round(o.replica_min, 1)
+
+
+def _contest(outcomes: Sequence[Outcome]) -> tuple[Outcome, Outcome, bool] | None:
+    """pd-router, the best threshold policy (least violation area, then replica-minutes) and whether
+    pd-router met the issue's target against it; None without both."""
     pd = next((o for o in outcomes if o.policy == "pd-router"), None)
     others = [o for o in outcomes if o.policy != "pd-router"]
     if pd is None or not others:
-        return "Target (pd-router least SLO violation at ≤ the best threshold's replica-minutes): not run."
+        return None
     best = min(others, key=lambda o: (o.violation_area_s, o.replica_min))
-    # compared as printed (0.1 s, 0.1 replica-minute): closer than that is a tie, not a loss
-    ours, theirs = (round(o.violation_area_s, 1) for o in (pd, best))
-    ok = ours <= theirs and round(pd.replica_min, 1) <= round(best.replica_min, 1)
+    (ours, our_min), (theirs, their_min) = _printed(pd), _printed(best)
+    return pd, best, ours <= theirs and our_min <= their_min
+
+
+def verdict(outcomes: Sequence[Outcome]) -> str:
+    """The issue's target: pd-router has the least violation at ≤ the best threshold's replica-minutes."""
+    contest = _contest(outcomes)
+    if contest is None:
+        return "Target (pd-router least SLO violation at ≤ the best threshold's replica-minutes): not run."
+    pd, best, ok = contest
     return (
         f"Target: pd-router violation area {pd.violation_area_s:.1f} s vs best threshold ({best.policy}) "
         f"{best.violation_area_s:.1f} s, replica-min {pd.replica_min:.1f} vs {best.replica_min:.1f} "
@@ -678,11 +747,79 @@ def verdict(outcomes: Sequence[Outcome]) -> str:
     )
 
 
-def write_trace(path: str, runs: dict[str, list[Outcome]]) -> None:
+def pooled(outcomes: Sequence[Outcome]) -> Outcome:
+    """One policy's runs of a scenario over several seeds as one: violation and replica time are the
+    means, every request's result is kept."""
+    first, n = outcomes[0], len(outcomes)
+    out = Outcome(
+        first.scenario,
+        first.policy,
+        first.duration_s,
+        [r for o in outcomes for r in o.results],
+        [],
+        {role: sum(o.replica_s[role] for o in outcomes) / n for role in first.replica_s},
+    )
+    out.violation_s = sum(o.violation_s for o in outcomes) / n
+    out.violation_area_s = sum(o.violation_area_s for o in outcomes) / n
+    return out
+
+
+def _dominates(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """No more of either count than ``b``, and less of one."""
+    return a != b and a[0] <= b[0] and a[1] <= b[1]
+
+
+def summary(runs: Mapping[str, Sequence[Outcome]]) -> list[str]:
+    """The verdicts of every scenario in one table, with whether a threshold policy did better than
+    pd-router on both counts (no more violation area and no more replica-minutes, less of one)."""
+    lines = [
+        "| scenario | pd-router: violation area s, replica-min | best threshold | the issue's target | "
+        "a threshold better on both? |",
+        "|---|---|---|---|---|",
+    ]
+    wins = total = 0
+    for key, outcomes in runs.items():
+        contest = _contest(outcomes)
+        if contest is None:
+            continue
+        pd, best, ok = contest
+        ours = _printed(pd)
+        better = [o.policy for o in outcomes if o is not pd and _dominates(_printed(o), ours)]
+        wins, total = wins + ok, total + 1
+        lines.append(
+            f"| {key} | {pd.violation_area_s:.1f}, {pd.replica_min:.1f} | {best.policy}: "
+            f"{best.violation_area_s:.1f}, {best.replica_min:.1f} | {'PASS' if ok else 'FAIL'} | "
+            f"{', '.join(better) or 'none'} |"
+        )
+    return [*lines, "", f"pd-router meets the target in {wins} of {total}."] if total else []
+
+
+def verdicts(runs: Mapping[int, Mapping[str, Sequence[Outcome]]]) -> str:
+    """The summary table of each seed and, for several, of their means (what to tune against)."""
+    parts: list[str] = []
+    for seed, by_key in runs.items():
+        lines = summary(by_key)
+        if lines:
+            parts += [f"### Verdicts{f' (seed {seed})' if len(runs) > 1 else ''}", "", *lines, ""]
+    if len(runs) > 1:
+        keys = next(iter(runs.values())).keys()
+        mean = {
+            key: [pooled(same) for same in zip(*(by_key[key] for by_key in runs.values()), strict=True)]
+            for key in keys
+        }
+        lines = summary(mean)
+        if lines:
+            seeds = ", ".join(str(seed) for seed in runs)
+            parts += [f"### Verdicts (mean over seeds {seeds})", "", *lines, ""]
+    return "\n".join(parts)
+
+
+def write_trace(path: str, runs: Mapping[int, Mapping[str, Sequence[Outcome]]]) -> None:
     """The router's recommendation per autoscaler tick and role, for every run, as a CSV."""
     rows = [
-        {"scenario": o.scenario, "policy": o.policy, **row}
-        for outcomes in runs.values()
+        {"scenario": o.scenario, "seed": o.seed, "policy": o.policy, **row}
+        for by_key in runs.values()
+        for outcomes in by_key.values()
         for o in outcomes
         for row in o.trace
     ]
@@ -753,43 +890,85 @@ def workload_for(scn: Scenario, settings: Settings, seed: int) -> Workload:
     return phased(scn.stretched(settings.stretch), seed=seed, name=scn.key)
 
 
-async def main_async(args: argparse.Namespace, settings: Settings) -> int:
+def run_replay(scn: Scenario, policy: Policy, workload: Workload, settings: Settings, seed: int) -> Outcome:
+    """One replay on an event loop of its own: virtual (``random`` seeded with ``seed``; bounded by
+    the scenario's length and ``run_timeout_s`` of virtual time) or wall-clock."""
+    run = replay(scn, policy, workload, settings, seed)
+    if settings.virtual:
+        duration = settings.wall(sum(p.duration_s for p in scn.stretched(settings.stretch)))
+        return run_virtual(run, seed=seed, max_virtual_s=duration + settings.run_timeout_s + 60.0)
+    return _run_wall_clock(run)
+
+
+T = TypeVar("T")
+
+
+def _run_wall_clock(main: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop  # optional, as in the router CLI
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def replay_all(
+    args: argparse.Namespace, settings: Settings
+) -> tuple[dict[int, dict[str, list[Outcome]]], dict[int, dict[str, Workload]], int]:
+    """Every scenario × seed × policy, each scenario's table printed as soon as it is done; returns
+    the outcomes and workloads per seed and scenario, and how many requests failed."""
     policies = list(args.policies)
     if "pd-router" in policies and not scaling_supported():
         sys.stderr.write("pd-router: skipped (this router has no `signals` section / App.scaling yet)\n")
         policies.remove("pd-router")
-    runs: dict[str, list[Outcome]] = {}
-    workloads: dict[str, Workload] = {}
-    tables: list[str] = []
+    runs: dict[int, dict[str, list[Outcome]]] = {seed: {} for seed in args.seeds}
+    workloads: dict[int, dict[str, Workload]] = {seed: {} for seed in args.seeds}
+    several = len(args.seeds) > 1
     failed = 0
     for key in args.scenarios:
         scn = SCENARIOS[key]
-        workload = workloads[key] = workload_for(scn, settings, args.seed)
-        runs[key] = []
-        for name in policies:
-            started = time.perf_counter()
-            outcome = await replay(scn, POLICIES[name], workload, settings, args.seed)
-            failed += outcome.failed
-            runs[key].append(outcome)
-            for result in (r for r in outcome.results if not r.ok):  # why, not just how many
+        for seed in args.seeds:
+            workload = workloads[seed][key] = workload_for(scn, settings, seed)
+            outcomes = runs[seed][key] = []
+            label = f"[{key}{f' seed {seed}' if several else ''}]"
+            for name in policies:
+                wall, cpu = time.perf_counter(), time.process_time()
+                outcome = run_replay(scn, POLICIES[name], workload, settings, seed)
+                outcome.seed = seed
+                failed += outcome.failed
+                outcomes.append(outcome)
+                for result in (r for r in outcome.results if not r.ok):  # why, not just how many
+                    sys.stderr.write(
+                        f"  {label} {name}: failed at {result.at_s:.1f} s: {result.status} {result.error}\n"
+                    )
                 sys.stderr.write(
-                    f"  [{key}] {name}: failed at {result.at_s:.1f} s: {result.status} {result.error}\n"
+                    f"  {label} {name}: {len(outcome.results) - outcome.failed}/{len(outcome.results)} ok, "
+                    f"violation {outcome.violation_s:.0f} s, {outcome.replica_min:.1f} replica-min "
+                    f"({time.perf_counter() - wall:.1f} s, {time.process_time() - cpu:.1f} CPU s)\n"
                 )
-            sys.stderr.write(
-                f"  [{key}] {name}: {len(outcome.results) - outcome.failed}/{len(outcome.results)} ok, "
-                f"violation {outcome.violation_s:.0f} s, {outcome.replica_min:.1f} replica-min "
-                f"({time.perf_counter() - started:.0f} s)\n"
-            )
-        tables.append(table(scn, runs[key], settings))
-        sys.stdout.write(tables[-1] + "\n")
-        sys.stdout.flush()
+            sys.stdout.write(table(scn, outcomes, settings, seed if several else None) + "\n")
+            sys.stdout.flush()
+    return runs, workloads, failed
+
+
+def main_sync(args: argparse.Namespace, settings: Settings) -> int:
+    runs, workloads, failed = replay_all(args, settings)
+    tables = [
+        table(SCENARIOS[key], outcomes, settings, seed if len(runs) > 1 else None)
+        for key in args.scenarios
+        for seed, by_key in runs.items()
+        for outcomes in [by_key[key]]
+    ]
+    summaries = verdicts(runs)
+    if summaries:
+        sys.stdout.write(summaries + "\n")
     if args.table:
         with open(args.table, "w", encoding="utf-8") as out:
-            out.write("\n".join(tables))
+            out.write("\n".join([*tables, summaries]))
+    first = args.seeds[0]
     if args.trace:
         write_trace(args.trace, runs)
-    if args.png and write_png(args.png, runs, workloads, settings):
-        sys.stderr.write(f"wrote {args.png}\n")
+    if args.png and write_png(args.png, runs[first], workloads[first], settings):
+        sys.stderr.write(f"wrote {args.png}{f' (seed {first})' if len(runs) > 1 else ''}\n")
     return 0 if failed == 0 else 1
 
 
@@ -826,7 +1005,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trace", default="", help="write the router's recommendation per tick and role here (CSV)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the traffic's and the router's seed")
+    parser.add_argument(
+        "--seeds",
+        type=lambda v: [int(n) for n in v.split(",") if n],
+        default=None,
+        help="comma-separated, instead of --seed: every scenario with each, verdicts also on the means",
+    )
+    parser.add_argument(
+        "--wall-clock",
+        action="store_true",
+        help="real HTTP on 127.0.0.1 in wall-clock time (--speed× compressed; ~15 min for all, noisy) "
+        "instead of virtual time (in-process, deterministic)",
+    )
     parser.add_argument("--speed", type=float, default=defaults.speed, help="simulated s per wall s")
     parser.add_argument("--ready-s", type=float, default=defaults.ready_s, help="replica ready time (sim s)")
     parser.add_argument("--window-s", type=float, default=defaults.window_s, help="scale-down window (sim s)")
@@ -846,15 +1037,13 @@ def main(argv: list[str] | None = None) -> int:
         max_replicas=args.max_replicas,
         run_timeout_s=args.run_timeout,
         local_prefill=args.local_prefill,
+        virtual=not args.wall_clock,
     )
     if args.quick:
         settings = settings.shrunk(0.2)
+    args.seeds = args.seeds or [args.seed]
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    try:
-        import uvloop  # optional, as in the router CLI
-    except ImportError:
-        return asyncio.run(main_async(args, settings))
-    return uvloop.run(main_async(args, settings))
+    return main_sync(args, settings)
 
 
 if __name__ == "__main__":
