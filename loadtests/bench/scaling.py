@@ -938,7 +938,8 @@ def replay_all(
                 outcomes.append(outcome)
                 for result in (r for r in outcome.results if not r.ok):  # why, not just how many
                     sys.stderr.write(
-                        f"  {label} {name}: failed at {result.at_s:.1f} s: {result.status} {result.error}\n"
+                        f"  {label} {name}: failed at {result.at_s * settings.speed:.1f} s (simulated): "
+                        f"{result.status} {result.error}\n"
                     )
                 sys.stderr.write(
                     f"  {label} {name}: {len(outcome.results) - outcome.failed}/{len(outcome.results)} ok, "
