@@ -9,9 +9,10 @@ LeaderWorkerSet's workers).
   *not Ready*; after ``ready_s`` (scheduling, image pull, weights, warm-up) it is published Ready and
   then goes through the router's real ready gate before it gets traffic.
 * **Scale down**: replicas not yet Ready go first (newest first, as a ReplicaSet picks), and simply
-  vanish; a Ready one is published *draining* (the router takes no new requests to it, in-flight ones
-  finish) and its engine is stopped only once it is idle: nothing running or waiting on the engine
-  and, per ``busy``, nothing of the router's in flight to it. So a scale-down never cuts a stream.
+  vanish; a Ready one, or a group rolling to a new revision that still finishes its streams, is
+  published *draining* (the router takes no new requests to it, in-flight ones finish) and its
+  engine is stopped only once it is idle: nothing running or waiting on the engine and, per
+  ``busy``, nothing of the router's in flight to it. So a scale-down never cuts a stream.
 * **Rolling upgrade** (``roll``): one group of a role at a time, in place (a LeaderWorkerSet's
   default: maxUnavailable 1, no surge): its ranks are replaced by pods of the new revision (new
   identities, not Ready), which become Ready after ``ready_s`` as a new replica's do; the next
@@ -127,8 +128,11 @@ class Fleet:
         now = self._now()
         for replica in victims:
             replica.draining_at = now
-            if not replica.ready:
-                await self._stop(replica)  # never admitted: nothing can be in flight there
+            # Not Ready and idle (a replica still starting): nothing to finish, it goes at once. A
+            # group rolling to a new revision is not Ready either, yet its old pods still finish
+            # the streams they had: it drains like a Ready one (``step`` stops it once idle).
+            if not replica.ready and replica.idle and not self.busy(replica.name):
+                await self._stop(replica)
         self._changed.set()
 
     async def roll(self, role: str, revision: str) -> None:

@@ -38,8 +38,9 @@ from router.control.gate import CANARY_HEADER
 from router.server.app import App
 from simulator.engine import SimEngine
 from simulator.fleet import Replica
+from simulator.virtual_clock import run_virtual
 from simulator.workloads.client import Result, send
-from simulator.workloads.generate import WorkItem
+from simulator.workloads.generate import WorkItem, Workload
 
 pytestmark = pytest.mark.integration
 
@@ -134,6 +135,38 @@ async def test_a_rolling_upgrade_takes_one_multi_rank_group_away_at_a_time_and_c
         await eventually(lambda: admitted(app, second.name), 10, "the second group back under r2")
         assert fleet.count("decode") == 2  # an upgrade is not a scale
         assert [r.ok for r in await streams] == [True] * 6
+
+
+def test_a_group_scaled_away_while_it_rolls_finishes_the_streams_it_had() -> None:
+    """A group being upgraded is not Ready, but its old pods still finish what they were given: scaled
+    away then (not Ready goes first), it drains like a Ready one instead of being stopped at once.
+    In virtual time: the moment of the scale-down is exact."""
+    settings = dataclasses.replace(FAST, virtual=True)
+
+    async def replay() -> list[Result]:
+        async with serving({"decode": 2}, settings, seed=0, ranks=2) as (fleet, _, drive):
+            body = {"model": "sim-model", "max_tokens": 120, "stream": True}
+            items = [
+                WorkItem(0.0, "/v1/completions", {**body, "prompt": f"request {i} " * 50}) for i in range(8)
+            ]
+            streams = asyncio.create_task(drive(Workload("streams", items), "streams"))
+            first = min(fleet.active("decode"), key=lambda r: r.name)  # the roll takes it first
+            while first.engine.num_running == 0:
+                await asyncio.sleep(0.01)
+            roll = asyncio.create_task(fleet.roll("decode", "r2"))
+            while first.epoch == 0:
+                await asyncio.sleep(0.01)
+            await fleet.scale("decode", 1)
+            assert first.draining_at is not None and first.engine.num_running > 0
+            results = (await streams).results
+            await asyncio.sleep(0.5)  # the fleet's next look
+            assert first.stopped_at is not None  # gone once its streams ended
+            roll.cancel()
+            return results
+
+    results = run_virtual(replay(), max_virtual_s=120.0)
+    assert [r.ok for r in results] == [True] * 8, [r.error for r in results]
+    assert all(r.completion_tokens == 120 for r in results)
 
 
 def test_threshold_policies_compute_desired_replicas_like_an_hpa() -> None:
