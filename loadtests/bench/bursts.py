@@ -21,10 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loadtests.bench.scaling import Settings, serving
-from simulator.workloads.client import run_workload
 from simulator.workloads.generate import Phase, phased
 
-SETTINGS = Settings(speed=20.0, ready_s=60.0, max_replicas=32)
+# Wall-clock time over HTTP: how far the real timing of identical runs moves the recommendation is
+# the point (in virtual time, identical runs are identical).
+SETTINGS = Settings(speed=20.0, ready_s=60.0, max_replicas=32, virtual=False)
 INITIAL = {"prefill": 2, "decode": 2}
 
 
@@ -46,7 +47,7 @@ def burst(requests: int, prompt_tokens: int, seconds: float) -> Phase:
 async def one_run(phase: Phase, settings: Settings, seed: int) -> BurstRun:
     workload = phased([phase], seed=seed, name="burst")
     items = [dataclasses.replace(i, at_s=i.at_s / settings.speed) for i in workload.items]
-    async with serving(INITIAL, settings, seed) as (fleet, app):
+    async with serving(INITIAL, settings, seed) as (fleet, app, drive):
         peaks = {"prefill": 0, "decode": 0}
         capacities: list[float] = []
         done = asyncio.Event()
@@ -66,12 +67,7 @@ async def one_run(phase: Phase, settings: Settings, seed: int) -> BurstRun:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            summary = await run_workload(
-                f"http://127.0.0.1:{app.proxy_port}",
-                dataclasses.replace(workload, items=items),
-                name="burst",
-                timeout_s=settings.run_timeout_s,
-            )
+            summary = await drive(dataclasses.replace(workload, items=items), "burst")
             elapsed_sim = (loop.time() - started) * settings.speed
             # The recommendation a few ticks after the last answer still counts (late observations).
             await asyncio.sleep(5 * app.parts.scaling.settings.tick_s)
