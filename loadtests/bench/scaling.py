@@ -16,10 +16,11 @@ seconds of CPU.
 By default the replay runs in virtual time (``simulator.virtual_clock``): the fleet's engines, the
 router (``App``: discovery, the ready gate, scrapes, the signals tick, the proxy's own handler) and
 the client share one process and talk in-process (``simulator.local_net``; each proxy → engine leg
-takes ``HOP_S``, the router's own CPU time is not simulated), and the clock jumps from event to
-event. The same seed gives the same numbers on any machine, and all ten scenarios cost about a CPU
-minute. ``--wall-clock`` runs the same replay end to end instead: real HTTP on 127.0.0.1 in wall-clock
-time (~15 minutes for all; the numbers move from run to run with the machine's timing).
+takes ``--hop-ms`` of wall time, 1 ms as on loopback, the router's own CPU time is not simulated),
+and the clock jumps from event to event. The same seed gives the same numbers on any machine, and
+all ten scenarios cost about a CPU minute. ``--wall-clock`` runs the same replay end to end instead:
+real HTTP on 127.0.0.1 in wall-clock time (~15 minutes for all; the numbers move from run to run with
+the machine's timing).
 
 Scenarios (each ~4.5 simulated minutes; ``--quick`` shrinks every duration 5×):
   ramp        linear ramp 0.1 → 1.0 req/s over 4 min: both roles grow
@@ -150,6 +151,9 @@ class Settings:
     # no socket, the clock moved from event to event, so a run is deterministic and costs only its
     # CPU. False: real HTTP on 127.0.0.1 in wall-clock time (``--wall-clock``), end to end.
     virtual: bool = True
+    # Virtual: each proxy → engine leg takes this (wall s, as the loopback hop of the wall-clock mode
+    # is: ×speed in simulated time)
+    hop_s: float = HOP_S
 
     def wall(self, sim_s: float) -> float:
         return sim_s / self.speed
@@ -625,7 +629,7 @@ async def serving(
     ):
         await fleet.start(initial)
         config = make_config(fleet, tm, settings)
-        session = LocalSession(fleet.cluster, hop_s=HOP_S) if settings.virtual else None
+        session = LocalSession(fleet.cluster, hop_s=settings.hop_s) if settings.virtual else None
         if session is not None:  # App.start opens its engine session: this one instead
             stack.enter_context(mock.patch.object(app_module, "upstream_session", lambda: session))
         app = await stack.enter_async_context(App(build(config, discovery=fleet, seed=seed)))
@@ -638,7 +642,7 @@ async def serving(
 
         else:
             cfg = config.proxy
-            exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)  # type: ignore[arg-type]
+            exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)
             proxy = Proxy(app.parts.flow, exchange, lambda: app.ready, debug_headers=cfg.debug_headers)
             router = RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", app=app)
 
@@ -1025,6 +1029,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-replicas", type=int, default=defaults.max_replicas, help="per role")
     parser.add_argument("--run-timeout", type=float, default=defaults.run_timeout_s, help="wall s")
     parser.add_argument(
+        "--hop-ms",
+        type=float,
+        default=defaults.hop_s * 1000,
+        help="virtual time: each proxy → engine leg takes this (wall ms, ×speed simulated; default: 1)",
+    )
+    parser.add_argument(
         "--local-prefill",
         action="store_true",
         help="let the picker skip the prefill leg (decode replicas compute prompts themselves)",
@@ -1039,6 +1049,7 @@ def main(argv: list[str] | None = None) -> int:
         run_timeout_s=args.run_timeout,
         local_prefill=args.local_prefill,
         virtual=not args.wall_clock,
+        hop_s=args.hop_ms / 1000,
     )
     if args.quick:
         settings = settings.shrunk(0.2)
