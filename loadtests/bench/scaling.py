@@ -57,6 +57,7 @@ load, desired, recommended, refusal; in wall-clock units, as the compressed rout
 
     python -m loadtests.bench.scaling                      # every scenario and policy (~1 CPU min)
     python -m loadtests.bench.scaling --seeds 0,1,2        # and the verdicts on the means over seeds
+    python -m loadtests.bench.scaling --seeds 0,1,2 --jobs 4   # in 4 processes: the same numbers
     python -m loadtests.bench.scaling --wall-clock         # over HTTP in wall-clock time (~15 min)
     python -m loadtests.bench.scaling --quick --scenarios isl-burst --policies queue
     python -m loadtests.bench.scaling --png scaling.png --table scaling.md
@@ -70,10 +71,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import csv
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import sys
@@ -915,53 +918,62 @@ def _run_wall_clock(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
-def replay_all(
-    args: argparse.Namespace, settings: Settings
-) -> tuple[dict[int, dict[str, list[Outcome]]], dict[int, dict[str, Workload]], int]:
-    """Every scenario × seed × policy, each scenario's table printed as soon as it is done; returns
-    the outcomes and workloads per seed and scenario, and how many requests failed."""
+def _one_job(job: tuple[str, int, str], settings: Settings, several: bool) -> Outcome:
+    """One (scenario, seed, policy) replay, said on stderr as it ends (from a worker process too)."""
+    key, seed, name = job
+    scn = SCENARIOS[key]
+    wall, cpu = time.perf_counter(), time.process_time()
+    outcome = run_replay(scn, POLICIES[name], workload_for(scn, settings, seed), settings, seed)
+    outcome.seed = seed
+    label = f"[{key}{f' seed {seed}' if several else ''}]"
+    lines = [  # why, not just how many
+        f"  {label} {name}: failed at {r.at_s * settings.speed:.1f} s (simulated): {r.status} {r.error}\n"
+        for r in outcome.results
+        if not r.ok
+    ]
+    lines.append(
+        f"  {label} {name}: {len(outcome.results) - outcome.failed}/{len(outcome.results)} ok, "
+        f"violation {outcome.violation_s:.0f} s, {outcome.replica_min:.1f} replica-min "
+        f"({time.perf_counter() - wall:.1f} s, {time.process_time() - cpu:.1f} CPU s)\n"
+    )
+    sys.stderr.write("".join(lines))
+    return outcome
+
+
+def replay_all(args: argparse.Namespace, settings: Settings) -> dict[int, dict[str, list[Outcome]]]:
+    """Every scenario × seed × policy, in ``args.jobs`` processes (each replay is alone on its own
+    virtual loop: the same numbers in any process, in any order), each scenario's table printed as
+    soon as its runs are in; returns the outcomes per seed and scenario."""
     policies = list(args.policies)
     if "pd-router" in policies and not scaling_supported():
         sys.stderr.write("pd-router: skipped (this router has no `signals` section / App.scaling yet)\n")
         policies.remove("pd-router")
-    runs: dict[int, dict[str, list[Outcome]]] = {seed: {} for seed in args.seeds}
-    workloads: dict[int, dict[str, Workload]] = {seed: {} for seed in args.seeds}
     several = len(args.seeds) > 1
-    failed = 0
-    for key in args.scenarios:
-        scn = SCENARIOS[key]
-        for seed in args.seeds:
-            workload = workloads[seed][key] = workload_for(scn, settings, seed)
-            outcomes = runs[seed][key] = []
-            label = f"[{key}{f' seed {seed}' if several else ''}]"
-            for name in policies:
-                wall, cpu = time.perf_counter(), time.process_time()
-                outcome = run_replay(scn, POLICIES[name], workload, settings, seed)
-                outcome.seed = seed
-                failed += outcome.failed
-                outcomes.append(outcome)
-                for result in (r for r in outcome.results if not r.ok):  # why, not just how many
-                    sys.stderr.write(
-                        f"  {label} {name}: failed at {result.at_s * settings.speed:.1f} s (simulated): "
-                        f"{result.status} {result.error}\n"
-                    )
-                sys.stderr.write(
-                    f"  {label} {name}: {len(outcome.results) - outcome.failed}/{len(outcome.results)} ok, "
-                    f"violation {outcome.violation_s:.0f} s, {outcome.replica_min:.1f} replica-min "
-                    f"({time.perf_counter() - wall:.1f} s, {time.process_time() - cpu:.1f} CPU s)\n"
-                )
-            sys.stdout.write(table(scn, outcomes, settings, seed if several else None) + "\n")
-            sys.stdout.flush()
-    return runs, workloads, failed
+    jobs = [(key, seed, name) for key in args.scenarios for seed in args.seeds for name in policies]
+    runs: dict[int, dict[str, list[Outcome]]] = {
+        seed: {key: [] for key in args.scenarios} for seed in args.seeds
+    }
+    with contextlib.ExitStack() as stack:
+        if args.jobs > 1:
+            workers = stack.enter_context(concurrent.futures.ProcessPoolExecutor(args.jobs))
+            outcomes = workers.map(_one_job, jobs, itertools.repeat(settings), itertools.repeat(several))
+        else:
+            outcomes = map(_one_job, jobs, itertools.repeat(settings), itertools.repeat(several))
+        for (key, seed, _), outcome in zip(jobs, outcomes, strict=True):  # in order, as they end
+            done = runs[seed][key]
+            done.append(outcome)
+            if len(done) == len(policies):
+                sys.stdout.write(table(SCENARIOS[key], done, settings, seed if several else None) + "\n")
+                sys.stdout.flush()
+    return runs
 
 
 def main_sync(args: argparse.Namespace, settings: Settings) -> int:
-    runs, workloads, failed = replay_all(args, settings)
+    runs = replay_all(args, settings)
     tables = [
-        table(SCENARIOS[key], outcomes, settings, seed if len(runs) > 1 else None)
+        table(SCENARIOS[key], by_key[key], settings, seed if len(runs) > 1 else None)
         for key in args.scenarios
         for seed, by_key in runs.items()
-        for outcomes in [by_key[key]]
     ]
     summaries = verdicts(runs)
     if summaries:
@@ -969,11 +981,13 @@ def main_sync(args: argparse.Namespace, settings: Settings) -> int:
     if args.table:
         with open(args.table, "w", encoding="utf-8") as out:
             out.write("\n".join([*tables, summaries]))
-    first = args.seeds[0]
     if args.trace:
         write_trace(args.trace, runs)
-    if args.png and write_png(args.png, runs[first], workloads[first], settings):
+    first = args.seeds[0]
+    workloads = {key: workload_for(SCENARIOS[key], settings, first) for key in args.scenarios}
+    if args.png and write_png(args.png, runs[first], workloads, settings):
         sys.stderr.write(f"wrote {args.png}{f' (seed {first})' if len(runs) > 1 else ''}\n")
+    failed = sum(o.failed for by_key in runs.values() for outcomes in by_key.values() for o in outcomes)
     return 0 if failed == 0 else 1
 
 
@@ -1018,6 +1032,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated, instead of --seed: every scenario with each, verdicts also on the means",
     )
     parser.add_argument(
+        "--jobs", type=int, default=1, help="virtual time: replays in parallel processes (default: 1)"
+    )
+    parser.add_argument(
         "--wall-clock",
         action="store_true",
         help="real HTTP on 127.0.0.1 in wall-clock time (--speed× compressed; ~15 min for all, noisy) "
@@ -1040,6 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
         help="let the picker skip the prefill leg (decode replicas compute prompts themselves)",
     )
     args = parser.parse_args(argv)
+    if args.wall_clock and args.jobs > 1:  # parallel wall-clock runs would share the CPU: slower, noisier
+        parser.error("--jobs needs virtual time (not --wall-clock)")
     settings = dataclasses.replace(
         defaults,
         speed=args.speed,

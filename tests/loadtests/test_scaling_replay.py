@@ -263,11 +263,12 @@ def test_a_virtual_replay_gives_the_same_numbers_twice() -> None:
 
 
 def test_another_process_with_another_hash_seed_prints_the_same_table(tmp_path: Path) -> None:
-    """The command here and in a process with another ``PYTHONHASHSEED``: identical tables."""
+    """The command here and in a process with another ``PYTHONHASHSEED``, whose replays run in two
+    worker processes (``--jobs``): identical tables."""
     here, there = tmp_path / "here.md", tmp_path / "there.md"
     argv = ["--quick", "--scenarios", "short-burst", "--policies", "pd-router,running", "--table"]
     assert main([*argv, str(here)]) == 0
-    command = [sys.executable, "-m", "loadtests.bench.scaling", *argv, str(there)]
+    command = [sys.executable, "-m", "loadtests.bench.scaling", "--jobs", "2", *argv, str(there)]
     env = {**os.environ, "PYTHONHASHSEED": "4242"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
