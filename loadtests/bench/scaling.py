@@ -95,7 +95,7 @@ from router.http.exchange import TwoLegExchange
 from router.server import app as app_module
 from router.server.app import App
 from router.server.compose import build
-from router.server.config import LinksConfig, PoolConfig, parse_config
+from router.server.config import LinksConfig, PickerConfig, PoolConfig, parse_config
 from simulator.cluster import engine_model_for, link_cost_from
 from simulator.engine import EngineSpec, TimeModel
 from simulator.fleet import Fleet
@@ -126,6 +126,7 @@ LINKS = {"same": {"latency_ms": 0.05, "bandwidth_gbytes_per_s": 25.0}}
 LINK = "rack-a"
 TYPICAL_PROMPT = 2000
 RANK_STAGGER_S = 5.0  # a multi-rank group's workers come up this far apart (simulated s)
+WAIT_SKEW_S = PickerConfig.model_fields["max_wait_skew_ms"].default / 1000.0  # the picker's default
 # How often the fleet looks for replicas whose ready time came and drained ones gone idle (simulated s;
 # 10 ms of wall time at the default speed, as before the virtual mode)
 FLEET_POLL_S = 0.2
@@ -518,7 +519,10 @@ def make_config(fleet: Fleet, tm: TimeModel, settings: Settings) -> PoolConfig:
         },
         # virtual: no listener, the replay calls the proxy's handler in-process (``serving``)
         "proxy": {"enabled": not settings.virtual, "port": 0, "debug_headers": True},
-        "picker": {"allow_local_prefill": settings.local_prefill},
+        # Locality credit only within this of the least queue wait: its default in simulated seconds,
+        # as every queue wait here is compressed (unscaled, 1 s of wall time is 20 s of simulated wait
+        # skew at 20x, which piled cache-drop's repeated prompts onto the replicas holding them)
+        "picker": {"allow_local_prefill": settings.local_prefill, "max_wait_skew_ms": WAIT_SKEW_S * wall_ms},
         "gate": {"initial_wait_s": 5.0, "retry_base_s": 0.05, "retry_max_s": 0.5},
     }
     if scaling_supported():  # every policy's router does the same work, only pd-router reads it
