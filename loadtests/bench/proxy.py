@@ -144,11 +144,13 @@ def _pin(cpu: int | None) -> None:
             os.sched_setaffinity(0, {cpu})
 
 
-def null_engine_main(conn: Connection, cpu: int | None) -> None:
+def null_engine_main(
+    conn: Connection, cpu: int | None, app: Callable[[], web.Application] = _null_engine_app
+) -> None:
     _pin(cpu)
 
     async def start() -> int:
-        runner = web.AppRunner(_null_engine_app(), access_log=None, handle_signals=False)
+        runner = web.AppRunner(app(), access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

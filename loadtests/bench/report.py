@@ -47,13 +47,14 @@ from typing import Any
 from loadtests.bench import envoy as envoy_bench
 from loadtests.bench import pick as pick_bench
 from loadtests.bench import proxy as proxy_bench
+from loadtests.bench import routers as routers_bench
 from loadtests.bench import routing
 from simulator.engine import TimeModel
 from simulator.workloads.client import Result, Summary
 
 REPO = Path(__file__).resolve().parents[2]
 MS = 1000.0
-OVERHEADS = ("pick", "proxy", "envoy")
+OVERHEADS = ("pick", "proxy", "envoy", "routers")
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,18 @@ class Sizes:
     pick_picks: int
     pick_rounds: int
     pick_sizes: tuple[int, ...]
+    routers: tuple[str, ...]  # the standalone proxy against these (the Rust routers install from PyPI)
+    routers_rounds: int
+    routers_scale: float
 
 
 # Envoy at --concurrency 1 only: on 2 cores a second worker thread competes with the router and
 # the client for the same cores, and the envoy bench's own default already compares both.
-FULL = Sizes(0, 6, 2.0, envoy_bench.MODES, (1,), 3, 2000, 600, 2000, 3, pick_bench.POOL_SIZES)
-QUICK = Sizes(20, 2, 0.1, ("full-duplex",), (1,), 1, 300, 100, 200, 1, (8, 64))
+FULL = Sizes(
+    *(0, 6, 2.0, envoy_bench.MODES, (1,), 3, 2000, 600, 2000, 3, pick_bench.POOL_SIZES),
+    *(routers_bench.ROUTERS, 3, 1.0),
+)
+QUICK = Sizes(20, 2, 0.1, ("full-duplex",), (1,), 1, 300, 100, 200, 1, (8, 64), ("pd-router",), 1, 0.1)
 
 # One colour per policy in every plot, so a policy is recognisable across panels.
 COLOURS = {
@@ -148,6 +155,7 @@ class Report:
     proxy_args: argparse.Namespace | None = None
     envoy: envoy_bench.Results | None = None
     envoy_args: argparse.Namespace | None = None
+    routers: routers_bench.Rows | None = None
     errors: dict[str, str] = field(default_factory=dict)  # section -> what went wrong
     seconds: dict[str, float] = field(default_factory=dict)  # section -> wall seconds
     load_after: str = ""
@@ -860,7 +868,7 @@ def _routing_section(report: Report, images: dict[str, str] | str, folder: str) 
 
 
 def _overhead_section(report: Report) -> list[str]:
-    if report.proxy is None and report.envoy is None and not report.pick:
+    if report.proxy is None and report.envoy is None and not report.pick and report.routers is None:
         return []
     lines = [
         "## Overheads",
@@ -902,6 +910,19 @@ def _overhead_section(report: Report) -> list[str]:
             *envoy_table(report.envoy),
             "",
             *_details("the Envoy bench's own output", "\n".join(envoy_bench.report(a, report.envoy))),
+        ]
+    if report.routers is not None:
+        lines += [
+            "### The standalone proxy against the Rust routers",
+            "",
+            "`loadtests.bench.routers`: two zero-delay workers behind each router in turn "
+            "(sglang-router and vllm-router from their PyPI wheels, both with `--policy cache_aware`; "
+            "pd-router as `pd-router serve` runs it), the router pinned to its own core, the workers "
+            "and the client on the other; non-streaming completions; each figure the median of "
+            "alternating rounds; CPU is the router process's (and its children's) per request.",
+            "",
+            *routers_bench.render(report.routers),
+            "",
         ]
     if report.pick:
         lines += [
@@ -948,9 +969,16 @@ def build(args: argparse.Namespace, argv: list[str]) -> Report:
         with kept_affinity():
             report.envoy_args, report.envoy = run_envoy(sizes)
 
+    def do_routers() -> None:
+        argv = ["--routers", ",".join(sizes.routers), "--rounds", str(sizes.routers_rounds)]
+        with kept_affinity():
+            report.routers = routers_bench.run(
+                routers_bench.parser().parse_args([*argv, "--scale", str(sizes.routers_scale)])
+            )
+
     if args.scenarios:
         _section(report, "routing", do_routing)
-    steps = {"pick": do_pick, "proxy": do_proxy, "envoy": do_envoy}
+    steps = {"pick": do_pick, "proxy": do_proxy, "envoy": do_envoy, "routers": do_routers}
     for name in OVERHEADS:
         if name in overheads:
             _section(report, name, steps[name])

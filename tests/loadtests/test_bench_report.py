@@ -30,7 +30,7 @@ def _has(module: str) -> bool:
 def test_quick_report_has_machine_command_a_row_per_policy_and_valid_pngs(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
     # Envoy comes with the test extras; without it the rest of the report still has to be right.
-    overhead = "pick,proxy,envoy" if _has("envoy") else "pick,proxy"
+    overhead = "pick,proxy,routers,envoy" if _has("envoy") else "pick,proxy,routers"
     argv = ["--quick", "--scenarios", "a", "--policies", ",".join(POLICIES), "--requests", "12"]
     argv += ["--overhead", overhead, "--out", str(out)]
 
@@ -49,6 +49,7 @@ def test_quick_report_has_machine_command_a_row_per_policy_and_valid_pngs(tmp_pa
 
     assert re.search(r"^\| json \| 1 \| ", text, re.M), "no proxy overhead row"
     assert re.search(r"^\| 8 \| shared \| ", text, re.M), "no pick() row"
+    assert re.search(r"^\| pd-router \| [+-]\d", text, re.M), "no row against the Rust routers"
     if "envoy" in overhead:
         assert re.search(r"^\| full-duplex \| 1 \| 1 \| extproc \| ", text, re.M), "no Envoy row"
     assert "## Failures" not in text

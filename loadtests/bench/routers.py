@@ -1,0 +1,331 @@
+"""The standalone proxy against the Rust routers, side by side in one run (a script, not a test).
+
+Two zero-delay OpenAI workers (the proxy benchmark's null engine, answering a fixed small JSON),
+and in front of them, one router at a time, each in its own process pinned to its own core:
+
+* **pd-router**: ``App`` as ``pd-router serve`` runs it, a pool of the two workers (``prefill-decode``);
+* **sglang-router** (``sglang-router launch --policy cache_aware``) and **vllm-router**
+  (``vllm-router --policy cache_aware``), from their PyPI wheels, installed by this script into a
+  virtual environment of their own (``--rust-venv``; the test suite never needs them).
+
+The client (a closed loop of keep-alive connections, non-streaming ``/v1/completions``) and the
+workers share the other core. Per router: the p50 latency it adds at c=1 (over the same requests
+straight to a worker, measured in the same round), requests/s at c=16, and the router process's
+CPU milliseconds per request (user + system from ``/proc``, its child processes included) at c=1
+and c=16. Rounds alternate the routers; the table holds each figure's median over the rounds, and
+every router's figures over pd-router's.
+
+    python -m loadtests.bench.routers                    # 3 rounds (~2 minutes)
+    python -m loadtests.bench.routers --rounds 5 --scale 2
+    python -m loadtests.bench.routers --routers pd-router  # without the Rust routers
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+import venv
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+
+from loadtests.bench.proxy import (
+    CLK_TCK,
+    MODEL,
+    Child,
+    _client_run,
+    _null_engine_app,
+    _pin,
+    _serve_until_term,
+    closed_loop,
+    null_engine_main,
+    run_profiled,
+    start_child,
+)
+
+RUST_ROUTERS = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17"}
+ROUTERS = ("pd-router", *RUST_ROUTERS)
+ROUTER_CPU, CLIENT_CPU = 1, 0
+
+
+# -- the workers (child processes) -----------------------------------------------------------------
+
+
+def _worker_app() -> web.Application:
+    """The null engine, plus what the Rust routers probe before they route to a worker."""
+    # vllm-router opens with an HTTP/2 preface: aiohttp refuses it, and need not log each one.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    app = _null_engine_app()
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def info(_: web.Request) -> web.Response:
+        return web.json_response({"model_path": MODEL, "is_generation": True, "max_total_num_tokens": 65536})
+
+    app.router.add_get("/health", ok)
+    app.router.add_get("/health_generate", ok)
+    app.router.add_get("/v1/models", models)
+    for path in ("/get_model_info", "/get_server_info", "/model_info", "/server_info"):
+        app.router.add_get(path, info)
+    return app
+
+
+def pd_router_main(conn: object, workers: list[str], cpu: int | None) -> None:
+    _pin(cpu)
+    from router.server.app import App  # imported in the router's child only
+    from router.server.compose import build
+    from router.server.config import parse_config
+
+    endpoints = [{"address": w, "role": "prefill-decode", "name": f"w{i}"} for i, w in enumerate(workers)]
+    config = parse_config({"model": MODEL, "endpoints": endpoints, "proxy": {"port": 0}})
+
+    async def serve() -> None:
+        async with App(build(config)) as app:
+            port = app.proxy_port
+            assert port is not None
+
+            async def bound() -> int:
+                return port
+
+            await _serve_until_term(bound, conn)  # type: ignore[arg-type]
+
+    run_profiled(serve(), "")
+
+
+# -- the Rust routers (subprocesses from their own virtual environment) ----------------------------
+
+
+def rust_venv(path: Path) -> Path:
+    """A virtual environment with both Rust routers' wheels; made (from PyPI) when missing."""
+    bin_dir = path / "bin"
+    if not all((bin_dir / name).exists() for name in RUST_ROUTERS):
+        venv.create(path, with_pip=True)
+        subprocess.run(
+            [str(bin_dir / "pip"), "install", "-q", *RUST_ROUTERS.values()],
+            check=True,
+        )
+    return bin_dir
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Process:
+    """A router running as a subprocess, its CPU read from /proc with its descendants'."""
+
+    popen: subprocess.Popen[bytes]
+    port: int
+
+    def cpu_s(self) -> float:
+        return sum(_cpu_s(pid) for pid in _tree(self.popen.pid))
+
+    def stop(self) -> None:
+        self.popen.terminate()
+        try:
+            self.popen.wait(10.0)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5.0)
+
+
+def _cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += parents.get(pid, [])
+    return out
+
+
+def start_rust(name: str, bin_dir: Path, workers: list[str], cpu: int, log: Path) -> Process:
+    port = _free_port()
+    urls = [f"http://{w}" for w in workers]
+    common = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", "cache_aware"]
+    argv = (
+        [str(bin_dir / "sglang-router"), "launch", *common]
+        if name == "sglang-router"
+        else [
+            str(bin_dir / "vllm-router"),
+            *common,
+        ]
+    )
+    if shutil.which("taskset"):
+        argv = ["taskset", "-c", str(cpu), *argv]
+    out = log.open("wb")
+    proc = Process(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT), port)
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:  # ready once it routes a completion
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.popen.returncode}; see {log}")
+        with contextlib.suppress(OSError):
+            body = b'{"model": "%s", "prompt": "ping", "max_tokens": 1}' % MODEL.encode()
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=2.0) as resp:
+                if resp.status == 200:
+                    return proc
+        time.sleep(0.2)
+    proc.stop()
+    raise RuntimeError(f"{name} did not route a completion within 60 s; see {log}")
+
+
+# -- measuring -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    """One router's figures in one round."""
+
+    added_p50_ms: float  # its p50 at c=1 minus the direct p50 of the same round
+    rps_c16: float
+    cpu_ms_c1: float
+    cpu_ms_c16: float
+
+
+@dataclass
+class Rows:
+    rounds: dict[str, list[Figures]] = field(default_factory=dict)
+
+    def median(self, name: str, attr: str) -> float:
+        return statistics.median(getattr(f, attr) for f in self.rounds[name])
+
+
+async def _figures(port: int, direct_port: int, cpu_s: Callable[[], float], scale: float) -> Figures:
+    n1, n16 = int(400 * scale), int(1500 * scale)
+    for conc in (1, 16):  # connections and caches warm, off the record
+        await closed_loop(port, stream=False, concurrency=conc, requests=100, timeout_s=60)
+    direct = await closed_loop(direct_port, stream=False, concurrency=1, requests=n1, timeout_s=120)
+    cpu0 = cpu_s()
+    c1 = await closed_loop(port, stream=False, concurrency=1, requests=n1, timeout_s=120)
+    cpu1 = cpu_s()
+    c16 = await closed_loop(port, stream=False, concurrency=16, requests=n16, timeout_s=120)
+    cpu16 = cpu_s()
+    if c1.errors or c16.errors:
+        raise RuntimeError(f"errors through the router: {c1.errors} at c=1, {c16.errors} at c=16")
+    return Figures(
+        added_p50_ms=(c1.pct(0.5) - direct.pct(0.5)) * 1000.0,
+        rps_c16=len(c16.latencies) / c16.wall_s,
+        cpu_ms_c1=(cpu1 - cpu0) * 1000.0 / len(c1.latencies),
+        cpu_ms_c16=(cpu16 - cpu1) * 1000.0 / len(c16.latencies),
+    )
+
+
+def run(args: argparse.Namespace) -> Rows:
+    _pin(CLIENT_CPU)
+    bin_dir = rust_venv(Path(args.rust_venv)) if set(args.routers) & set(RUST_ROUTERS) else None
+    workers = [start_child(null_engine_main, CLIENT_CPU, _worker_app) for _ in range(2)]
+    addresses = [f"127.0.0.1:{w.port}" for w in workers]
+    rows = Rows({name: [] for name in args.routers})
+    try:
+        for round_no in range(args.rounds):
+            for name in args.routers:
+                router: Child | Process
+                if name == "pd-router":
+                    router = start_child(pd_router_main, addresses, ROUTER_CPU)
+                else:
+                    assert bin_dir is not None
+                    log = Path(args.log_dir) / f"{name}.log"
+                    router = start_rust(name, bin_dir, addresses, ROUTER_CPU, log)
+                try:
+                    figures = _client_run(_figures(router.port, workers[0].port, router.cpu_s, args.scale))
+                finally:
+                    router.stop()
+                rows.rounds[name].append(figures)
+                sys.stderr.write(f"  round {round_no + 1}: {name} done\n")
+    finally:
+        for worker in workers:
+            worker.stop()
+    return rows
+
+
+def render(rows: Rows) -> list[str]:
+    names = list(rows.rounds)
+    rounds = len(rows.rounds[names[0]])
+    lines = [
+        f"Two zero-delay workers, non-streaming /v1/completions, medians of {rounds} alternating rounds",
+        "",
+        "| router | added p50 at c=1, ms | req/s at c=16 | CPU ms per request, c=1 / c=16 |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in names:
+        lines.append(
+            f"| {name} | {rows.median(name, 'added_p50_ms'):+.2f} | {rows.median(name, 'rps_c16'):,.0f} | "
+            f"{rows.median(name, 'cpu_ms_c1'):.2f} / {rows.median(name, 'cpu_ms_c16'):.2f} |"
+        )
+    if "pd-router" in rows.rounds and len(names) > 1:
+        lines += ["", "pd-router over each (CPU per request at c=16; req/s at c=16):"]
+        ours_cpu = rows.median("pd-router", "cpu_ms_c16")
+        ours_rps = rows.median("pd-router", "rps_c16")
+        for name in names:
+            if name != "pd-router":
+                cpu = ours_cpu / rows.median(name, "cpu_ms_c16")
+                rps = ours_rps / rows.median(name, "rps_c16")
+                lines.append(f"  vs {name}: CPU {cpu:.2f}x, req/s {rps:.2f}x")
+    return lines
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtests.bench.routers",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument(
+        "--routers", type=lambda s: s.split(","), default=list(ROUTERS), help=f"of {', '.join(ROUTERS)}"
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--scale", type=float, default=1.0, help="requests per cell × this")
+    p.add_argument("--rust-venv", default="/tmp/pd-router-rust-routers", help="where the Rust routers live")
+    p.add_argument("--log-dir", default="/tmp", help="the Rust routers' logs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    unknown = [name for name in args.routers if name not in ROUTERS]
+    if unknown:
+        parser().error(f"unknown routers {unknown}; choose from {list(ROUTERS)}")
+    sys.stdout.write("\n".join(render(run(args))) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+"""The side-by-side router benchmark's harness, with pd-router alone (the Rust routers are installed
+by the benchmark itself, never by the suite)."""
+
+from __future__ import annotations
+
+import math
+
+from loadtests.bench import routers
+
+
+def test_every_figure_is_measured_through_the_router() -> None:
+    args = routers.parser().parse_args(["--routers", "pd-router", "--rounds", "1", "--scale", "0.05"])
+    rows = routers.run(args)
+    [figures] = rows.rounds["pd-router"]
+    assert figures.rps_c16 > 0 and figures.cpu_ms_c1 > 0 and figures.cpu_ms_c16 > 0
+    assert math.isfinite(figures.added_p50_ms)
+    [_, _, _, _, row] = routers.render(rows)
+    assert row.startswith("| pd-router | ")
