@@ -52,7 +52,7 @@ junk = st.recursive(
 )
 weights = st.dictionaries(
     st.sampled_from(["queue", "prefill", "kv", "prefix", "link", "absorb", "cost", "base", "registry"])
-    | st.sampled_from(["kv_headroom", "nosuch", "Bad-Name", "os", ""])
+    | st.sampled_from(["kv_pressure", "nosuch", "Bad-Name", "os", ""])
     | st.text(max_size=6),
     scalars,
     max_size=4,

@@ -42,7 +42,7 @@ import numpy as np
 
 from router.scheduling.costmodel import link, prefix
 from router.scheduling.costmodel.link import LinkCosts, LinkTable
-from router.scheduling.costmodel.terms import kv_headroom, load, queue
+from router.scheduling.costmodel.terms import kv, load, queue
 from router.scheduling.costmodel.view import Candidates, CostTerm, EngineModel, Objectives, RequestCtx, View
 
 _ZEROS = np.float64(0.0)  # the empty sum; adding a (k,) array to it gives a new (k,) array
@@ -88,8 +88,8 @@ def derive(cand: Candidates, ctx: RequestCtx, cm: CostModel) -> View:
         cached, ctx, prefix.fairness_trust(wait, o.prefix_trust, o.max_wait_skew_s)
     )
     batch = load.batch_size(cand)
-    used = kv_headroom.used_tokens(cand)
-    need = kv_headroom.need_tokens(cached, ctx)
+    used = kv.used_tokens(cand)
+    need = kv.need_tokens(cached, ctx)
     return View(
         cand=cand,
         ctx=ctx,

@@ -16,8 +16,6 @@ from router.scheduling.costmodel.view import CostTerm
 MODEL_WEIGHTS = frozenset({"prefix", "link"})
 # The built-in terms and their default weights, in the order they are summed.
 DEFAULT_WEIGHTS = {"queue": 1.0, "prefill": 1.0, "interference": 1.0, "load": 1.0, "kv": 1.0, "absorb": 1.0}
-# Built-in terms whose module has a longer name.
-_MODULES = {"kv": "kv_headroom"}
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -25,7 +23,7 @@ def load_term(name: str) -> CostTerm:
     """The term ``name`` from ``terms/<name>.py``; ``ValueError`` saying why when there is none."""
     if not _NAME.fullmatch(name):
         raise ValueError(f"{name!r} is not a scorer name (lower-case letters, digits, _)")
-    module_name = f"router.scheduling.costmodel.terms.{_MODULES.get(name, name)}"
+    module_name = f"router.scheduling.costmodel.terms.{name}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

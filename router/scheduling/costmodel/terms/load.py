@@ -4,7 +4,7 @@
 ``batch = max(scraped running, our in-flight requests)`` (scrapes lag behind our own picks; other
 replicas only show in scrapes). Unknown ``running`` is the pool's worst known. The term is TPOT
 measured against its SLO, in seconds of TTFT: ``tpot / tpot_slo * ttft_slo``.
-Consumes: ``running``, ``inflight_requests``, KV use (``router/scheduling/costmodel/terms/kv_headroom.py``).
+Consumes: ``running``, ``inflight_requests``, KV use (``router/scheduling/costmodel/terms/kv.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ import math
 from scorer_cases import MODEL, cands, ctx
 
 from router.scheduling.costmodel import prefix
-from router.scheduling.costmodel.terms import kv_headroom, load
+from router.scheduling.costmodel.terms import kv, load
 
 
 def test_tpot_grows_with_the_batch_and_uses_our_inflight_when_larger() -> None:
@@ -12,7 +12,7 @@ def test_tpot_grows_with_the_batch_and_uses_our_inflight_when_larger() -> None:
     assert batch.tolist() == [0, 10, 20]
     tpot = load.tpot_s(
         MODEL,
-        kv_headroom.used_tokens(c) + kv_headroom.need_tokens(prefix.cached_tokens(c, ctx()), ctx()),
+        kv.used_tokens(c) + kv.need_tokens(prefix.cached_tokens(c, ctx()), ctx()),
         batch,
     )
     assert tpot[0] < tpot[1] < tpot[2]
