@@ -13,11 +13,22 @@ Each pick is released at once, so the pool stays at the same load. ``pick`` cove
 (``loop.call_soon``), timed separately; ``total`` is both.
 
     python -m loadtests.bench.pick [--picks 3000] [--rounds 5]
+
+``--against TREE`` compares this checkout's pick with another checkout's (``git worktree add
+/tmp/base <commit>``) on a machine other work shares: one worker process per tree, each with the
+same pools and prompts, run a batch of picks in turn, so both see the same load; the table gives
+the median over batches of each batch's p50 and p99, and new ÷ old.
+
+    python -m loadtests.bench.pick --against /tmp/base [--sizes 8 64 512] [--batches 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 
@@ -118,15 +129,97 @@ def measure(
             yield n, kind, time_picks(picker, prompts, deferred, rounds)
 
 
+# A worker for ``--against``: only ``build`` and ``RouteRequest``, which every tree compared has.
+# Reads a line per batch, answers with that batch's (p50, p99) µs of pick per prompt kind.
+_WORKER = """
+import json, sys, time
+import numpy as np
+from loadtests.bench.pick import PROMPT_BLOCKS, SHARED_BLOCKS, build
+from router.request.types import RouteRequest
+n, picks = int(sys.argv[1]), int(sys.argv[2])
+rng = np.random.default_rng(0)
+picker, systems, deferred = build(n, rng)
+prompts = {}
+for kind in ("shared", "novel"):
+    prompts[kind] = [rng.integers(0, 2**63, size=PROMPT_BLOCKS, dtype=np.uint64) for _ in range(picks)]
+    if kind == "shared":
+        for i, keys in enumerate(prompts[kind]):
+            keys[:SHARED_BLOCKS] = systems[i % 8]
+print("ready", flush=True)
+for _ in sys.stdin:
+    out = {}
+    for kind, batch in prompts.items():
+        took = np.empty(len(batch))
+        for i, keys in enumerate(batch):
+            request = RouteRequest(model="m", prompt_tokens=4096, max_tokens=256, block_keys=keys, body={})
+            t0 = time.perf_counter_ns()
+            decision = picker.pick(request)
+            took[i] = time.perf_counter_ns() - t0
+            deferred.clear()
+            decision.reservation.release()
+        out[kind] = (np.percentile(took, 50) / 1000, np.percentile(took, 99) / 1000)
+    print(json.dumps(out), flush=True)
+"""
+
+
+def against(base: str, sizes: Sequence[int], picks: int, batches: int) -> None:
+    """Print old (``base``) and new (this checkout) pick µs per size, alternating batches."""
+    trees = {"old": base, "new": "."}
+    print(
+        f"pick() µs, {base} (old) vs this checkout (new), median of {batches} alternating batches of {picks}"
+    )
+    heads = ("old p50", "old p99", "new p50", "new p99", "p50 new/old", "p99 new/old")
+    print(f"{'endpoints':>9}  {'prompt':>6}" + "".join(f"  {h:>{max(8, len(h))}}" for h in heads))
+    for n in sizes:
+        workers = {
+            name: subprocess.Popen(
+                [sys.executable, "-c", _WORKER, str(n), str(picks)],
+                cwd=tree,
+                env={"PYTHONPATH": ".", "PATH": "/usr/bin:/bin"},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for name, tree in trees.items()
+        }
+        results: dict[str, list[dict[str, list[float]]]] = {name: [] for name in workers}
+        for worker in workers.values():
+            assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
+        for batch in range(batches):
+            order = list(workers.items()) if batch % 2 == 0 else list(workers.items())[::-1]
+            for name, worker in order:
+                assert worker.stdin is not None and worker.stdout is not None
+                worker.stdin.write("go\n")
+                worker.stdin.flush()
+                results[name].append(json.loads(worker.stdout.readline()))
+        for worker in workers.values():
+            worker.communicate("")
+        for kind in KINDS:
+            cells = [statistics.median(r[kind][q] for r in results[name]) for name in trees for q in (0, 1)]
+            ratios = (cells[2] / cells[0], cells[3] / cells[1])
+            print(
+                f"{n:>9}  {kind:>6}"
+                + "".join(f"  {c:>8.1f}" for c in cells)
+                + "".join(f"  {r:>10.2f}×" for r in ratios),
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--picks", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--against", metavar="TREE", help="compare with another checkout's pick")
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(POOL_SIZES))
+    parser.add_argument("--batches", type=int, default=20, help="with --against: batches per tree")
     args = parser.parse_args()
+    if args.against:
+        against(args.against, args.sizes, min(args.picks, 500), args.batches)
+        return
     print(f"pick() latency, 4k-token prompts, index warm with {INDEX_BLOCKS:,} blocks")
     header = "".join(f"  {name + ' p50':>10}  {name + ' p99':>10}" for name in ("pick", "record", "total"))
     print(f"{'endpoints':>9}  {'prompt':>6}{header}")
-    for n, kind, stats in measure(args.picks, args.rounds):
+    for n, kind, stats in measure(args.picks, args.rounds, args.sizes):
         cells = "".join(f"  {p50:>10.1f}  {p99:>10.1f}" for p50, p99 in stats.values())
         print(f"{n:>9}  {kind:>6}{cells}")
 
