@@ -20,9 +20,9 @@ from kvindex.base import PrefixIndex
 from router.request.rejections import BadRequest, NoCapacity, Saturated, Shed
 from router.request.types import RouteRequest
 from router.scheduling.costmodel.link import LinkOverlay, LinkTable
-from router.scheduling.costmodel.matrix import CostModel, PairCosts, derive, pair_costs
+from router.scheduling.costmodel.matrix import CostModel, Layout, PairCosts, costs_over, derive
 from router.scheduling.costmodel.policies import PairChoice, PairPicker
-from router.scheduling.costmodel.view import RequestCtx
+from router.scheduling.costmodel.view import Candidates, RequestCtx
 from router.scheduling.extension import CandidateFilter
 from router.state.pool import Endpoint, Pool, Reservation
 
@@ -159,6 +159,7 @@ class Picker:
         self.links = links
         self._links: LinkTable | None = None
         self._links_version = (-1, -1)
+        self._kept_layout: tuple[tuple[object, ...], Layout] | None = None  # (key, layout)
         self.affinity_misses = 0  # picks that did not go to the best cache holder
 
     def _link_table(self) -> LinkTable:
@@ -196,16 +197,32 @@ class Picker:
             typical_prompt_tokens=pool.typical_prompt_tokens,
             typical_answer_tokens=pool.typical_answer_tokens,
         )
-        view = derive(cand, ctx, self.cost_model)
-        is_prefill = cand.can_prefill if request.prefill_leg else np.zeros(len(cand), dtype=bool)
-        # Role-flexible P/D: prefill pods may take whole requests (priced by the ``absorb`` term).
-        is_decode = (
-            cand.can_decode | cand.can_prefill if self.cost_model.prefill_may_decode else cand.can_decode
+        return costs_over(derive(cand, ctx, self.cost_model), self.cost_model, self._layout(cand, request))
+
+    def _layout(self, cand: Candidates, request: RouteRequest) -> Layout:
+        # The matrix's shape changes only when candidates come or go or change role, link or
+        # sidecar: comparing a few byte strings costs far less than rebuilding it every pick.
+        links = self._link_table()
+        may_decode = self.cost_model.prefill_may_decode
+        key = (
+            cand.slots.tobytes(),
+            cand.can_prefill.tobytes(),
+            cand.can_decode.tobytes(),
+            cand.link_index.tobytes(),
+            cand.sidecar.tobytes() if request.pairs_need_sidecar else None,
+            request.prefill_leg,
+            may_decode,
+            self._links_version,
         )
-        # Behind a gateway only a P/D sidecar in front of the decode pod runs a pair's prefill
-        # leg: a pair anywhere else would book prefill work nobody does.
-        pairs_into = cand.sidecar if request.pairs_need_sidecar else None
-        return pair_costs(view, is_prefill, is_decode, self.cost_model, self._link_table(), pairs_into)
+        if self._kept_layout is None or self._kept_layout[0] != key:
+            is_prefill = cand.can_prefill if request.prefill_leg else np.zeros(len(cand), dtype=bool)
+            # Role-flexible P/D: prefill pods may take whole requests (priced by the ``absorb`` term).
+            is_decode = cand.can_decode | cand.can_prefill if may_decode else cand.can_decode
+            # Behind a gateway only a P/D sidecar in front of the decode pod runs a pair's prefill
+            # leg: a pair anywhere else would book prefill work nobody does.
+            pairs_into = cand.sidecar if request.pairs_need_sidecar else None
+            self._kept_layout = (key, Layout.of(cand, is_prefill, is_decode, links, pairs_into))
+        return self._kept_layout[1]
 
     def _cached_blocks(self, request: RouteRequest, slots: np.ndarray) -> np.ndarray:
         cached = self.index.match(request.block_keys, slots)

@@ -84,4 +84,9 @@ def transfer_s(
     """(len(prefill_links), kd) seconds to move ``decode_bytes`` from each link class to each D."""
     latency = table.latency_s[prefill_links][:, decode_links]
     bandwidth = table.bytes_per_s[prefill_links][:, decode_links]
-    return latency + decode_bytes[None, :] / bandwidth
+    return seconds(latency, bandwidth, decode_bytes)
+
+
+def seconds(latency_s: np.ndarray, bytes_per_s: np.ndarray, decode_bytes: np.ndarray) -> np.ndarray:
+    """``transfer_s`` from the table's (L, kd) slices, when a caller keeps them between picks."""
+    return latency_s + decode_bytes[None, :] / bytes_per_s

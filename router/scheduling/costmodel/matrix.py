@@ -46,6 +46,7 @@ from router.scheduling.costmodel.terms import kv, load, queue
 from router.scheduling.costmodel.view import Candidates, CostTerm, EngineModel, Objectives, RequestCtx, View
 
 _ZEROS = np.float64(0.0)  # the empty sum; adding a (k,) array to it gives a new (k,) array
+_INF = np.array([np.inf])
 
 
 class TermContractError(RuntimeError):
@@ -195,16 +196,70 @@ class PairCosts:
         """Whether candidate ``position`` may compute the prompt for a pair in this matrix."""
         return 0 <= position < len(self.is_prefill_mask) and bool(self.is_prefill_mask[position])
 
-    def prefill_order(self, col: int, exclude: int) -> np.ndarray:
-        """Candidate positions of prefill pods by pair cost with decode column ``col``, best first.
+    def prefill_order(self, col: int, exclude: int, limit: int | None = None) -> np.ndarray:
+        """Candidate positions of prefill pods by pair cost with decode column ``col``, best first
+        (the first ``limit``; None: all).
 
         ``exclude`` (a candidate position: the chosen prefill pod) and the decode pod itself are
         left out.
         """
         pair = self.route_s[self.prefill] + self.link_weight * self.transfer_s[self.prefill_class, col]
         pair[(self.prefill == exclude) | (self.prefill == self.decode[col])] = np.inf
-        order = np.argsort(pair, kind="stable")
-        return self.prefill[order[np.isfinite(pair[order])]]
+        return self.prefill[smallest(pair, len(pair) if limit is None else limit)]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The parts of a pick's matrix that depend only on who the candidates are (roles, link
+    labels, sidecars) and on the link table, not on their load or the prompt: built once and
+    reused while the candidate set stays the same (``Picker`` keys it on those arrays)."""
+
+    is_prefill: np.ndarray  # (k,) bool: may compute the prompt for a pair
+    prefill: np.ndarray  # (kp,) candidate positions that may compute a pair's prompt
+    decode: np.ndarray  # (kd,) candidate positions that may decode
+    no_pairs: np.ndarray  # (kd,) bool: a column only ever computes its prompt itself
+    classes: np.ndarray  # (L,) link labels of the prefill pods
+    prefill_class: np.ndarray  # (kp,) row - 1 of each prefill pod's class
+    # (L, m) positions in ``prefill`` per class, ascending, padded with kp; None with one class.
+    members: np.ndarray | None
+    latency_s: np.ndarray  # (L, kd) from each class to each decode pod
+    bytes_per_s: np.ndarray  # (L, kd)
+
+    @classmethod
+    def of(
+        cls,
+        cand: Candidates,
+        is_prefill: np.ndarray,
+        is_decode: np.ndarray,
+        links: LinkTable,
+        pairs_into: np.ndarray | None = None,
+    ) -> Layout:
+        decode = np.flatnonzero(is_decode)
+        prefill = np.flatnonzero(is_prefill)
+        no_pairs = ~cand.can_decode[decode]
+        if pairs_into is not None:
+            no_pairs |= ~pairs_into[decode]
+        labels = cand.link_index[prefill]
+        classes, prefill_class = np.unique(labels, return_inverse=True)
+        members = None
+        if len(classes) > 1:
+            width = max(int(np.bincount(prefill_class).max()), 2)  # a runner-up column even if none
+            members = np.full((len(classes), width), len(prefill))
+            for row in range(len(classes)):
+                at = np.flatnonzero(prefill_class == row)
+                members[row, : len(at)] = at
+        d_links = cand.link_index[decode]
+        return cls(
+            is_prefill=is_prefill,
+            prefill=prefill,
+            decode=decode,
+            no_pairs=no_pairs,
+            classes=classes,
+            prefill_class=prefill_class.astype(np.int64),
+            members=members,
+            latency_s=links.latency_s[classes][:, d_links],
+            bytes_per_s=links.bytes_per_s[classes][:, d_links],
+        )
 
 
 def pair_costs(
@@ -220,6 +275,11 @@ def pair_costs(
     ``links``: ``cm.links`` laid over the pool's link labels (rebuilt only when labels change).
     ``pairs_into``: (k,) bool, the decode pods a pair may end on (behind a gateway, those a P/D
     sidecar fronts); the others only compute their prompts themselves. None: every decode pod."""
+    return costs_over(view, cm, Layout.of(view.cand, is_prefill, is_decode, links, pairs_into))
+
+
+def costs_over(view: View, cm: CostModel, layout: Layout) -> PairCosts:
+    """``pair_costs`` with its layout kept from an earlier pick over the same candidates."""
     cand, ctx, model = view.cand, view.ctx, cm.model
     k = len(cand)
     route = column = _ZEROS
@@ -248,8 +308,7 @@ def pair_costs(
         culprit = next(name for name, v in values.items() if np.isnan(v).any())
         raise TermContractError(f"cost term {culprit!r} returned NaN")
 
-    decode = np.flatnonzero(is_decode)
-    prefill = np.flatnonzero(is_prefill)
+    decode, prefill, no_pairs = layout.decode, layout.prefill, layout.no_pairs
     kd = len(decode)
     d_tpot = view.tpot_s[decode]
 
@@ -258,18 +317,15 @@ def pair_costs(
     # pod nothing would run a pair's prefill leg for. Such a column keeps its local route even
     # without allow_local_prefill: it is the only thing that can happen there.
     local_ttft = route[decode]
-    no_pairs = ~cand.can_decode[decode]
-    if pairs_into is not None:
-        no_pairs |= ~pairs_into[decode]
     if not cm.allow_local_prefill and len(prefill):
         local_ttft = np.where(no_pairs, local_ttft, np.inf)
 
     # Pairs, reduced to the prefill pods' link classes.
     p_route = route[prefill]
     after_transfer = 2.0 * d_tpot + (model.decode_step_base_s + model.pd_leg_overhead_s)
-    classes, p_class, best, second = _best_two_per_class(p_route, cand.link_index[prefill])
+    best, second = _best_two_per_class(p_route, layout.members)
     decode_bytes = link.transfer_bytes(view.cached[decode], ctx, model)
-    transfer = link.transfer_s(links, classes, cand.link_index[decode], decode_bytes)
+    transfer = link.seconds(layout.latency_s, layout.bytes_per_s, decode_bytes)
     # Where a class's cheapest prefill pod is the decode pod itself (a prefill-decode pod in both
     # sets), the pair uses the class's runner-up instead.
     same_pod = prefill[best][:, None] == decode[None, :]
@@ -281,10 +337,11 @@ def pair_costs(
     pair_ttft = np.where((chosen >= 0) & ~no_pairs, pair_ttft, np.inf)
     chosen = np.where(chosen >= 0, prefill[chosen], -1)
 
-    ttft = np.empty((1 + len(classes), kd))
+    rows = 1 + len(layout.classes)
+    ttft = np.empty((rows, kd))
     ttft[0] = local_ttft
     ttft[1:] = pair_ttft
-    prefill_of = np.full((1 + len(classes), kd), -1)
+    prefill_of = np.full((rows, kd), -1)
     prefill_of[1:] = chosen
     slo = cm.objectives.ttft_slo_s
     return PairCosts(
@@ -294,9 +351,9 @@ def pair_costs(
         prefill_of=prefill_of,
         prefill=prefill,
         decode=decode,
-        is_prefill_mask=is_prefill,
+        is_prefill_mask=layout.is_prefill,
         pairable=~no_pairs,
-        prefill_class=p_class,
+        prefill_class=layout.prefill_class,
         transfer_s=transfer,
         transfer_bytes=decode_bytes,
         after_transfer_s=after_transfer,
@@ -310,31 +367,42 @@ def pair_costs(
     )
 
 
-def _best_two_per_class(
-    cost: np.ndarray, labels: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per distinct label: (labels, class of each item, cheapest item, runner-up item or -1)."""
+def smallest(values: np.ndarray, limit: int) -> np.ndarray:
+    """Positions of the ``limit`` smallest finite ``values``, ascending, ties to the lower position
+    (a stable argsort's first finite entries). Overwrites ``values``."""
+    if limit >= 8:  # beyond a few, one sort beats repeated scans
+        order = np.argsort(values, kind="stable")
+        return order[np.isfinite(values[order])][:limit]
+    # Fallbacks want two or three: as many argmin scans cost far less than a sort.
+    found = []
+    for _ in range(min(limit, len(values))):
+        at = int(values.argmin())  # the first of equal minima, or the first NaN if any
+        if not math.isfinite(values[at]):
+            if math.isnan(values[at]):  # only the first scan can meet one (nothing changed yet)
+                return smallest(np.where(np.isnan(values), np.inf, values), limit)
+            break
+        found.append(at)
+        values[at] = np.inf
+    return np.array(found, dtype=np.int64)
+
+
+def _best_two_per_class(cost: np.ndarray, members: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per link class (``Layout.members``; None: one class): the cheapest item and the runner-up
+    (-1 if none), ties to the lower position."""
     n = cost.size
     if n == 0:
         empty = np.empty(0, dtype=np.int64)
-        return empty, empty, empty, empty
-    if n == 1 or labels.min() == labels.max():  # one link class: the common case, no sort needed
-        first = labels[:1]
+        return empty, empty
+    if members is None:  # one link class: the common case, no sort needed
         if n == 1:
-            return first, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.full(1, -1)
+            return np.zeros(1, dtype=np.int64), np.full(1, -1)
         two = np.argpartition(cost, 1)[:2]
         if cost[two[1]] < cost[two[0]]:
             two = two[::-1]
-        return first, np.zeros(n, dtype=np.int64), two[:1], two[1:]
-    order = np.lexsort((cost, labels))
-    sorted_labels = labels[order]
-    boundary = np.empty(n, dtype=bool)
-    boundary[0] = True
-    np.not_equal(sorted_labels[1:], sorted_labels[:-1], out=boundary[1:])
-    starts = np.flatnonzero(boundary)
-    classes = sorted_labels[starts]
-    best = order[starts]
-    ends = np.append(starts[1:], n)
-    second = np.where(ends - starts > 1, order[np.minimum(starts + 1, n - 1)], -1)
-    item_class = np.searchsorted(classes, labels)
-    return classes, item_class, best, second
+        return two[:1], two[1:]
+    # Each class's row of costs, padded with +inf past its members; a stable sort keeps equal
+    # costs in position order (and real +inf before the padding).
+    order = np.argsort(np.concatenate((cost, _INF))[members], axis=1, kind="stable")[:, :2]
+    two = members.ravel()[order + np.arange(0, members.size, members.shape[1])[:, None]]
+    two[two == n] = -1
+    return two[:, 0], two[:, 1]

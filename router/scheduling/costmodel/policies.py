@@ -23,7 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-from router.scheduling.costmodel.matrix import PairCosts
+from router.scheduling.costmodel.matrix import PairCosts, smallest
 from router.scheduling.costmodel.terms import queue
 from router.scheduling.costmodel.view import fill_unknown
 
@@ -84,9 +84,9 @@ class JointArgmin:
         if fallbacks == 0:
             return PairChoice(prefill, col, _NONE, _NONE)
         column_best = noisy.min(axis=0)
-        order = np.argsort(column_best, kind="stable")[: fallbacks + 1]
-        decode_fallbacks = order[(order != col) & np.isfinite(column_best[order])][:fallbacks]
-        prefill_fallbacks = _NONE if prefill < 0 else costs.prefill_order(col, prefill)[:fallbacks]
+        column_best[col] = np.inf
+        decode_fallbacks = smallest(column_best, fallbacks)
+        prefill_fallbacks = _NONE if prefill < 0 else costs.prefill_order(col, prefill, fallbacks)
         return PairChoice(prefill, col, prefill_fallbacks, decode_fallbacks)
 
 

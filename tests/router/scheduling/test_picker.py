@@ -274,6 +274,29 @@ def test_behind_a_gateway_a_pair_ends_only_on_a_decode_pod_a_sidecar_fronts() ->
     assert (decision.prefill.id, decision.decode.id) == ("e0", "e1")
 
 
+def test_what_the_picker_keeps_between_picks_follows_sidecars_roles_and_candidates() -> None:
+    """The matrix layout kept from earlier picks is rebuilt when the candidates change."""
+    picker, keys = _warm_pair_picker()
+    picker.defer = lambda *_: None  # no optimistic records: every pick sees the same index
+    pool = picker.pool
+    e0, e1 = pool.endpoints["e0"].slot, pool.endpoints["e1"].slot
+    decision = picker.pick(make_request(4000, keys, pairs_need_sidecar=True), now=NOW)
+    assert decision.prefill is None
+    decision.reservation.release()
+    pool.sidecar[e1] = True  # an annotation came on e1's pod
+    decision = picker.pick(make_request(4000, keys, pairs_need_sidecar=True), now=NOW)
+    assert (decision.prefill.id, decision.decode.id) == ("e0", "e1")
+    decision.reservation.release()
+    pool.can_prefill[e0] = False  # e0 may no longer compute a pair's prompt
+    decision = picker.pick(make_request(4000, keys, pairs_need_sidecar=True), now=NOW)
+    assert decision.prefill is None
+    decision.reservation.release()
+    pool.can_prefill[e0] = True
+    pool.ejected[e1] = True  # e1 leaves the candidates: only e0 is left, which decodes itself
+    decision = picker.pick(make_request(4000, keys), now=NOW)
+    assert (decision.prefill, decision.decode.id) == (None, "e0")
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 80), st.integers(0, 20), st.integers(0, 249)), min_size=3, max_size=3),

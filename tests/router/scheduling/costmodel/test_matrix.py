@@ -1,8 +1,17 @@
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from scorer_cases import LINKS, MODEL, cands, cost_model, ctx
 
-from router.scheduling.costmodel.matrix import PairCosts, TermContractError, WeightedTerm, derive, pair_costs
+from router.scheduling.costmodel.matrix import (
+    PairCosts,
+    TermContractError,
+    WeightedTerm,
+    derive,
+    pair_costs,
+    smallest,
+)
 from router.scheduling.costmodel.view import RequestCtx, Side, View
 
 TABLE = LINKS.table({"a": 0, "b": 1})
@@ -192,3 +201,15 @@ def test_a_slow_engine_pays_its_slowness_on_wait_prefill_and_tpot() -> None:
     assert view.tpot_s[1] == pytest.approx(3 * view.tpot_s[0])
     costs = costs_of(cand, np.array([False, False]), np.array([True, True]), c)
     assert costs.cost[0, 0] < costs.cost[0, 1]  # everything else equal, the slow one loses
+
+
+@given(
+    st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.5, np.inf, np.nan]), max_size=12),
+    st.integers(0, 12),
+)
+def test_smallest_is_a_stable_sorts_first_finite_entries(values: list[float], limit: int) -> None:
+    """The fallbacks' order: ties to the lower position, +inf and NaN never, at most ``limit``."""
+    array = np.array(values, dtype=np.float64)
+    order = np.argsort(array, kind="stable")
+    expected = order[np.isfinite(array[order])][:limit]
+    assert smallest(array.copy(), limit).tolist() == expected.tolist()
