@@ -119,6 +119,9 @@ class Pool:
         self.generation: list[int] = []  # per slot, bumped when its endpoint leaves
         self.links: dict[str, int] = {}
         self.outstanding = 0
+        # Other router replicas hold reservations here (``others_*`` not all zero: shared_load.py);
+        # without them a pick gathers its own alone instead of adding zeros.
+        self.others_held = False
         self.typical_prompt_tokens = typical_prompt_tokens  # the start; moves towards what arrives
         self.typical_answer_tokens = typical_answer_tokens  # the same for max_tokens
         self._answers_seen = 0
@@ -233,6 +236,8 @@ class Pool:
 
     def candidates(self, slots: np.ndarray) -> Candidates:
         """Every candidate feature of these slots, gathered for the scorers."""
+        if not self.others_held:
+            return Candidates(slots, **{name: values[slots] for name, values, _ in self._candidate_arrays})
         return Candidates(
             slots,
             **{

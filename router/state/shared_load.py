@@ -121,15 +121,18 @@ class SharedLoad:
         others = await self.board.exchange(self.own()) or []
         pool = self.pool
         sums = {name: np.zeros_like(getattr(pool, name)) for name in SHARED}
+        held = False
         for load in others:
             for endpoint_id, values in load.items():
                 endpoint = pool.endpoints.get(endpoint_id)
                 if endpoint is None:  # an endpoint this replica does not know (yet)
                     continue
+                held = True
                 for name, value in zip(SHARED, values, strict=True):
                     sums[name][endpoint.slot] += value
         for name, total in sums.items():
             getattr(pool, f"others_{name}")[:] = total
+        pool.others_held = held
         self.replicas = 1 + len(others)
 
 

@@ -83,7 +83,7 @@ class JointArgmin:
         prefill = int(costs.prefill_of[row, col])
         if fallbacks == 0:
             return PairChoice(prefill, col, _NONE, _NONE)
-        column_best = noisy.min(axis=0)
+        column_best = np.minimum.reduce(noisy, axis=0)  # .min(axis=0) without its Python wrapper
         column_best[col] = np.inf
         decode_fallbacks = smallest(column_best, fallbacks)
         prefill_fallbacks = _NONE if prefill < 0 else costs.prefill_order(col, prefill, fallbacks)

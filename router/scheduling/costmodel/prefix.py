@@ -24,7 +24,7 @@ def fairness_trust(wait_s: np.ndarray, weight: float, max_skew_s: float) -> np.n
     """Locality credit per candidate: ``weight`` where the wait is within ``max_skew_s`` of the least."""
     if wait_s.size == 0:
         return wait_s
-    return np.where(wait_s <= wait_s.min() + max_skew_s, weight, 0.0)
+    return np.where(wait_s <= np.minimum.reduce(wait_s) + max_skew_s, weight, 0.0)
 
 
 def uncached_tokens(cached: np.ndarray, ctx: RequestCtx, trust: np.ndarray | float) -> np.ndarray:

@@ -22,7 +22,7 @@ class PrefillPodDecodes:
 
     def seconds(self, view: View) -> np.ndarray:
         cand, ctx, model = view.cand, view.ctx, view.model
-        if cand.can_decode.all():
+        if np.logical_and.reduce(cand.can_decode):  # .all() without its Python wrapper
             return np.zeros(len(cand))
         step = model.decode_s_per_seq + model.decode_s_per_kv_token * (ctx.prompt_tokens + ctx.max_tokens)
         waiting = np.maximum(fill_unknown(cand.waiting, worst=0.0), 1.0)

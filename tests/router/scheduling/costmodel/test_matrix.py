@@ -8,6 +8,8 @@ from router.scheduling.costmodel.matrix import (
     PairCosts,
     TermContractError,
     WeightedTerm,
+    best_two_per_class,
+    class_members,
     derive,
     pair_costs,
     smallest,
@@ -213,3 +215,20 @@ def test_smallest_is_a_stable_sorts_first_finite_entries(values: list[float], li
     order = np.argsort(array, kind="stable")
     expected = order[np.isfinite(array[order])][:limit]
     assert smallest(array.copy(), limit).tolist() == expected.tolist()
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.sampled_from([0.0, 1.0, 2.0, np.inf])), min_size=1, max_size=10)
+)
+def test_each_classes_best_two_are_a_lexsorts_first_two(items: list[tuple[int, float]]) -> None:
+    """Cheapest and runner-up per link class, ties to the lower position, +inf members included."""
+    labels = np.array([label for label, _ in items])
+    cost = np.array([c for _, c in items])
+    classes, item_class = np.unique(labels, return_inverse=True)
+    if len(classes) < 2:
+        return  # one class takes argpartition, not the rows
+    best, second = best_two_per_class(cost, class_members(item_class))
+    order = np.lexsort((cost, labels))
+    for row, label in enumerate(classes):
+        ranked = [int(i) for i in order if labels[i] == label]
+        assert (best[row], second[row]) == (ranked[0], ranked[1] if len(ranked) > 1 else -1)
