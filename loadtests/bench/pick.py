@@ -20,6 +20,10 @@ same pools and prompts, run a batch of picks in turn, so both see the same load;
 the median over batches of each batch's p50 and p99, and new ÷ old.
 
     python -m loadtests.bench.pick --against /tmp/base [--sizes 8 64 512] [--batches 20]
+
+``--spin SECONDS`` builds the first pool of ``--sizes``, prints ``spinning`` and picks (shared
+and novel prompts in turn, each released) for that long: a steady process for a sampling profiler
+to attach to once the index is built (docs/benchmarks.md, "pick() hot path", has the command).
 """
 
 from __future__ import annotations
@@ -205,6 +209,23 @@ def against(base: str, sizes: Sequence[int], picks: int, batches: int) -> None:
             )
 
 
+def spin(n: int, seconds: float) -> None:
+    """Pick without pause on an ``n``-endpoint pool for ``seconds`` (for a profiler)."""
+    rng = np.random.default_rng(0)
+    picker, systems, deferred = build(n, rng)
+    prompts = [rng.integers(0, 2**63, size=PROMPT_BLOCKS, dtype=np.uint64) for _ in range(1000)]
+    for i, keys in enumerate(prompts[::2]):
+        keys[:SHARED_BLOCKS] = systems[i % 8]
+    print("spinning", flush=True)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for keys in prompts:
+            request = RouteRequest(model="m", prompt_tokens=4096, max_tokens=256, block_keys=keys, body={})
+            decision = picker.pick(request)
+            deferred.clear()
+            decision.reservation.release()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--picks", type=int, default=3000)
@@ -212,7 +233,11 @@ def main() -> None:
     parser.add_argument("--against", metavar="TREE", help="compare with another checkout's pick")
     parser.add_argument("--sizes", type=int, nargs="+", default=list(POOL_SIZES))
     parser.add_argument("--batches", type=int, default=20, help="with --against: batches per tree")
+    parser.add_argument("--spin", type=float, metavar="SECONDS", help="only pick, for a profiler")
     args = parser.parse_args()
+    if args.spin:
+        spin(args.sizes[0], args.spin)
+        return
     if args.against:
         against(args.against, args.sizes, min(args.picks, 500), args.batches)
         return
