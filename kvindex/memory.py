@@ -48,7 +48,7 @@ class MemoryPrefixIndex:
     scratch arrays of ``match``. Implements :class:`kvindex.base.PrefixIndex`.
     """
 
-    __slots__ = ("_bits", "_capacity", "_caps", "_entries", "_lru", "_max_slots", "_owners")
+    __slots__ = ("_bits", "_capacity", "_caps", "_entries", "_last_slots", "_lru", "_max_slots", "_owners")
 
     def __init__(self, capacity_blocks_per_slot: int, max_slots: int = 4096) -> None:
         if capacity_blocks_per_slot < 1:
@@ -64,6 +64,9 @@ class MemoryPrefixIndex:
         # One shared int per single-slot mask: most keys have one holder, so their mask values
         # are references to these objects instead of one new int each.
         self._bits = [1 << s for s in range(max_slots)]
+        # The last candidate set's (bytes, highest slot, bitmask): a router asks about the same
+        # candidates pick after pick, and building their mask costs as much as a short match.
+        self._last_slots: tuple[bytes, int, int] = (b"", -1, 0)
 
     @property
     def capacity_blocks_per_slot(self) -> int:
@@ -83,11 +86,7 @@ class MemoryPrefixIndex:
         n_blocks = block_keys.shape[0]
         if k == 0 or n_blocks == 0 or not self._owners:
             return np.zeros(k, dtype=np.int32)
-        lo, hi = int(slots.min()), int(slots.max())
-        if lo < 0 or hi >= self._max_slots:
-            raise ValueError(f"slots must be in [0, {self._max_slots}), got [{lo}, {hi}]")
-
-        alive = self._mask_of(slots, hi)
+        hi, alive = self._mask_of(slots)
         get = self._owners.get
         bits = self._bits
         depth = np.zeros(hi + 1, dtype=np.int32)
@@ -221,17 +220,27 @@ class MemoryPrefixIndex:
             + self._max_slots * 8
         )
 
-    def _mask_of(self, slots: np.ndarray, hi: int) -> int:
+    def _mask_of(self, slots: np.ndarray) -> tuple[int, int]:
+        """(highest slot, bitmask of ``slots``); the last set's is kept."""
+        key = slots.tobytes()
+        kept, hi, mask = self._last_slots
+        if key == kept and slots.dtype == np.int64:
+            return hi, mask
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= self._max_slots:
+            raise ValueError(f"slots must be in [0, {self._max_slots}), got [{lo}, {hi}]")
         if slots.shape[0] <= _BIT_LOOP_MAX:
             bits = self._bits
             mask = 0
             for s in slots.tolist():
                 mask |= bits[s]
-            return mask
-        # Many candidates: set bytes in numpy and read them as one little-endian int.
-        flags = np.zeros(hi + 1, dtype=np.bool_)
-        flags[slots] = True
-        return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+        else:  # many candidates: set bytes in numpy and read them as one little-endian int
+            flags = np.zeros(hi + 1, dtype=np.bool_)
+            flags[slots] = True
+            mask = int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+        if slots.dtype == np.int64:
+            self._last_slots = (key, hi, mask)
+        return hi, mask
 
     @staticmethod
     def _decode(mask: int, value: int, found: dict[int, int], depth: np.ndarray, bits: list[int]) -> None:

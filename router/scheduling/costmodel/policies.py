@@ -62,20 +62,41 @@ class PairPicker(Protocol):
     def choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None: ...
 
 
+class Draws:
+    """``rng.random(n)`` call after call, the same numbers, drawn thousands at a time: a
+    Generator call costs more than the dozens of numbers a pick takes."""
+
+    def __init__(self, rng: np.random.Generator, batch: int = 4096) -> None:
+        self._rng = rng
+        self._batch = batch
+        self._buffer = np.empty(0)
+        self._at = 0
+
+    def take(self, n: int) -> np.ndarray:
+        at = self._at
+        if at + n > len(self._buffer):
+            # The unread rest first: the stream continues exactly where it was.
+            fresh = self._rng.random(max(self._batch, n))
+            self._buffer = np.concatenate((self._buffer[at:], fresh))
+            at = 0
+        self._at = at + n
+        return self._buffer[at : at + n]
+
+
 class JointArgmin:
     """The joint P×D choice: one argmin over the matrix; exact ties broken at random."""
 
     name = "joint"
 
     def __init__(self, seed: int | None = None) -> None:
-        self._rng = np.random.default_rng(seed)
+        self._draws = Draws(np.random.default_rng(seed))
 
     def choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None:
         rows, cols = costs.cost.shape
         if cols == 0:
             return None
         # Jitter per row and per column (not per cell: cheap at any size) breaks exact ties only.
-        jitter = self._rng.random(rows + cols) * _TIE_JITTER
+        jitter = self._draws.take(rows + cols) * _TIE_JITTER
         noisy = costs.cost * (1.0 + jitter[:rows, None] + jitter[None, rows:])
         row, col = divmod(int(noisy.argmin()), cols)
         if not math.isfinite(noisy[row, col]):

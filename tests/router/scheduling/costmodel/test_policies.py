@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from helpers import PD_TWO_RACKS, SINGLE_PODS, Metrics, make_config, make_picker, make_pool, make_request
 
-from router.scheduling.costmodel.policies import POLICIES, PairChoice
+from router.scheduling.costmodel.policies import POLICIES, Draws, PairChoice
 from router.scheduling.picker import PickerContractError
 
 NOW = 100.0
@@ -72,3 +73,11 @@ def test_a_pair_picker_that_breaks_its_contract_is_named(choice: PairChoice) -> 
     with pytest.raises(PickerContractError, match="'wrong'"):
         picker.pick(make_request(100), now=NOW)
     assert picker.pool.outstanding == 0
+
+
+def test_draws_in_batches_are_the_generators_own_numbers_in_order() -> None:
+    """The tie-breaking jitter must not change with the batching: seeded picks stay the same."""
+    draws, rng = Draws(np.random.default_rng(7), batch=16), np.random.default_rng(7)
+    sizes = [3, 7, 1, 16, 15, 40, 2]
+    taken = np.concatenate([draws.take(n) for n in sizes])
+    assert taken.tolist() == rng.random(sum(sizes)).tolist()
