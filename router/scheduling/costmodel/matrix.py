@@ -50,7 +50,7 @@ _INF = np.array([np.inf])
 # The ufuncs' own reductions: ``array.sum()``/``.min()`` reach the same ones through a Python
 # wrapper that costs as much as the reduction itself on a pick's small arrays.
 _sum = np.add.reduce
-_min = np.minimum.reduce
+_max = np.maximum.reduce
 
 
 class TermContractError(RuntimeError):
@@ -128,6 +128,7 @@ class PairCosts:
     is_prefill_mask: np.ndarray  # (k,) bool: may compute the prompt for a pair
     pairable: np.ndarray  # (kd,) bool: a pair may end on this column (``pair_costs``' pairs_into)
     prefill_class: np.ndarray  # (kp,) row - 1 of each prefill pod's link class
+    class_of: np.ndarray  # (k,) the same by candidate position; -1 where not a prefill pod
     transfer_s: np.ndarray  # (L, kd)
     transfer_bytes: np.ndarray  # (kd,) KV bytes a pair sends to each decode pod
     after_transfer_s: np.ndarray  # (kd,) from the KV's arrival on D to the first token
@@ -157,8 +158,7 @@ class PairCosts:
     def _transfer(self, prefill: int, col: int) -> float:
         if prefill < 0:
             return 0.0
-        row = self.prefill_class[np.searchsorted(self.prefill, prefill)]
-        return float(self.transfer_s[row, col])
+        return float(self.transfer_s[self.class_of[prefill], col])
 
     def breakdown(self, prefill: int, col: int) -> dict[str, float]:
         """The terms behind one choice, for debug headers, logs and the demo's "why"."""
@@ -225,8 +225,8 @@ class Layout:
     pairable: np.ndarray  # (kd,) ~no_pairs
     classes: np.ndarray  # (L,) link labels of the prefill pods
     prefill_class: np.ndarray  # (kp,) row - 1 of each prefill pod's class
-    # (L, m) positions in ``prefill`` per class, ascending, padded with kp; None with one class.
-    members: np.ndarray | None
+    class_of: np.ndarray  # (k,) the same by candidate position; -1 where not a prefill pod
+    members: ClassMembers | None  # the prefill pods of each class; None with one class
     latency_s: np.ndarray  # (L, kd) from each class to each decode pod
     bytes_per_s: np.ndarray  # (L, kd)
 
@@ -248,6 +248,8 @@ class Layout:
         classes, prefill_class = np.unique(labels, return_inverse=True)
         members = class_members(prefill_class) if len(classes) > 1 else None
         d_links = cand.link_index[decode]
+        class_of = np.full(len(cand), -1)
+        class_of[prefill] = prefill_class
         return cls(
             is_prefill=is_prefill,
             prefill=prefill,
@@ -256,6 +258,7 @@ class Layout:
             pairable=~no_pairs,
             classes=classes,
             prefill_class=prefill_class.astype(np.int64),
+            class_of=class_of,
             members=members,
             latency_s=links.latency_s[classes][:, d_links],
             bytes_per_s=links.bytes_per_s[classes][:, d_links],
@@ -354,6 +357,7 @@ def costs_over(view: View, cm: CostModel, layout: Layout) -> PairCosts:
         is_prefill_mask=layout.is_prefill,
         pairable=layout.pairable,
         prefill_class=layout.prefill_class,
+        class_of=layout.class_of,
         transfer_s=transfer,
         transfer_bytes=decode_bytes,
         after_transfer_s=after_transfer,
@@ -367,15 +371,25 @@ def costs_over(view: View, cm: CostModel, layout: Layout) -> PairCosts:
     )
 
 
-def class_members(item_class: np.ndarray) -> np.ndarray:
-    """(classes, m): each class's items (positions), ascending, padded with the item count."""
+@dataclass(frozen=True, slots=True)
+class ClassMembers:
+    """Each class's items as a row, ascending, for ``best_two_per_class``."""
+
+    index: np.ndarray  # (classes, m) item positions, padded with the item count (an extra +inf)
+    flat: np.ndarray  # (classes * m,) the same positions, padded with -1 (no such item)
+    starts: np.ndarray  # (classes,) where each row starts in ``flat``
+
+
+def class_members(item_class: np.ndarray) -> ClassMembers:
+    """The rows of ``item_class`` (each item's class, 0..classes-1)."""
     n = len(item_class)
     width = max(int(np.bincount(item_class).max()), 2)  # a runner-up column even if none
-    members = np.full((int(item_class.max()) + 1, width), n)
-    for row in range(len(members)):
+    index = np.full((int(item_class.max()) + 1, width), n)
+    for row in range(len(index)):
         at = np.flatnonzero(item_class == row)
-        members[row, : len(at)] = at
-    return members
+        index[row, : len(at)] = at
+    flat = np.where(index == n, -1, index).ravel()
+    return ClassMembers(index, flat, np.arange(0, flat.size, width))
 
 
 def smallest(values: np.ndarray, limit: int) -> np.ndarray:
@@ -397,9 +411,9 @@ def smallest(values: np.ndarray, limit: int) -> np.ndarray:
     return np.array(found, dtype=np.int64)
 
 
-def best_two_per_class(cost: np.ndarray, members: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Per link class (``Layout.members``; None: one class): the cheapest item and the runner-up
-    (-1 if none), ties to the lower position."""
+def best_two_per_class(cost: np.ndarray, members: ClassMembers | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per class (``class_members``; None: one class): the cheapest item and the runner-up (-1 if
+    none), ties to the lower position."""
     n = cost.size
     if n == 0:
         empty = np.empty(0, dtype=np.int64)
@@ -411,16 +425,15 @@ def best_two_per_class(cost: np.ndarray, members: np.ndarray | None) -> tuple[np
         if cost[two[1]] < cost[two[0]]:
             two = two[::-1]
         return two[:1], two[1:]
-    # Each class's row of costs, padded with +inf past its members. argmin takes the first of
-    # equal minima, as the stable order does; twice costs far less than sorting the rows.
-    padded = np.concatenate((cost, _INF))[members]
-    rows = np.arange(len(members))
-    first = padded.argmin(axis=1)
-    padded[rows, first] = np.inf
-    second = padded.argmin(axis=1)
-    if math.isinf(padded[rows, second].max()):
+    # Each class's row of costs, +inf past its members. argmin takes the first of equal minima,
+    # as a stable sort does; two of them cost far less than sorting the rows.
+    padded = np.concatenate((cost, _INF))[members.index]
+    flat = padded.ravel()
+    first = padded.argmin(axis=1) + members.starts
+    flat[first] = np.inf
+    second = padded.argmin(axis=1) + members.starts
+    if math.isinf(_max(flat[second])):
         # Some class has no finite runner-up: a sort tells a real +inf member from the padding.
-        order = np.argsort(np.concatenate((cost, _INF))[members], axis=1, kind="stable")
-        first, second = order[:, 0], order[:, 1]
-    two = members[rows, first], members[rows, second]
-    return two[0], np.where(two[1] == n, -1, two[1])
+        order = np.argsort(np.concatenate((cost, _INF))[members.index], axis=1, kind="stable")
+        first, second = order[:, 0] + members.starts, order[:, 1] + members.starts
+    return members.flat[first], members.flat[second]
