@@ -987,12 +987,24 @@ def build(args: argparse.Namespace, argv: list[str]) -> Report:
     return report
 
 
+# Below this line the markdown is written by hand (measurements with their own commands, such as
+# old-against-new comparisons): a new report keeps it.
+KEPT = "<!-- Written by hand from here on: the report keeps it when it rewrites the file. -->"
+
+
+def with_kept(text: str, old: str) -> str:
+    """``text`` followed by the hand-written end of ``old`` (from ``KEPT`` on), if it has one."""
+    at = old.find(KEPT)
+    return text if at < 0 else text.rstrip("\n") + "\n\n" + old[at:]
+
+
 def write(report: Report, out: Path, dpi: int) -> list[Path]:
     """The markdown and its plots; returns every file written."""
     folder = out.parent / out.stem
     images = plots(report, folder, dpi)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_markdown(report, images, out.stem))
+    old = out.read_text() if out.exists() else ""
+    out.write_text(with_kept(render_markdown(report, images, out.stem), old))
     pngs = [folder / name for name in images.values()] if isinstance(images, dict) else []
     return [out, *pngs]
 
