@@ -399,7 +399,7 @@ def smallest(values: np.ndarray, limit: int) -> np.ndarray:
         order = np.argsort(values, kind="stable")
         return order[np.isfinite(values[order])][:limit]
     # Fallbacks want two or three: as many argmin scans cost far less than a sort.
-    found = []
+    found: list[int] = []
     for _ in range(min(limit, len(values))):
         at = int(values.argmin())  # the first of equal minima, or the first NaN if any
         if not math.isfinite(values[at]):
