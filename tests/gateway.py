@@ -48,13 +48,14 @@ async def envoy_with_picker(
     subset_header: bool = False,
     tls: bool = True,
     extproc: dict[str, Any] | None = None,
+    tracer_provider: Any = None,
     **sections: Any,
 ) -> AsyncIterator[tuple[Any, str]]:
     """The picker on ``endpoints`` behind an example Envoy config (TLS to the picker unless
     ``tls`` is false): yields (app, Envoy's URL). Fails open to the first endpoint."""
     listener = {"enabled": True, "port": 0, "health_port": 0, "tls": {"enabled": tls}, **(extproc or {})}
     data = {"endpoints": endpoints, "proxy": {"enabled": False}, "extproc": listener, **sections}
-    async with router_for(data) as (app, _):
+    async with router_for(data, tracer_provider=tracer_provider) as (app, _):
         config, listen, admin = example_config(mode, app.extproc_port, endpoints[0]["address"])
         if subset_header:
             config = with_subset_header(config)

@@ -192,9 +192,14 @@ def make_request(
 
 @contextlib.asynccontextmanager
 async def router_on_sim(
-    specs: list[Any], sections: dict[str, Any] | None = None, *, speed: float = 20.0
+    specs: list[Any],
+    sections: dict[str, Any] | None = None,
+    *,
+    speed: float = 20.0,
+    tracer_provider: Any = None,
 ) -> AsyncIterator[tuple[Any, Any, str]]:
-    """A simulated cluster and an ``App`` in front of it; yields (cluster, app, base_url)."""
+    """A simulated cluster and an ``App`` in front of it; yields (cluster, app, base_url).
+    ``tracer_provider``: where spans go when the sections turn tracing on."""
     from simulator.cluster import engine_model_for, link_cost_from
     from simulator.engine import SimCluster, TimeModel
 
@@ -208,19 +213,21 @@ async def router_on_sim(
             for spec in specs
         ]
         data = {"endpoints": endpoints, "engine": engine_model_for(time_model, specs[0].kv_bytes_per_token)}
-        async with router_for({**data, **sections}) as (app, base):
+        async with router_for({**data, **sections}, tracer_provider=tracer_provider) as (app, base):
             yield cluster, app, base
 
 
 @contextlib.asynccontextmanager
-async def router_for(sections: dict[str, Any]) -> AsyncIterator[tuple[Any, str]]:
+async def router_for(
+    sections: dict[str, Any], *, tracer_provider: Any = None
+) -> AsyncIterator[tuple[Any, str]]:
     """An ``App`` on a free loopback port with test-friendly scrape settings; yields (app, base_url)."""
     from router.server.app import App
 
     scrape = {"interval_ms": 50, "timeout_ms": 300, "stale_after_ms": 1000, "eject_after_failures": 2}
     proxy = {"port": 0, "debug_headers": True, "drain_timeout_s": 2}
     data = {"model": "sim-model", "scrape": scrape, "proxy": proxy, **sections}
-    async with App(build(parse_config(data), seed=0)) as app:
+    async with App(build(parse_config(data), seed=0, tracer_provider=tracer_provider)) as app:
         yield app, f"http://127.0.0.1:{app.proxy_port}"
 
 
@@ -266,6 +273,18 @@ def responses_body(question: str, max_tokens: int = 6, **extra: Any) -> dict[str
         "max_output_tokens": max_tokens,
         **extra,
     }
+
+
+# Flow control's tests: one engine, every long prompt saturates it (the wait bound is 1 ms).
+SATURATING_FLOW_CONTROL = {"flow_control": {"enabled": True, "max_wait_ms": 1.0, "poll_ms": 5}}
+
+
+async def long_completion(http: aiohttp.ClientSession, base: str, i: int) -> int:
+    """A distinct 800-word prompt to the proxy at ``base``, read to the end: its status."""
+    body = {"model": "sim-model", "prompt": f"{i} " + "word " * 800, "max_tokens": 4}
+    async with http.post(f"{base}/v1/completions", json=body) as resp:
+        await resp.read()
+        return resp.status
 
 
 async def sse_events(resp: aiohttp.ClientResponse) -> list[dict | str]:

@@ -123,7 +123,8 @@ class ExtProcStream:
             has_config = message.HasField("protocol_config")
             self.response_mode = message.protocol_config.response_body_mode if has_config else FULL_DUPLEX
         if self.flight is None and kind != "request_headers":
-            self.flight = self.flow.start({})  # out of order, but a body still parses on its own
+            # Out of order, but a body still parses on its own.
+            self.flight = self.flow.start({}, via="ext_proc")
         if kind == "request_headers":
             return self._on_request_headers(message)
         if kind == "request_body":
@@ -180,7 +181,7 @@ class ExtProcStream:
             h.key.lower(): h.raw_value.decode("utf-8", "replace") or h.value
             for h in message.request_headers.headers.headers
         }
-        self.flight = self.flow.start(headers)
+        self.flight = self.flow.start(headers, via="ext_proc")
         try:
             self.subset = _subset_hint(message.metadata_context)
         except BadRequest as rejection:
@@ -244,10 +245,14 @@ class ExtProcStream:
             return self.reject(rejection)
         # A model rewrite changed the body that goes upstream (and so its length).
         rewritten = orjson.dumps(self.flight.request.body) if self.flight.request.requested_model else None
+        span, tracer = self.flight.span, self.flow.tracer
         mutation = _routing_mutation(
             decision,
             content_length=None if rewritten is None else len(rewritten),
             conformance=self.settings.conformance,
+            # The engine (or the decode pod's sidecar) continues this request's trace; with
+            # Envoy's own tracing on, Envoy sets its upstream span's context over it.
+            trace=None if span is None or tracer is None else tracer.context_headers(span),
         )
         common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         metadata = _destination_metadata(decision)
@@ -489,9 +494,14 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def _routing_mutation(
-    decision: RouteDecision, *, content_length: int | None = None, conformance: bool = False
+    decision: RouteDecision,
+    *,
+    content_length: int | None = None,
+    conformance: bool = False,
+    trace: dict[str, str] | None = None,
 ) -> pb.HeaderMutation:
-    """The routing headers, the rest of ours removed; ``content_length`` when we changed the body."""
+    """The routing headers, the rest of ours removed; ``content_length`` when we changed the body;
+    ``trace``: the request span's trace context headers."""
     routing = {DESTINATION: decision.decode.address}
     if decision.prefill is not None:
         routing[PREFILLER] = decision.prefill.address
@@ -500,6 +510,8 @@ def _routing_mutation(
         extra["content-length"] = str(content_length)
     if conformance:  # the suite's echo servers copy this header into their answer
         extra[ECHO_SET_HEADER] = f"{SERVED_ECHO}:{decision.decode.address}"
+    if trace:
+        extra.update(trace)
     return pb.HeaderMutation(
         set_headers=[_header(k, v) for k, v in (routing | extra).items()],
         remove_headers=[name for name in ROUTER_HEADERS if name not in routing],

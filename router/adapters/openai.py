@@ -30,6 +30,7 @@ from router.http.server import bearer_ok, http_runner
 from router.request.parse import API_PATHS, OTHER
 from router.request.rejections import Rejection, UpstreamFailed
 from router.server.config import ProxyConfig
+from router.state.pool import Endpoint
 from router.transport.tls import HTTP1_ALPN, ServerTls, started
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class Proxy:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        flight = self.flow.start(request.headers)
+        flight = self.flow.start(request.headers, path=request.path)
         try:
             await self.flow.route(flight, await read_body(request, self.max_body_bytes), request.path)
             return await self._forward(request, flight)
@@ -122,10 +123,11 @@ class Proxy:
         for endpoint in [decision.decode, *decision.decode_fallbacks]:
             if endpoint is not decision.decode:
                 flight.retarget(decode=endpoint)
+            span, sent = self._leg(flight, "decode", endpoint, leg)
             try:
-                return await self.exchange.decode(
+                response = await self.exchange.decode(
                     endpoint.address,
-                    leg,
+                    sent,
                     data,
                     lambda upstream: self._start_response(request, upstream, flight),
                     flight.prefill_done,
@@ -136,6 +138,14 @@ class Proxy:
             except UpstreamError as exc:
                 last_error = exc
                 flight.upstream_failed(endpoint, exc.reason, connect=exc.connect)
+                self._leg_failed(span, exc)
+            else:
+                if span is not None:
+                    span.set_attribute("http.response.status_code", response.status)
+                return response
+            finally:
+                if span is not None:
+                    span.end()
         assert last_error is not None
         raise UpstreamFailed(f"every decode endpoint tried failed; last: {last_error}")
 
@@ -145,17 +155,39 @@ class Proxy:
         for endpoint in [decision.prefill, *decision.prefill_fallbacks]:
             if endpoint is not decision.prefill:
                 flight.retarget(prefill=endpoint)
+            span, sent = self._leg(flight, "prefill", endpoint, leg)
             try:
-                params, usage = await self.exchange.prefill(endpoint.address, leg, route.body)
+                params, usage = await self.exchange.prefill(endpoint.address, sent, route.body)
             except UpstreamError as exc:
                 flight.upstream_failed(endpoint, exc.reason, connect=exc.connect)
+                self._leg_failed(span, exc)
                 continue
+            else:
+                if span is not None and self.flow.tracer is not None:
+                    self.flow.tracer.prefill_answered(span, usage)
+            finally:
+                if span is not None:
+                    span.end()
             flight.prefill_answered(usage)
             return params
         # Every prefill pod failed: the decode pod computes the prompt itself (slower, not lost).
         log.warning("request %s: every prefill leg failed; decoding with local prefill", route.request_id)
         self.flow.metrics.prefill_fallback_local.inc()
         return None
+
+    def _leg(self, flight: Flight, role: str, endpoint: Endpoint, leg: Leg) -> tuple[Any, Leg]:
+        """A traced request's leg to ``endpoint``: its span, and the leg with the span's trace
+        context; untraced: None and the leg as it is."""
+        tracer = self.flow.tracer
+        if flight.span is None or tracer is None:
+            return None, leg
+        span, headers = tracer.leg(flight.span, role, endpoint, leg.headers)
+        return span, Leg(leg.path, headers)
+
+    def _leg_failed(self, span: Any, error: UpstreamError) -> None:
+        tracer = self.flow.tracer
+        if span is not None and tracer is not None:
+            tracer.failed(span, "connect_failed" if error.connect else "upstream_failed", error.reason)
 
     async def _start_response(
         self, request: web.Request, upstream: aiohttp.ClientResponse, flight: Flight

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.flow.hold_queue import FlowControl
 from router.observe.metrics import RouterMetrics
@@ -35,6 +35,9 @@ from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
 from router.signals.scaling import PoolSignals
 from router.state.pool import Endpoint
+
+if TYPE_CHECKING:  # made only when tracing is on; its module imports opentelemetry lazily
+    from router.observe.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +77,15 @@ class RequestFlow:
         rewrites: ModelRewrites | None = None,
         links: LinkLearner | None = None,
         objectives: Mapping[str, int] | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         """``signals``: where arrivals and observed latencies go (demand, the performance model);
         ``control``: flow control, which holds requests while the pool is saturated;
         ``rewrites``: model-name rewrites (the gateway's rewrite header works without rules);
         ``links``: what answered P/D pairs show of each link's bandwidth; ``objectives``: each
         InferenceObjective's priority by name. ``rewrites`` and ``objectives`` are read per
-        request, so the cluster's objects replace them live."""
+        request, so the cluster's objects replace them live. ``tracer``: spans per request (None:
+        tracing off, and no request pays more than that check)."""
         self.picker = picker
         self.metrics = metrics
         self.limits = limits
@@ -92,6 +97,7 @@ class RequestFlow:
         self.links = links
         self.rewrites = rewrites if rewrites is not None else ModelRewrites([])
         self.objectives: Mapping[str, int] = objectives or {}
+        self.tracer = tracer
 
     @property
     def prepares(self) -> bool:
@@ -113,11 +119,30 @@ class RequestFlow:
         # pick again, for nothing, exactly while the pool is saturated.
         if flight.held or not self.bind_now(flight):
             assert self.control is not None
-            await self.control.wait(flight)
+            if flight.span is None:
+                await self.control.wait(flight)
+            else:
+                await self._wait_traced(flight, flight.span)
 
-    def start(self, headers: Mapping[str, str]) -> Flight:
-        """A request arrived (its headers): the flight that carries it to ``close``."""
-        return Flight(self, headers)
+    async def _wait_traced(self, flight: Flight, parent: Any) -> None:
+        control, tracer = self.control, self.tracer
+        assert control is not None and tracer is not None
+        span = tracer.queue(parent, control.size)
+        try:
+            await control.wait(flight)
+        except Rejection as rejection:
+            tracer.refused(span, rejection)
+            raise
+        finally:
+            span.end()
+
+    def start(self, headers: Mapping[str, str], *, via: str = "proxy", path: str | None = None) -> Flight:
+        """A request arrived (its headers): the flight that carries it to ``close``. ``via``: the
+        adapter; ``path``: the request's, when not in ``headers`` (both only name its span)."""
+        flight = Flight(self, headers)
+        if self.tracer is not None:
+            flight.span = self.tracer.start(headers, via, path)
+        return flight
 
     async def route(self, flight: Flight, body: bytes, path: str | None = None) -> RouteDecision:
         """A request's way to its pods, top to bottom (a rejection on the way raises)."""
@@ -157,6 +182,7 @@ class Flight:
         "request",
         "retargeted",
         "series",
+        "span",
         "started",
     )
 
@@ -178,6 +204,7 @@ class Flight:
         self.estimated_tokens = 0  # the prompt's tokens from its characters (0: exact, or none)
         self.held = False  # flow control said wait: ``admit`` goes straight to its queue
         self.rejection: Rejection | None = None  # the pick's answer, when it was a final no
+        self.span: Any = None  # the request's span, when tracing is on
 
     def parse(
         self, raw: bytes, subset: frozenset[str] | None = None, path: str | None = None
@@ -234,6 +261,9 @@ class Flight:
         self.series = metrics.per_request.bind_request(request, self.fairness_id(), request.stream)
         for running in self.series.running:
             running.inc()
+        if self.span is not None:
+            assert self.flow.tracer is not None
+            self.flow.tracer.picked(self.span, request, self.decision)
         return self.decision
 
     def _calibrate(self, request: RouteRequest) -> None:
@@ -308,11 +338,16 @@ class Flight:
     def reject(self, rejection: Rejection) -> Answer:
         """The response for a rejection; the flight's outcome becomes its code."""
         self.outcome = rejection.code
+        if self.span is not None:
+            assert self.flow.tracer is not None
+            self.flow.tracer.refused(self.span, rejection)
         return answer(rejection)
 
     def responded(self, status: int, *, gateway_reply: bool = False) -> None:
         """The response's status line is known (from the engine unless ``gateway_reply``)."""
         self.outcome = response_outcome(status, gateway_reply=gateway_reply)
+        if self.span is not None:
+            self.span.set_attribute("http.response.status_code", status)
 
     def prefill_answered(self, usage: object = None) -> None:
         """A P/D pair's prefill leg answered (with its ``usage`` object, if any): the prompt is
@@ -375,6 +410,17 @@ class Flight:
         learns = self.request is None or self.request.api != OTHER
         if self.outcome == OK and self.decision is not None and not self.retargeted and learns:
             self._learn(self.decision)
+        if self.span is not None:
+            self._end_span(self.outcome)
+
+    def _end_span(self, outcome: str) -> None:
+        tracer = self.flow.tracer
+        assert tracer is not None
+        # From the pick, as the decision predicted it (the queue before it has its own span).
+        ttft = (
+            None if self.first_byte_at is None or not self.picked_at else self.first_byte_at - self.picked_at
+        )
+        tracer.end(self.span, outcome, ttft_s=ttft, meter=self.meter)
 
     def _learn(self, decision: RouteDecision) -> None:
         """What this answer teaches the performance model: the prompt's compute time, the TTFT

@@ -75,6 +75,8 @@ class App:
     async def start(self) -> None:
         parts, cfg, secrets = self.parts, self.config, self.parts.secrets
         stack = self._stack
+        if parts.tracer is not None:  # flushed last, after the listeners drained their requests
+            stack.callback(parts.tracer.shutdown)
         for client in parts.redis_clients:  # closed last: after every loop that uses them
             stack.push_async_callback(client.aclose)
         session = await stack.enter_async_context(upstream_session())

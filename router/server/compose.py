@@ -30,6 +30,7 @@ from router.control.topology import DiscoverySource
 from router.flow.flight import RequestFlow
 from router.flow.hold_queue import FlowControl, FlowSettings
 from router.observe.metrics import ControlMetrics, FlowMetrics, IndexCollector, PickerCollector, RouterMetrics
+from router.observe.tracing import RequestTracer, tracer_for
 from router.request.rewrite import ModelRewrites
 from router.scheduling.costmodel.link import LinkCosts, LinkOverlay
 from router.scheduling.costmodel.matrix import CostModel, WeightedTerm
@@ -257,6 +258,7 @@ class Parts:
     # The cluster's InferenceObjectives and InferenceModelRewrites, applied to ``flow`` live
     # (``objectives_and_rewrites_watch``); made at start with the Kubernetes client when None.
     objectives_and_rewrites: InferenceObjectsWatch | None = None
+    tracer: RequestTracer | None = None  # tracing.enabled: spans per request, flushed at stop
 
 
 def build(
@@ -266,10 +268,13 @@ def build(
     pool_name: str = "pd-router",
     seed: int | None = None,
     redis: Callable[[str, str | None], Any] | None = None,
+    tracer_provider: Any = None,
 ) -> Parts:
     """Every component of the service for ``config``. ``discovery``: where groups come from; the
     configured ``endpoints`` by default, Kubernetes (made at start) when ``kubernetes`` is set.
-    ``redis``: makes a client from a URL and password (``redis.asyncio``'s by default)."""
+    ``redis``: makes a client from a URL and password (``redis.asyncio``'s by default).
+    ``tracer_provider``: where spans go with ``tracing.enabled`` (an OpenTelemetry SDK
+    ``TracerProvider``; default: one exporting as the ``OTEL_*`` environment says)."""
     redis_client = redis or _redis_client
     secrets = config.read_secrets()  # tokens and passwords from their files, once
     # Empty until discovery publishes: endpoints join unadmitted, and only a group epoch that
@@ -371,6 +376,14 @@ def build(
             flow_settings_from(config), FlowMetrics(metrics.registry, pool_name, metrics.per_request)
         )
         pool.on_free = flow_control.capacity_freed
+    tracer = None
+    if config.tracing.enabled:
+        tracer = tracer_for(
+            config.slo.ttft_ms / 1000.0,
+            config.weight("link"),
+            lambda: len(pool.candidate_slots()),
+            tracer_provider,
+        )
     flow = RequestFlow(
         picker,
         metrics,
@@ -383,6 +396,7 @@ def build(
         model_rewrites_from(config, seed),
         links,
         objectives=dict(config.objectives),
+        tracer=tracer,
     )
     gate_results = None
     if shared_redis is not None and config.gate.share_results:
@@ -422,6 +436,7 @@ def build(
             initial_wait_s=gate.initial_wait_s,
         ),
         redis_clients=tuple(clients),
+        tracer=tracer,
     )
 
 

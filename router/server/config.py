@@ -763,6 +763,18 @@ class MetricsConfig(_Strict):
         return self
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry spans per request, exported over OTLP as the standard ``OTEL_*`` environment
+    variables say (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_SERVICE_NAME``, ``OTEL_TRACES_SAMPLER``,
+    ...); needs the ``tracing`` extra. Off by default (docs/operations.md)."""
+
+    enabled: bool = Field(
+        False,
+        description="a span per request with the routing decision, child spans for flow control's "
+        "queue and the proxy's prefill and decode legs, W3C trace context to the engines",
+    )
+
+
 class RewriteTargetConfig(_Strict):
     """One name a rewritten request may go upstream as."""
 
@@ -820,6 +832,7 @@ class PoolConfig(_Strict):
     flow_control: FlowControlConfig = Field(
         FlowControlConfig(), description="hold requests while the pool is saturated"
     )
+    tracing: TracingConfig = Field(TracingConfig(), description="OpenTelemetry spans per request")
     model_rewrites: list[ModelRewriteConfig] = Field(
         default_factory=list,
         description="rewrite a requested model name to weighted targets (model versions, LoRA "

@@ -15,7 +15,17 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
-from helpers import SINGLE_PODS, Metrics, eventually, make_config, make_picker, make_pool, router_on_sim
+from helpers import (
+    SATURATING_FLOW_CONTROL,
+    SINGLE_PODS,
+    Metrics,
+    eventually,
+    long_completion,
+    make_config,
+    make_picker,
+    make_pool,
+    router_on_sim,
+)
 
 from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
 from router.flow.flight import RequestFlow
@@ -142,19 +152,11 @@ async def test_a_pool_without_pods_is_answered_at_once_not_held() -> None:
 
 async def test_a_saturated_pool_holds_requests_in_the_router_and_serves_them_all() -> None:
     specs = [EngineSpec("e0", "prefill-decode")]
-    sections = {"flow_control": {"enabled": True, "max_wait_ms": 1.0, "poll_ms": 5}}
     async with (
-        router_on_sim(specs, sections, speed=4.0) as (cluster, app, base),
+        router_on_sim(specs, SATURATING_FLOW_CONTROL, speed=4.0) as (cluster, app, base),
         aiohttp.ClientSession() as http,
     ):
-
-        async def one(i: int) -> int:
-            body = {"model": "sim-model", "prompt": f"{i} " + "word " * 800, "max_tokens": 4}
-            async with http.post(f"{base}/v1/completions", json=body) as resp:
-                await resp.read()
-                return resp.status
-
-        tasks = [asyncio.create_task(one(i)) for i in range(12)]
+        tasks = [asyncio.create_task(long_completion(http, base, i)) for i in range(12)]
         await eventually(lambda: app.parts.flow_control.size > 0, 5.0, "a held request")
         # Held in the router, not queued at the engine: it only ever has about one prompt waiting.
         engine = cluster.engines["e0"]
