@@ -138,16 +138,17 @@ class RequestTracer:
         span.set_attributes(attributes)
 
     def shares(self, breakdown: Mapping[str, float]) -> dict[str, float]:
-        """Each cost term's weighted seconds on the chosen route and its share of the route's
-        cost (``cost`` × the TTFT SLO seconds); ``link`` is the weighted KV transfer."""
+        """Each cost term's share of the chosen route's cost (``cost`` × the TTFT SLO: the route's
+        seconds, also given, so a share times it is the term's weighted seconds); ``link`` is the
+        weighted KV transfer's. Shares only: every attribute is paid for per request."""
         total = breakdown["cost"] * self.ttft_slo_s
-        out: dict[str, float] = {}
+        out = {"pd_router.cost_s": total}
+        if total <= 0:
+            return out
         for key, seconds in breakdown.items():
             if key.endswith("_s") and key not in _NOT_TERMS:
-                out[f"pd_router.cost.{key}"] = seconds
-                if total > 0:
-                    out[f"pd_router.cost.{key[:-2]}.share"] = seconds / total
-        if total > 0 and breakdown.get("transfer_s"):
+                out[f"pd_router.cost.{key[:-2]}.share"] = seconds / total
+        if breakdown.get("transfer_s"):
             out["pd_router.cost.link.share"] = self.link_weight * breakdown["transfer_s"] / total
         return out
 

@@ -273,7 +273,7 @@ def test_shares_are_each_term_s_part_of_the_route_s_cost() -> None:
     assert shares["pd_router.cost.prefill.share"] == pytest.approx(0.4)
     assert shares["pd_router.cost.load.share"] == pytest.approx(0.2)
     assert shares["pd_router.cost.link.share"] == pytest.approx(0.1)
-    assert shares["pd_router.cost.queue_s"] == 0.25
+    assert shares["pd_router.cost_s"] == pytest.approx(1.0)
     assert not any(k.startswith(("pd_router.cost.ttft", "pd_router.cost.tpot")) for k in shares)
 
 
