@@ -21,6 +21,14 @@ client's core saturates first, requests/s is a lower bound for the proxy; CPU-ms
     python -m loadtests.bench.proxy                    # default cells (~1 minute)
     python -m loadtests.bench.proxy --scale 3          # 3x the requests per cell
     python -m loadtests.bench.proxy --profile 30       # also cProfile the proxy; top 30 functions
+    python -m loadtests.bench.proxy --tracing --baseline-src /tmp/base   # tracing's cost, below
+
+``--tracing`` compares proxies instead of the proxy with the engine: the same proxied cells, one
+after the other on the same pinned core, through ``base`` (the router at ``--baseline-src``, e.g.
+``git archive <commit> | tar -x -C /tmp/base``; left out without it), ``off`` (this checkout,
+tracing off) and ``on`` (this checkout, ``tracing.enabled``, every request sampled, spans exported
+in batches over OTLP/HTTP to the null engine, which accepts and drops them). Each cell is run
+``--rounds`` times, the order of the proxies rotating, and the medians are reported.
 
 Every loop is bounded by its request count and ``--cell-timeout``.
 """
@@ -115,7 +123,11 @@ def _null_engine_app() -> web.Application:
         await resp.write_eof()
         return resp
 
-    app = web.Application()
+    async def traces(_: web.Request) -> web.Response:  # an OTLP/HTTP collector that keeps nothing
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/traces", traces)
     app.router.add_get("/metrics", get_metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
@@ -162,20 +174,33 @@ def null_engine_main(
 # -- proxy (child process) -------------------------------------------------------------------------
 
 
-def proxy_main(conn: Connection, engine: str, cpu: int | None, profile_path: str) -> None:
+def proxy_main(
+    conn: Connection, engine: str, cpu: int | None, profile_path: str, tracing: bool = False, src: str = ""
+) -> None:
+    """``tracing``: spans on, exported to the null engine; ``src``: the router's source tree to run
+    (default: this checkout's)."""
     _pin(cpu)
     logging.basicConfig(level=logging.WARNING)
+    if src:
+        sys.path.insert(0, src)
     from router.server.app import App  # the router is imported in its own child only
     from router.server.compose import build
     from router.server.config import parse_config
 
-    config = parse_config(
-        {
-            "model": MODEL,
-            "endpoints": [{"address": engine, "role": "prefill-decode", "name": "null"}],
-            "proxy": {"port": 0},
-        }
-    )
+    data: dict[str, Any] = {
+        "model": MODEL,
+        "endpoints": [{"address": engine, "role": "prefill-decode", "name": "null"}],
+        "proxy": {"port": 0},
+    }
+    if tracing:
+        data["tracing"] = {"enabled": True}
+        os.environ.update(
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{engine}",
+            OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+            OTEL_TRACES_EXPORTER="otlp",
+            OTEL_TRACES_SAMPLER="always_on",
+        )
+    config = parse_config(data)
 
     async def serve() -> None:
         async with App(build(config)) as app:
@@ -494,6 +519,110 @@ def render(args: argparse.Namespace, results: ProxyResults) -> list[str]:
     return lines
 
 
+@dataclass
+class VariantCell:
+    """One (mode, concurrency) cell through several proxies; per proxy, the medians over rounds."""
+
+    mode: str
+    concurrency: int
+    requests: int
+    p50_ms: dict[str, float]
+    p99_ms: dict[str, float]
+    rps: dict[str, float]
+    cpu_ms: dict[str, float]
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+async def measure_variants(args: argparse.Namespace, proxies: dict[str, Child]) -> list[VariantCell]:
+    """The proxied cells through each of ``proxies`` in turn, ``args.rounds`` times, rotating the
+    order so no proxy always runs first (or last) in a cell."""
+    counts = {1: 500, 16: 1500, 64: 2000}
+    names = list(proxies)
+    cells: list[VariantCell] = []
+    for stream in (False, True):
+        for conc in (1, 16, 64):
+            n = int(counts[conc] * args.scale)
+            for proxy in proxies.values():
+                await closed_loop(proxy.port, stream=stream, concurrency=conc, requests=100, timeout_s=30)
+            seen: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in names}
+            for round_ in range(args.rounds):
+                for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                    proxy = proxies[name]
+                    cpu0 = proxy.cpu_s()
+                    cell = await closed_loop(
+                        proxy.port, stream=stream, concurrency=conc, requests=n, timeout_s=args.cell_timeout
+                    )
+                    cpu_ms = (proxy.cpu_s() - cpu0) / n * MS
+                    seen[name].append((cell.pct(0.5) * MS, cell.pct(0.99) * MS, n / cell.wall_s, cpu_ms))
+            mode = "stream" if stream else "json"
+            cells.append(
+                VariantCell(
+                    mode,
+                    conc,
+                    n,
+                    *({name: _median([r[i] for r in seen[name]]) for name in names} for i in range(4)),
+                )
+            )
+            sys.stderr.write(f"  done {mode} c={conc}\n")
+    return cells
+
+
+def render_variants(args: argparse.Namespace, cells: list[VariantCell]) -> list[str]:
+    names = list(cells[0].p50_ms) if cells else []
+    lines = [
+        "",
+        f"tracing overhead — the same proxied cells through each proxy ({', '.join(names)}); null "
+        f"engine, proxy pinned to CPU {args.proxy_cpu}; medians of {args.rounds} rounds",
+        "",
+    ]
+    columns = [
+        ("p50 ms", "p50_ms", 3),
+        ("p99 ms", "p99_ms", 3),
+        ("req/s", "rps", 0),
+        ("CPU ms/req", "cpu_ms", 3),
+    ]
+    head = f"  {'mode':<7} {'conc':>4} {'reqs':>5}"
+    for title, _, _ in columns:
+        head += "  " + " ".join(
+            f"{title + ' ' + name:>{max(len(title) + len(name) + 1, 8)}}" for name in names
+        )
+    lines += [head, "  " + "-" * (len(head) - 2)]
+    for cell in cells:
+        row = f"  {cell.mode:<7} {cell.concurrency:>4} {cell.requests:>5}"
+        for title, attribute, digits in columns:
+            values = getattr(cell, attribute)
+            row += "  " + " ".join(
+                f"{values[name]:>{max(len(title) + len(name) + 1, 8)}.{digits}f}" for name in names
+            )
+        lines.append(row)
+    return lines
+
+
+def run_variants(args: argparse.Namespace) -> list[VariantCell]:
+    """``--tracing``: the null engine, then ``base`` (with ``--baseline-src``), ``off`` and ``on``."""
+    proxy_cpu = None if args.proxy_cpu < 0 else args.proxy_cpu
+    client_cpu = None if args.client_cpu < 0 else args.client_cpu
+    engine = start_child(null_engine_main, client_cpu)
+    proxies: dict[str, Child] = {}
+    try:
+        address = f"127.0.0.1:{engine.port}"
+        if args.baseline_src:
+            proxies["base"] = start_child(proxy_main, address, proxy_cpu, "", False, args.baseline_src)
+        proxies["off"] = start_child(proxy_main, address, proxy_cpu, "", False)
+        proxies["on"] = start_child(proxy_main, address, proxy_cpu, "", True)
+        _pin(client_cpu)
+        return _client_run(measure_variants(args, proxies))
+    finally:
+        for proxy in proxies.values():
+            proxy.stop()
+        engine.stop()
+
+
 async def bench(args: argparse.Namespace, engine: Child, proxy: Child) -> list[str]:
     return render(args, await measure(args, engine, proxy))
 
@@ -520,6 +649,15 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="cProfile the proxy and print its top N functions"
     )
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="compare proxies: base (--baseline-src), tracing off, tracing on",
+    )
+    parser.add_argument(
+        "--baseline-src", default="", help="with --tracing: a source tree of the router to compare with"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="with --tracing: runs of each cell per proxy")
     return parser
 
 
@@ -542,6 +680,9 @@ def run(args: argparse.Namespace, profile_path: str = "") -> ProxyResults:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.tracing:
+        sys.stdout.write("\n".join(render_variants(args, run_variants(args))) + "\n")
+        return 0
     profile_path = f"/tmp/pd-router-proxy-{os.getpid()}.prof" if args.profile else ""
     lines = render(args, run(args, profile_path))
     sys.stdout.write("\n".join(lines) + "\n")

@@ -6,7 +6,9 @@ Runs, in this order and all on 127.0.0.1:
    same seeded workload per policy, a fresh simulated cluster per run), plus one run of pd-router
    against ``pd-router-static`` with engines slower than configured (``--misconfigure``);
 2. ``pick()``'s cost (``loadtests.bench.pick``);
-3. the proxy against the engine directly (``loadtests.bench.proxy``);
+3. the proxy against the engine directly (``loadtests.bench.proxy``), and the proxy with tracing
+   off and on (``loadtests.bench.proxy --tracing``; with ``--tracing-baseline-src``, also the
+   router at that source tree, e.g. the commit before a change);
 4. a real Envoy with pd-router as its ext_proc picker against the same Envoy routing directly
    (``loadtests.bench.envoy``).
 
@@ -54,7 +56,7 @@ from simulator.workloads.client import Result, Summary
 
 REPO = Path(__file__).resolve().parents[2]
 MS = 1000.0
-OVERHEADS = ("pick", "proxy", "envoy", "routers")
+OVERHEADS = ("pick", "proxy", "tracing", "envoy", "routers")
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,8 @@ class Report:
     pick: list[tuple[int, str, dict[str, tuple[float, float]]]] = field(default_factory=list)
     proxy: proxy_bench.ProxyResults | None = None
     proxy_args: argparse.Namespace | None = None
+    tracing: list[proxy_bench.VariantCell] | None = None
+    tracing_args: argparse.Namespace | None = None
     envoy: envoy_bench.Results | None = None
     envoy_args: argparse.Namespace | None = None
     routers: routers_bench.Rows | None = None
@@ -214,6 +218,12 @@ def run_pick(sizes: Sizes, seed: int) -> list[tuple[int, str, dict[str, tuple[fl
 def run_proxy(sizes: Sizes) -> tuple[argparse.Namespace, proxy_bench.ProxyResults]:
     args = proxy_bench.parser().parse_args(["--scale", f"{sizes.proxy_scale:g}"])
     return args, proxy_bench.run(args)
+
+
+def run_tracing(sizes: Sizes, baseline_src: str) -> tuple[argparse.Namespace, list[proxy_bench.VariantCell]]:
+    argv = ["--tracing", "--scale", f"{sizes.proxy_scale / 2:g}", "--rounds", "3"]
+    args = proxy_bench.parser().parse_args([*argv, "--baseline-src", baseline_src] if baseline_src else argv)
+    return args, proxy_bench.run_variants(args)
 
 
 def run_envoy(sizes: Sizes) -> tuple[argparse.Namespace, envoy_bench.Results]:
@@ -566,6 +576,23 @@ def proxy_table(results: proxy_bench.ProxyResults) -> list[str]:
     return table(headers, rows)
 
 
+def tracing_table(cells: list[proxy_bench.VariantCell]) -> list[str]:
+    names = list(cells[0].p50_ms)
+    columns = (
+        ("p50 ms", "p50_ms", 3),
+        ("p99 ms", "p99_ms", 3),
+        ("req/s", "rps", 0),
+        ("CPU ms/req", "cpu_ms", 3),
+    )
+    headers = ["mode", "conc", "requests"] + [f"{title} {name}" for title, _, _ in columns for name in names]
+    rows = [
+        [cell.mode, str(cell.concurrency), str(cell.requests)]
+        + [_f(getattr(cell, attribute)[name], digits) for _, attribute, digits in columns for name in names]
+        for cell in cells
+    ]
+    return table(headers, rows)
+
+
 def envoy_table(results: envoy_bench.Results) -> list[str]:
     rows = []
     order = {load: i for i, load in enumerate(envoy_bench.LOADS)}
@@ -868,7 +895,13 @@ def _routing_section(report: Report, images: dict[str, str] | str, folder: str) 
 
 
 def _overhead_section(report: Report) -> list[str]:
-    if report.proxy is None and report.envoy is None and not report.pick and report.routers is None:
+    if (
+        report.proxy is None
+        and report.envoy is None
+        and not report.pick
+        and not report.tracing
+        and report.routers is None
+    ):
         return []
     lines = [
         "## Overheads",
@@ -892,6 +925,24 @@ def _overhead_section(report: Report) -> list[str]:
             *proxy_table(report.proxy),
             "",
             *_details("the proxy bench's own output", "\n".join(proxy_bench.render(a, report.proxy))),
+        ]
+    if report.tracing and report.tracing_args is not None:
+        a = report.tracing_args
+        lines += [
+            "### Tracing overhead",
+            "",
+            "`loadtests.bench.proxy --tracing`: the proxy's cells (no direct runs) through "
+            + ("`base` (the router at `--tracing-baseline-src`), " if a.baseline_src else "")
+            + "`off` (`tracing.enabled: false`) and `on` (`tracing.enabled: true`, every request "
+            "sampled, two spans per request exported in batches over OTLP/HTTP to the null engine, "
+            f"which drops them), each proxy pinned to CPU {a.proxy_cpu} in turn; medians of "
+            f"{a.rounds} rounds with the order of the proxies rotating.",
+            "",
+            *tracing_table(report.tracing),
+            "",
+            *_details(
+                "the tracing bench's own output", "\n".join(proxy_bench.render_variants(a, report.tracing))
+            ),
         ]
     if report.envoy is not None and report.envoy_args is not None:
         a = report.envoy_args
@@ -969,6 +1020,10 @@ def build(args: argparse.Namespace, argv: list[str]) -> Report:
         with kept_affinity():
             report.envoy_args, report.envoy = run_envoy(sizes)
 
+    def do_tracing() -> None:
+        with kept_affinity():
+            report.tracing_args, report.tracing = run_tracing(sizes, args.tracing_baseline_src)
+
     def do_routers() -> None:
         argv = ["--routers", ",".join(sizes.routers), "--rounds", str(sizes.routers_rounds)]
         with kept_affinity():
@@ -978,7 +1033,13 @@ def build(args: argparse.Namespace, argv: list[str]) -> Report:
 
     if args.scenarios:
         _section(report, "routing", do_routing)
-    steps = {"pick": do_pick, "proxy": do_proxy, "envoy": do_envoy, "routers": do_routers}
+    steps = {
+        "pick": do_pick,
+        "proxy": do_proxy,
+        "tracing": do_tracing,
+        "envoy": do_envoy,
+        "routers": do_routers,
+    }
     for name in OVERHEADS:
         if name in overheads:
             _section(report, name, steps[name])
@@ -1040,6 +1101,11 @@ def main(argv: list[str] | None = None) -> int:
         "--overhead",
         default=",".join(OVERHEADS),
         help=f"comma-separated overhead benchmarks to run, of {', '.join(OVERHEADS)} ('' for none)",
+    )
+    parser.add_argument(
+        "--tracing-baseline-src",
+        default="",
+        help="a source tree of the router the tracing overhead also runs (e.g. the commit before)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dpi", type=int, default=80, help="PNG resolution")
