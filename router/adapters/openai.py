@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -32,6 +32,9 @@ from router.request.rejections import Rejection, UpstreamFailed
 from router.server.config import ProxyConfig
 from router.state.pool import Endpoint
 from router.transport.tls import HTTP1_ALPN, ServerTls, started
+
+if TYPE_CHECKING:  # only with tracing on, through the flow's tracer
+    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +178,7 @@ class Proxy:
         self.flow.metrics.prefill_fallback_local.inc()
         return None
 
-    def _leg(self, flight: Flight, role: str, endpoint: Endpoint, leg: Leg) -> tuple[Any, Leg]:
+    def _leg(self, flight: Flight, role: str, endpoint: Endpoint, leg: Leg) -> tuple[Span | None, Leg]:
         """A traced request's leg to ``endpoint``: its span, and the leg with the span's trace
         context; untraced: None and the leg as it is."""
         tracer = self.flow.tracer
@@ -184,7 +187,7 @@ class Proxy:
         span, headers = tracer.leg(flight.span, role, endpoint, leg.headers)
         return span, Leg(leg.path, headers)
 
-    def _leg_failed(self, span: Any, error: UpstreamError) -> None:
+    def _leg_failed(self, span: Span | None, error: UpstreamError) -> None:
         tracer = self.flow.tracer
         if span is not None and tracer is not None:
             tracer.failed(span, "connect_failed" if error.connect else "upstream_failed", error.reason)

@@ -37,6 +37,8 @@ from router.signals.scaling import PoolSignals
 from router.state.pool import Endpoint
 
 if TYPE_CHECKING:  # made only when tracing is on; its module imports opentelemetry lazily
+    from opentelemetry.trace import Span
+
     from router.observe.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,7 @@ class RequestFlow:
             else:
                 await self._wait_traced(flight, flight.span)
 
-    async def _wait_traced(self, flight: Flight, parent: Any) -> None:
+    async def _wait_traced(self, flight: Flight, parent: Span) -> None:
         control, tracer = self.control, self.tracer
         assert control is not None and tracer is not None
         span = tracer.queue(parent, control.size)
@@ -204,7 +206,7 @@ class Flight:
         self.estimated_tokens = 0  # the prompt's tokens from its characters (0: exact, or none)
         self.held = False  # flow control said wait: ``admit`` goes straight to its queue
         self.rejection: Rejection | None = None  # the pick's answer, when it was a final no
-        self.span: Any = None  # the request's span, when tracing is on
+        self.span: Span | None = None  # the request's span, when tracing is on
 
     def parse(
         self, raw: bytes, subset: frozenset[str] | None = None, path: str | None = None
@@ -415,7 +417,7 @@ class Flight:
 
     def _end_span(self, outcome: str) -> None:
         tracer = self.flow.tracer
-        assert tracer is not None
+        assert tracer is not None and self.span is not None
         # From the pick, as the decision predicted it (the queue before it has its own span).
         ttft = (
             None if self.first_byte_at is None or not self.picked_at else self.first_byte_at - self.picked_at
