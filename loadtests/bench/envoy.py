@@ -14,7 +14,9 @@ Processes, all on 127.0.0.1:
     static cluster of the null engine's ports (round robin) — the baseline;
   - ``extproc``: the example config as is (TLS to the picker), with response processing;
   - ``ep-h2c``: the same with the config's cleartext variant and the picker's TLS off;
-  - ``ep-norsp``: TLS, ext_proc to the pd-router with ``response_processing: false``.
+  - ``ep-norsp``: TLS, ext_proc to the pd-router with ``response_processing: false``;
+  - ``ep-trace`` (with ``--tracing``): ``extproc`` with ``tracing.enabled``, every request sampled,
+    spans exported over OTLP/HTTP to the null engine (which drops them).
 
   The example configs are ``examples/envoy/full-duplex.yaml`` and ``buffered.yaml``, rendered
   by ``tests/gateway.py``.
@@ -73,6 +75,7 @@ from loadtests.bench.proxy import (
     drive,
     run_profiled,
     start_child,
+    traced_env,
 )
 from loadtests.servers import envoy
 
@@ -82,6 +85,22 @@ PATHS = ("direct", "extproc", "ep-h2c", "ep-norsp")
 # the example config as shipped (TLS, the picker's default); ep-h2c the same in cleartext, so the
 # cost of TLS is one comparison in the same run; ep-norsp: extproc.response_processing = false.
 ROUTERS = {"extproc": (True, True), "ep-h2c": (True, False), "ep-norsp": (False, True)}
+TRACED = "ep-trace"  # with --tracing: extproc's picker with tracing on
+
+
+def paths(args: argparse.Namespace) -> tuple[str, ...]:
+    """The paths this run measures: ``PATHS``, and ``ep-trace`` with ``--tracing``."""
+    return (*PATHS, TRACED) if getattr(args, "tracing", False) else PATHS
+
+
+def pickers_of(args: argparse.Namespace) -> dict[str, tuple[bool, bool, bool]]:
+    """Each routed path's picker: (response processing, TLS, tracing)."""
+    out = {path: (rsp, tls, False) for path, (rsp, tls) in ROUTERS.items()}
+    if getattr(args, "tracing", False):
+        out[TRACED] = (*ROUTERS["extproc"], True)
+    return out
+
+
 # (concurrency, paced rate): closed loops at 1, 16, 64, and 16 connections paced at the target rate
 # (the added latency while routing the target load, rather than at saturation).
 LOADS = ((1, 0.0), (16, 0.0), (64, 0.0), (16, 1500.0))
@@ -113,14 +132,18 @@ def router_main(
     tls: bool,
     cpu: int | None,
     profile_path: str,
+    tracing: bool = False,
 ) -> None:
-    """pd-router as an ext_proc endpoint picker only (as ``pd-router serve`` runs it, uvloop if present)."""
+    """pd-router as an ext_proc endpoint picker only (as ``pd-router serve`` runs it, uvloop if
+    present); ``tracing``: spans on, exported to the first null engine."""
     _pin(cpu)
     logging.basicConfig(level=logging.WARNING)
     from router.server.app import App  # the router is imported in its own child only
     from router.server.compose import build
     from router.server.config import parse_config
 
+    if tracing:
+        traced_env(engines[0])
     config = parse_config(
         {
             "model": MODEL,
@@ -136,6 +159,7 @@ def router_main(
                 "response_processing": response_processing,
                 "tls": {"enabled": tls},
             },
+            "tracing": {"enabled": tracing},
         }
     )
 
@@ -342,12 +366,12 @@ async def collect(args: argparse.Namespace, engines: list[int], routers: dict[st
             for ec in args.envoy_concurrency:
                 async with contextlib.AsyncExitStack() as stack:
                     envoys: dict[str, Envoy] = {}
-                    for path in PATHS:
+                    for path in paths(args):
                         listen = envoy.free_port()
                         if path == "direct":
                             config = direct_config(mode, listen, engines)
                         else:
-                            tls = ROUTERS[path][1]
+                            tls = pickers_of(args)[path][1]
                             config = extproc_config(mode, listen, routers[path].port, engines, tls=tls)
                         envoys[path] = await stack.enter_async_context(
                             run_envoy(config, workdir, ec, envoy_cpus, extproc=path != "direct")
@@ -355,10 +379,10 @@ async def collect(args: argparse.Namespace, engines: list[int], routers: dict[st
                     for load in LOADS:
                         conc = load[0]
                         count = args.requests_c1 if conc == 1 else args.requests
-                        for path in PATHS:  # off the record: connections, caches, first picks
+                        for path in paths(args):  # off the record: connections, caches, first picks
                             await closed_loop(envoys[path].port, conc, 50 + 2 * conc, 30.0)
                         for _ in range(args.repeats):
-                            for path in PATHS:
+                            for path in paths(args):
                                 sample = await measure(
                                     envoys[path], routers.get(path), load, count, args.cell_timeout
                                 )
@@ -403,7 +427,7 @@ def report(args: argparse.Namespace, results: Results) -> list[str]:
             for load in LOADS:
                 base = results[(mode, ec, "direct", load)]
                 b50, b99 = _median(base, "p50"), _median(base, "p99")
-                for path in PATHS:
+                for path in paths(args):
                     samples = results[(mode, ec, path, load)]
                     p50, p99 = _median(samples, "p50"), _median(samples, "p99")
                     added[(path, load)] = p99 - b99
@@ -419,7 +443,7 @@ def report(args: argparse.Namespace, results: Results) -> list[str]:
                         f"{_f(_median(samples, 'envoy_ms')):>16}"
                         + (f"  ({errors} errors, {empty} of them empty 200s)" if errors else "")
                     )
-            for path in PATHS[1:]:
+            for path in paths(args)[1:]:
                 rps = _median(results[(mode, ec, path, (16, 0.0))], "rps")
                 if (mode, path) not in best or rps > best[(mode, path)][0]:
                     paced = added[(path, (16, TARGET_RPS))]
@@ -459,13 +483,19 @@ def children(
         started.append(engine)
         ports: list[int] = engine.port  # type: ignore[assignment]  # null_engines_main sends a list
         addresses = [f"127.0.0.1:{port}" for port in ports]
-        routers: dict[str, Child] = {}
-        for path, (response_processing, tls) in ROUTERS.items():
-            routers[path] = start_child(
-                router_main, addresses, response_processing, tls, args.router_cpu, profile.get(path, "")
+        pickers: dict[str, Child] = {}
+        for path, (response_processing, tls, tracing) in pickers_of(args).items():
+            pickers[path] = start_child(
+                router_main,
+                addresses,
+                response_processing,
+                tls,
+                args.router_cpu,
+                profile.get(path, ""),
+                tracing,
             )
-            started.append(routers[path])
-        yield ports, routers
+            started.append(pickers[path])
+        yield ports, pickers
     finally:
         for child in reversed(started):
             child.stop()
@@ -491,6 +521,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="cProfile both pd-routers; print their top N"
     )
+    parser.add_argument(
+        "--tracing", action="store_true", help="also the path ep-trace: extproc's picker with tracing on"
+    )
     return parser
 
 
@@ -504,7 +537,9 @@ def run(args: argparse.Namespace, profile: dict[str, str] | None = None) -> Resu
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    profile = {p: f"/tmp/pd-router-extproc-{p}-{os.getpid()}.prof" for p in PATHS[1:]} if args.profile else {}
+    profile = (
+        {p: f"/tmp/pd-router-extproc-{p}-{os.getpid()}.prof" for p in paths(args)[1:]} if args.profile else {}
+    )
     lines = report(args, run(args, profile))
     sys.stdout.write("\n".join(lines) + "\n")
     for path, prof in profile.items():

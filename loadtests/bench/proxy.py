@@ -194,12 +194,7 @@ def proxy_main(
     }
     if tracing:
         data["tracing"] = {"enabled": True}
-        os.environ.update(
-            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{engine}",
-            OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
-            OTEL_TRACES_EXPORTER="otlp",
-            OTEL_TRACES_SAMPLER="always_on",
-        )
+        traced_env(engine)
     config = parse_config(data)
 
     async def serve() -> None:
@@ -209,6 +204,17 @@ def proxy_main(
             await _serve_until_term(lambda: _const(port), conn)
 
     run_profiled(serve(), profile_path)
+
+
+def traced_env(engine: str) -> None:
+    """This process's OpenTelemetry environment for a traced router: every request sampled, spans
+    exported over OTLP/HTTP to the null engine at ``engine``, which drops them."""
+    os.environ.update(
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://{engine}",
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_TRACES_SAMPLER="always_on",
+    )
 
 
 def run_profiled(coro: Awaitable[None], profile_path: str) -> None:

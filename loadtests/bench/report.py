@@ -602,7 +602,8 @@ def envoy_table(results: envoy_bench.Results) -> list[str]:
     for mode, ec, load in cells:
         base = results[(mode, ec, "direct", load)]
         b50, b99, brps = (envoy_bench._median(base, a) for a in ("p50", "p99", "rps"))
-        for path in envoy_bench.PATHS[1:]:
+        routed = (*envoy_bench.PATHS[1:], envoy_bench.TRACED)
+        for path in [p for p in routed if (mode, ec, p, load) in results]:
             samples = results[(mode, ec, path, load)]
             p50, p99, rps = (envoy_bench._median(samples, a) for a in ("p50", "p99", "rps"))
             errors = sum(s.errors for s in samples) + sum(s.errors for s in base)
