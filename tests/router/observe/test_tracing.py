@@ -16,14 +16,25 @@ from typing import Any
 
 import aiohttp
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from gateway import gateway
-from helpers import SATURATING_FLOW_CONTROL, long_completion, router_on_sim
+from helpers import (
+    SATURATING_FLOW_CONTROL,
+    SINGLE_PODS,
+    long_completion,
+    make_config,
+    make_flow,
+    make_pool,
+    router_on_sim,
+)
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 
+from router.adapters.extproc import ExtProcSettings, ExtProcStream
 from router.observe.tracing import RequestTracer
 from router.state.pool import Endpoint
 from simulator.engine import EngineSpec
@@ -239,6 +250,62 @@ async def test_through_envoy_the_ext_proc_span_has_the_decision_and_continues_en
     assert a["pd_router.outcome"] == "ok" and a["http.response.status_code"] == 200
     if mode == "full-duplex":  # the response's body passes through ext_proc: observed too
         assert a["pd_router.observed.ttft_s"] > 0 and a["pd_router.observed.tpot_s"] > 0
+
+
+def extproc_request(body: bytes, traced: TracerProvider | None) -> tuple[list[pb.ProcessingResponse], Any]:
+    """One FULL_DUPLEX request through an ext_proc stream (no Envoy), its client's traceparent in
+    the headers; ``traced``: the flow's tracer writes there (None: tracing off)."""
+    config = make_config(SINGLE_PODS, extproc={"enabled": True})
+    pool = make_pool(config)
+    pool.stale_after_s = 1e9  # unit tests run on wall-clock time
+    flow = make_flow(config, pool)
+    if traced is not None:
+        flow.tracer = RequestTracer(traced, ttft_slo_s=1.0, candidates=lambda: 3, owns_provider=False)
+    stream = ExtProcStream(flow, ExtProcSettings(response_processing=True))
+    values = {
+        ":method": "POST",
+        ":path": "/v1/completions",
+        "traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01",
+    }
+    first = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values.items()]
+            )
+        )
+    )
+    stream.on_message(first)
+    out = stream.on_message(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
+    stream.close()
+    return out, stream
+
+
+def routing_headers(out: list[pb.ProcessingResponse]) -> dict[str, str]:
+    mutation = out[0].request_headers.response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def test_ext_proc_sets_the_request_span_s_traceparent_and_a_refusal_s_error(spans: Any) -> None:
+    provider, exporter = spans
+    good = b'{"model": "m", "prompt": "hello hello", "max_tokens": 4}'
+    out, _ = extproc_request(good, provider)
+    (routed,) = exporter.get_finished_spans()
+    assert ids(routing_headers(out)["traceparent"]) == (int(CLIENT_TRACE, 16), routed.context.span_id)
+    assert (
+        routed.attributes["pd_router.adapter"] == "ext_proc"
+        and routed.attributes["pd_router.candidates"] == 3
+    )
+
+    out, _ = extproc_request(b'{"model": "other", "prompt": "hi"}', provider)
+    assert out[0].immediate_response.status.code == 404
+    refused = exporter.get_finished_spans()[-1]
+    assert refused.status.status_code is StatusCode.ERROR
+    assert refused.attributes["http.response.status_code"] == 404
+    assert refused.attributes["error.type"] == "model_not_found"
+
+    # Off: Envoy is told nothing about traces (the client's own header passes as it came).
+    out, _ = extproc_request(good, None)
+    assert "traceparent" not in routing_headers(out)
 
 
 def test_leg_headers_replace_client_trace_headers_in_any_case_and_sampled_out_still_propagate() -> None:
