@@ -28,7 +28,7 @@ from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
 from router.http.server import bearer_ok, http_runner
 from router.request.parse import API_PATHS, OTHER
-from router.request.rejections import Rejection, UpstreamFailed
+from router.request.rejections import UPSTREAM_DISCONNECTED, Rejection, UpstreamFailed
 from router.server.config import ProxyConfig
 from router.state.pool import Endpoint
 from router.transport.tls import HTTP1_ALPN, ServerTls, started
@@ -144,7 +144,7 @@ class Proxy:
                 self._leg_failed(span, exc)
             else:
                 if span is not None:
-                    span.set_attribute("http.response.status_code", response.status)
+                    self._decode_answered(span, response.status, flight)
                 return response
             finally:
                 if span is not None:
@@ -186,6 +186,11 @@ class Proxy:
             return None, leg
         span, headers = tracer.leg(flight.span, role, endpoint, leg.headers)
         return span, Leg(leg.path, headers)
+
+    def _decode_answered(self, span: Span, status: int, flight: Flight) -> None:
+        span.set_attribute("http.response.status_code", status)
+        if flight.outcome == UPSTREAM_DISCONNECTED and self.flow.tracer is not None:  # cut mid-way
+            self.flow.tracer.failed(span, UPSTREAM_DISCONNECTED, "the engine stopped mid-answer")
 
     def _leg_failed(self, span: Span | None, error: UpstreamError) -> None:
         tracer = self.flow.tracer

@@ -159,6 +159,52 @@ async def test_a_pd_pair_has_a_prefill_and_a_decode_leg_each_sending_its_own_tra
     assert a["pd_router.transfer_s"] >= 0 and a["pd_router.candidates"] == 3
 
 
+async def test_a_failed_leg_is_an_error_span_and_its_fallback_a_sibling(spans: Any) -> None:
+    provider, exporter = spans
+    # Scrapes far apart: the dead pod is still a candidate when the request is picked.
+    sections = {**TRACING, "picker": {"allow_local_prefill": False}, "scrape": {"interval_ms": 60000}}
+    async with (
+        router_on_sim(PD, sections, tracer_provider=provider) as (cluster, _app, base),
+        aiohttp.ClientSession() as http,
+    ):
+        await cluster.kill("p0")
+        for _ in range(4):  # until a pick chose the dead pod first
+            async with http.post(f"{base}/v1/completions", json=completion()) as resp:
+                assert resp.status == 200
+            await finished(exporter, 3)
+            if any(s.status.status_code is StatusCode.ERROR for s in exporter.get_finished_spans()):
+                break
+            exporter.clear()
+    legs = [s for s in exporter.get_finished_spans() if s.name == "pd_router.prefill"]
+    failed, answered = legs
+    assert failed.attributes["pd_router.endpoint"] == "p0" and failed.status.status_code is StatusCode.ERROR
+    assert failed.attributes["error.type"] == "connect_failed"
+    assert answered.attributes["pd_router.endpoint"] == "p1"
+    assert answered.status.status_code is StatusCode.UNSET
+    assert failed.parent is not None and answered.parent is not None
+    assert failed.parent.span_id == answered.parent.span_id
+    request = by_name(exporter)["pd_router.request"]
+    assert request.status.status_code is StatusCode.UNSET and request.attributes["pd_router.outcome"] == "ok"
+
+
+async def test_an_answer_cut_mid_stream_is_an_error_on_the_decode_leg_and_the_request(spans: Any) -> None:
+    provider, exporter = spans
+    async with (
+        router_on_sim(SINGLE, TRACING, speed=2.0, tracer_provider=provider) as (cluster, _app, base),
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(f"{base}/v1/completions", json=completion(max_tokens=400, stream=True)) as resp:
+            chosen = resp.headers["x-pd-router-decode"]
+            assert (await resp.content.readline()).startswith(b"data: ")
+            await cluster.kill(chosen)
+            await resp.read()
+        await finished(exporter, 2)
+    found = by_name(exporter)
+    for name in ("pd_router.request", "pd_router.decode"):
+        assert found[name].status.status_code is StatusCode.ERROR
+        assert found[name].attributes["error.type"] == "upstream_disconnected"
+
+
 async def test_an_incoming_traceparent_is_the_request_span_s_parent(spans: Any) -> None:
     provider, exporter = spans
     # Sent in mixed case with a tracestate: both are replaced on the leg, never sent twice.
