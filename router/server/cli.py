@@ -147,7 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"{args.config}: ok ({where}, model {config.model!r})")
         return 0
-    return run(serve(config, args))
+    try:
+        return run(serve(config, args))
+    except ConfigError as exc:  # what only building finds: tracing on without OpenTelemetry installed
+        print(f"pd-router: invalid configuration: {exc}", file=sys.stderr)
+        return 2
 
 
 def config_from(args: argparse.Namespace) -> PoolConfig:

@@ -445,3 +445,15 @@ def test_off_asks_for_no_opentelemetry_runs_without_it_and_adds_no_header() -> N
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_serve_refuses_an_otel_environment_it_cannot_follow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router.server.cli import main
+
+    path = tmp_path / "pool.yaml"
+    path.write_text("model: m\nendpoints: [{address: '127.0.0.1:9'}]\ntracing: {enabled: true}\n")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "OTEL_TRACES_EXPORTER='zipkin'" in capsys.readouterr().err
