@@ -10,7 +10,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +126,76 @@ async def test_a_single_pod_request_is_one_span_with_the_decision_and_a_decode_l
     assert decode.attributes["pd_router.endpoint"] == chosen
     assert decode.attributes["http.response.status_code"] == 200
     assert request.status.status_code is StatusCode.UNSET
+
+
+class Collector:
+    """An OTLP/HTTP trace collector on a thread (the exporter posts from its own thread, and the
+    final flush runs while the event loop waits for it): what was posted, decoded."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        posted: list[tuple[str, ExportTraceServiceRequest]] = []
+        self.posted = posted
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                message = ExportTraceServiceRequest()
+                message.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+                posted.append((self.path, message))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *_: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Collector:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.mark.parametrize("service", [None, "router-a"])
+async def test_spans_are_exported_over_otlp_as_the_environment_says(
+    monkeypatch: pytest.MonkeyPatch, service: str | None
+) -> None:
+    with Collector() as collector:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
+        if service is None:
+            monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+        else:
+            monkeypatch.setenv("OTEL_SERVICE_NAME", service)
+        async with (
+            router_on_sim(SINGLE, TRACING) as (_cluster, _app, base),
+            aiohttp.ClientSession() as http,
+            http.post(f"{base}/v1/completions", json=completion()) as resp,
+        ):
+            assert resp.status == 200
+        # Leaving the App flushed the batch: nothing is waited for here.
+        paths = {path for path, _ in collector.posted}
+        spans = [
+            (span.name, resource.resource)
+            for _, message in collector.posted
+            for resource in message.resource_spans
+            for scope in resource.scope_spans
+            for span in scope.spans
+        ]
+    assert paths == {"/v1/traces"}
+    assert sorted(name for name, _ in spans) == ["pd_router.decode", "pd_router.request"]
+    names = {a.value.string_value for _, r in spans for a in r.attributes if a.key == "service.name"}
+    assert names == {service or "pd-router"}
 
 
 async def test_a_pd_pair_has_a_prefill_and_a_decode_leg_each_sending_its_own_traceparent(spans: Any) -> None:
