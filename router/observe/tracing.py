@@ -3,12 +3,12 @@
 One ``pd_router.request`` span per request (SERVER), its parent the W3C ``traceparent`` the
 request came with (a client's through the proxy, Envoy's through ext_proc), carrying the routing
 decision: the candidates, the chosen prefill and decode pods, predicted against observed TTFT and
-TPOT, each cost term's seconds and share of the chosen route's cost. Children: ``pd_router.queue``
+TPOT, each cost term's share of the chosen route's cost. Children: ``pd_router.queue``
 while flow control holds the request, and the proxy's ``pd_router.prefill`` and ``pd_router.decode``
 legs (CLIENT), each leg sending the engine a ``traceparent`` naming itself as the parent.
 
-Nothing here is imported by the request path when tracing is off: ``RequestFlow.tracer`` is None
-and every hook is behind that one check, so the off path neither imports ``opentelemetry`` nor
+Off, ``RequestFlow.tracer`` is None and every hook is behind that one check: the off path neither
+imports ``opentelemetry`` (this module imports it only in what runs with tracing on) nor
 allocates. Spans are started and ended explicitly (never made current through contextvars): one
 ext_proc request is many callbacks on one stream, not one task.
 
