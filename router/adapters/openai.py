@@ -126,7 +126,10 @@ class Proxy:
         for endpoint in [decision.decode, *decision.decode_fallbacks]:
             if endpoint is not decision.decode:
                 flight.retarget(decode=endpoint)
-            span, sent = self._leg(flight, "decode", endpoint, leg)
+            span: Span | None = None
+            sent = leg
+            if flight.span is not None:
+                span, sent = self._leg(flight, "decode", endpoint, leg)
             try:
                 response = await self.exchange.decode(
                     endpoint.address,
@@ -158,7 +161,10 @@ class Proxy:
         for endpoint in [decision.prefill, *decision.prefill_fallbacks]:
             if endpoint is not decision.prefill:
                 flight.retarget(prefill=endpoint)
-            span, sent = self._leg(flight, "prefill", endpoint, leg)
+            span: Span | None = None
+            sent = leg
+            if flight.span is not None:
+                span, sent = self._leg(flight, "prefill", endpoint, leg)
             try:
                 params, usage = await self.exchange.prefill(endpoint.address, sent, route.body)
             except UpstreamError as exc:
@@ -178,12 +184,11 @@ class Proxy:
         self.flow.metrics.prefill_fallback_local.inc()
         return None
 
-    def _leg(self, flight: Flight, role: str, endpoint: Endpoint, leg: Leg) -> tuple[Span | None, Leg]:
+    def _leg(self, flight: Flight, role: str, endpoint: Endpoint, leg: Leg) -> tuple[Span, Leg]:
         """A traced request's leg to ``endpoint``: its span, and the leg with the span's trace
-        context; untraced: None and the leg as it is."""
+        context (untraced, the caller sends ``leg`` as it is: no call, no allocation)."""
         tracer = self.flow.tracer
-        if flight.span is None or tracer is None:
-            return None, leg
+        assert flight.span is not None and tracer is not None
         span, headers = tracer.leg(flight.span, role, endpoint, leg.headers)
         return span, Leg(leg.path, headers)
 
