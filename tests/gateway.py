@@ -11,7 +11,14 @@ from typing import Any
 
 from helpers import router_for
 
-from loadtests.servers.envoy import free_port, in_front_of_picker, render, run_envoy, with_cleartext_to_picker
+from loadtests.servers.envoy import (
+    free_port,
+    in_front_of_picker,
+    render,
+    run_envoy,
+    with_cleartext_to_picker,
+    with_h2c_to_pods,
+)
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 __all__ = [
@@ -47,12 +54,14 @@ async def envoy_with_picker(
     *,
     subset_header: bool = False,
     tls: bool = True,
+    h2c_pods: bool = False,
     extproc: dict[str, Any] | None = None,
     tracer_provider: Any = None,
     **sections: Any,
 ) -> AsyncIterator[tuple[Any, str]]:
     """The picker on ``endpoints`` behind an example Envoy config (TLS to the picker unless
-    ``tls`` is false): yields (app, Envoy's URL). Fails open to the first endpoint."""
+    ``tls`` is false; HTTP/2 in cleartext to the endpoints with ``h2c_pods``): yields (app,
+    Envoy's URL). Fails open to the first endpoint."""
     listener = {"enabled": True, "port": 0, "health_port": 0, "tls": {"enabled": tls}, **(extproc or {})}
     data = {"endpoints": endpoints, "proxy": {"enabled": False}, "extproc": listener, **sections}
     async with router_for(data, tracer_provider=tracer_provider) as (app, _):
@@ -61,6 +70,8 @@ async def envoy_with_picker(
             config = with_subset_header(config)
         if not tls:
             config = with_cleartext_to_picker(config)
+        if h2c_pods:
+            config = with_h2c_to_pods(config)
         async with run_envoy(config, tmp_path, admin):
             yield app, f"http://127.0.0.1:{listen}"
 

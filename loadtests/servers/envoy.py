@@ -71,6 +71,20 @@ def extproc_cluster(config: dict[str, Any]) -> dict[str, Any]:
     return next(c for c in config["static_resources"]["clusters"] if c["name"] == "ext_proc")
 
 
+def with_h2c_to_pods(config: dict[str, Any]) -> dict[str, Any]:
+    """The example config speaking HTTP/2 in cleartext to the model servers, as a gateway does for
+    an InferencePool whose ``appProtocol`` is ``kubernetes.io/h2c``."""
+    for cluster in config["static_resources"]["clusters"]:
+        if cluster.get("type") == "ORIGINAL_DST":
+            cluster["typed_extension_protocol_options"] = {
+                "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}},
+                }
+            }
+    return config
+
+
 def with_cleartext_to_picker(config: dict[str, Any]) -> dict[str, Any]:
     """The example config connecting to the picker in cleartext (h2c), for a picker with TLS off
     (the examples speak TLS to it, as gateways in front of the reference picker do)."""

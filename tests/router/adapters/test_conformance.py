@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from gateway import envoy_with_picker, example_config, gateway, run_envoy
 from helpers import eventually
 
+from loadtests.servers.envoy import free_port
 from loadtests.servers.kube import NS, pod, pool, serving
 from router.control.discovery.kubernetes import KubernetesDiscovery
 from router.server.app import App
@@ -75,6 +78,57 @@ async def conformance_gateway(
         extproc = {"conformance": conformance}
         async with envoy_with_picker(tmp_path, endpoints, mode, extproc=extproc) as (app, url):
             yield app, url, pods
+
+
+async def _h2c_echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """echo-basic as an ASGI app, also saying which HTTP version the request arrived over."""
+    if scope["type"] != "http":
+        return
+    size = 0
+    while True:
+        message = await receive()
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    answer = {
+        "path": scope["path"],
+        "httpPort": str(scope["server"][1]),
+        "httpVersion": scope["http_version"],
+        "headers": {k.decode().lower(): v.decode() for k, v in scope["headers"]},
+        "bodyBytes": size,
+    }
+    payload = orjson.dumps(answer)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+@contextlib.asynccontextmanager
+async def h2c_pods(count: int) -> AsyncIterator[list[str]]:
+    """``count`` echo backends speaking HTTP/2 in cleartext (prior knowledge), as a model server
+    behind an InferencePool with ``appProtocol: kubernetes.io/h2c``."""
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(count)]
+    config = Config()
+    config.bind = addresses
+    config.accesslog = config.errorlog = None
+    stop = asyncio.Event()
+    server = asyncio.create_task(serve(_h2c_echo, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+    try:
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            await eventually(lambda h=host, p=int(port): _listening(h, p), 5, f"{address} listening")
+        yield addresses
+    finally:
+        stop.set()
+        await server
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex((host, port)) == 0
 
 
 async def post(http: aiohttp.ClientSession, url: str, select: str | None) -> tuple[int, str | None, Any]:
@@ -168,4 +222,29 @@ async def test_data_parallel_ranks_of_an_inference_pool_each_serve_and_are_repor
                 results = await asyncio.gather(*(post(http, url, "127.0.0.1") for _ in range(30)))
                 assert {status for status, _, _ in results} == {200}
                 assert {served for _, served, _ in results} <= set(ranks)
+        await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
+
+
+@pytest.mark.parametrize("mode", ["full-duplex", "buffered"])
+async def test_an_h2c_pool_s_selected_endpoints_serve_over_http2(tmp_path: Path, mode: str) -> None:
+    """An InferencePool with ``appProtocol: kubernetes.io/h2c``: the gateway speaks HTTP/2 in
+    cleartext to the pods; the picker's choice is followed and reported, bodies go both ways."""
+    async with (
+        h2c_pods(2) as pods,
+        envoy_with_picker(
+            tmp_path,
+            [{"address": address, "role": "prefill-decode"} for address in pods],
+            mode,
+            h2c_pods=True,
+            extproc={"conformance": True},
+        ) as (app, url),
+        aiohttp.ClientSession() as http,
+    ):
+        for pod in pods:
+            for _ in range(2):
+                status, served, answer = await post(http, url, pod)
+                assert status == 200, answer
+                assert served == pod and f"127.0.0.1:{answer['httpPort']}" == pod
+                assert answer["httpVersion"] == "2"  # not HTTP/1.1: the pool's protocol held
+                assert answer["bodyBytes"] > 0
         await eventually(lambda: app.parts.pool.outstanding == 0, what="reservations released")
