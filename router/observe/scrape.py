@@ -12,7 +12,8 @@ the features (``router/state/features.py``). Unknown is never zero: a metric tha
 every sample is malformed or not finite, is ``None``. Several series of one metric (one per
 ``engine`` label when vLLM runs data-parallel ranks behind one address) are combined: counts and
 counters are summed, ``kv_usage`` is the mean, ``num_gpu_blocks`` is the sum (the total KV capacity
-behind the address, matching summed ``running``) and ``block_size`` is the first series'. The
+behind the address, matching summed ``running``) and ``block_size`` is the first series'. Of
+``vllm:lora_requests_info`` only the newest series counts (its value is when it was set). The
 current names are preferred; the names vLLM deprecated are read only when the current ones are
 absent.
 
@@ -31,8 +32,9 @@ from collections.abc import Sequence
 from enum import StrEnum
 
 import aiohttp
+import orjson
 
-from router.request.types import EngineMetrics
+from router.request.types import EngineMetrics, LoraInfo
 from router.state.features import FEATURES
 
 # metric name -> (feature, rank, mean); a lower rank wins when several names of one feature are
@@ -50,7 +52,13 @@ _CAPACITY: tuple[tuple[str, str], ...] = tuple(
     for metric in f.scraped.metrics
 )
 _SCRAPED = tuple(f.name for f in FEATURES if f.scraped is not None)
-_NAMES = "|".join(re.escape(name.removeprefix("vllm:")) for name in (*_SAMPLE_NAMES, *dict(_CAPACITY)))
+# Not a feature column: LoRA state is a set of adapter names per engine (router/state/lora.py).
+# Its value is when vLLM last set it, and every label set it ever had stays exported: the series
+# with the largest value is the current one.
+LORA_INFO = "vllm:lora_requests_info"
+_NAMES = "|".join(
+    re.escape(name.removeprefix("vllm:")) for name in (*_SAMPLE_NAMES, *dict(_CAPACITY), LORA_INFO)
+)
 # A wanted sample line: exact name (the separator after it rules out "…_total" matching "…"
 # and skips "…_created"), then the labels/value tail. The "\n" literal lets the regex engine
 # jump between candidate lines in C instead of Python visiting every line. Blanks and tabs may
@@ -69,6 +77,7 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
     capacity = dict(_CAPACITY)
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    lora: tuple[float, str] | None = None  # (set at, labels) of the newest lora_requests_info
     lines: list[tuple[str, str]] = _LINE.findall(text)
     first = _FIRST_LINE.match(text)
     if first is not None:  # in text order: the first series' block_size is the one kept
@@ -96,6 +105,10 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
         value = _sample_value(rest)
         if value is None:
             continue
+        if name == LORA_INFO:
+            if lora is None or value >= lora[0]:
+                lora = (value, labels)
+            continue
         feature, rank, _ = _SAMPLE_NAMES[name]
         total = acc.setdefault(feature, {}).setdefault(rank, [0.0, 0])
         total[0] += value
@@ -109,7 +122,24 @@ def parse_vllm_metrics(text: str) -> EngineMetrics:
     if block_size and num_gpu_blocks:
         for feature in capacity.values():
             values[feature] = float(block_size * num_gpu_blocks)
-    return EngineMetrics(block_size, num_gpu_blocks, **values)
+    return EngineMetrics(
+        block_size, num_gpu_blocks, lora=None if lora is None else _lora_info(lora[1]), **values
+    )
+
+
+def _lora_info(labels: str) -> LoraInfo:
+    """vLLM's labels: ``max_lora`` and the comma-joined ``running_lora_adapters`` and
+    ``waiting_lora_adapters`` (adapter names, as requests name them)."""
+    parsed = _parse_labels(labels)
+    return LoraInfo(
+        max_lora=_int_or_none(parsed.get("max_lora")),
+        running=_names(parsed.get("running_lora_adapters", "")),
+        waiting=_names(parsed.get("waiting_lora_adapters", "")),
+    )
+
+
+def _names(joined: str) -> tuple[str, ...]:
+    return tuple(name for name in (part.strip() for part in joined.split(",")) if name)
 
 
 _MEAN = {feature: mean for feature, _, mean in _SAMPLE_NAMES.values()}
@@ -227,6 +257,25 @@ class Scraper:
             raise ScrapeError(address, ScrapeReason.PARSE_ERROR, "no vllm: metrics in response")
         return metrics
 
+    async def served_adapters(self, address: str) -> tuple[str, ...] | None:
+        """The LoRA adapters ``GET http://{address}/v1/models`` lists (vLLM gives each its base
+        model as ``parent``); None when the list could not be read."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                body = await self._fetch(address, "/v1/models")
+            data = orjson.loads(body)["data"]
+            if not isinstance(data, list):
+                return None
+            return tuple(
+                entry["id"]
+                for entry in data
+                if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry.get("parent")
+            )
+        except (ScrapeError, TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
+            return None
+        except (KeyError, TypeError):  # JSON, but not an OpenAI model list
+            return None
+
     async def scrape_all(self, addresses: Sequence[str]) -> list[EngineMetrics | ScrapeError]:
         """Scrape every address concurrently; results (or errors) in the order of ``addresses``."""
         return list(await asyncio.gather(*(self._scrape_or_error(a) for a in addresses)))
@@ -237,8 +286,8 @@ class Scraper:
         except ScrapeError as exc:
             return exc
 
-    async def _fetch(self, address: str) -> bytes:
-        async with self._session.get(f"http://{address}/metrics") as resp:
+    async def _fetch(self, address: str, path: str = "/metrics") -> bytes:
+        async with self._session.get(f"http://{address}{path}") as resp:
             if resp.status != 200:
                 raise ScrapeError(
                     address, ScrapeReason.HTTP_STATUS, f"HTTP {resp.status} {resp.reason or ''}".strip()

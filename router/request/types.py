@@ -65,17 +65,34 @@ class RequestLimits:
     served_model: str | None = None  # strict single-model pool: any other model name is a 404
 
 
-class EngineMetrics:
-    """One scrape of one engine address: every scraped feature by name (``None`` = absent) and the
-    cache configuration. ``metrics.running`` reads ``values["running"]``."""
+@dataclass(frozen=True, slots=True)
+class LoraInfo:
+    """vLLM's ``vllm:lora_requests_info`` at its latest update: ``max_lora`` (adapter slots on the
+    GPU; None when the label is not a number) and the adapters of its running and waiting requests."""
 
-    __slots__ = ("block_size", "num_gpu_blocks", "values")
+    max_lora: int | None
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+
+
+class EngineMetrics:
+    """One scrape of one engine address: every scraped feature by name (``None`` = absent), the
+    cache configuration and the LoRA state (``None``: the engine has LoRA off or does not say).
+    ``metrics.running`` reads ``values["running"]``."""
+
+    __slots__ = ("block_size", "lora", "num_gpu_blocks", "values")
 
     def __init__(
-        self, block_size: int | None = None, num_gpu_blocks: int | None = None, **values: float | None
+        self,
+        block_size: int | None = None,
+        num_gpu_blocks: int | None = None,
+        *,
+        lora: LoraInfo | None = None,
+        **values: float | None,
     ) -> None:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
+        self.lora = lora
         self.values = values
 
     def __getattr__(self, name: str) -> float | None:
@@ -87,12 +104,21 @@ class EngineMetrics:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, EngineMetrics):
             return NotImplemented
-        return (self.block_size, self.num_gpu_blocks) == (other.block_size, other.num_gpu_blocks) and {
-            k: v for k, v in self.values.items() if v is not None
-        } == {k: v for k, v in other.values.items() if v is not None}
+        return (self.block_size, self.num_gpu_blocks, self.lora) == (
+            other.block_size,
+            other.num_gpu_blocks,
+            other.lora,
+        ) and {k: v for k, v in self.values.items() if v is not None} == {
+            k: v for k, v in other.values.items() if v is not None
+        }
 
     def __repr__(self) -> str:
-        fields = {"block_size": self.block_size, "num_gpu_blocks": self.num_gpu_blocks, **self.values}
+        fields = {
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "lora": self.lora,
+            **self.values,
+        }
         return "EngineMetrics(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
 
     def is_empty(self) -> bool:
@@ -100,5 +126,6 @@ class EngineMetrics:
         return (
             self.block_size is None
             and self.num_gpu_blocks is None
+            and self.lora is None
             and all(v is None for v in self.values.values())
         )
