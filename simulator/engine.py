@@ -122,6 +122,8 @@ class EngineSpec:
     port: int = 0
     model: str = "sim-model"
     lora_adapters: tuple[str, ...] = ()  # served too, as vLLM's --lora-modules names
+    max_loras: int = 1  # GPU adapter slots (vLLM's --max-loras); the least recently used is evicted
+    lora_load_s: float = 0.1  # loading an adapter into a slot: the engine's next step waits for it
     block_tokens: int = 16
     num_gpu_blocks: int = 2048
     chars_per_token: float = 4.0
@@ -163,6 +165,7 @@ class EngineStats:
     prefix_cache_hits: int = 0
     steps: int = 0  # batch steps run
     busy_s: float = 0.0  # simulated seconds spent in steps (utilisation = busy_s / wall time)
+    lora_loads: int = 0  # adapters loaded into a GPU slot
 
 
 class EngineStopped(Exception):
@@ -184,6 +187,7 @@ class _Request:
     arrival: float
     token_ids: list[int] | None = None  # precise mode only: BlockStored carries the blocks' tokens
     remote: SimEngine | None = None
+    adapter: str | None = None  # the LoRA adapter it runs with (its request named it as the model)
     state: str = "waiting"  # waiting | transfer | running | done
     target: int = 0  # tokens that must be computed before the next token can be sampled
     computed: int = 0
@@ -299,6 +303,10 @@ class SimEngine:
         self._host = "127.0.0.1"
         self._waiting: deque[_Request] = deque()
         self._transfer: set[_Request] = set()
+        self._lora_slots: OrderedDict[str, None] = OrderedDict()  # resident adapters, LRU first
+        self._lora_loads = 0  # adapters loaded since the last step began: the next one waits for them
+        # vLLM's lora_requests_info keeps every label set it ever had: (waiting, running) -> set at
+        self._lora_series: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._running: list[_Request] = []
         # Blocks in use: private ones (partial tail, generated tokens) plus one per distinct full prompt
         # block referenced by an admitted request. Like vLLM, requests share prompt blocks by hash.
@@ -638,6 +646,8 @@ class SimEngine:
         self._waiting.clear()
         self._transfer.clear()
         self._running.clear()
+        self._lora_slots.clear()
+        self._lora_loads = 0
         self._held = 0
         self._refs.clear()
         self._cached_and_referenced = 0
@@ -833,6 +843,7 @@ class SimEngine:
             return _Refusal(503, "waiting queue is full")
         header_rid = headers.get("x-request-id")
         rid = header_rid or uuid.uuid4().hex
+        adapter = model if model != self.spec.model else None
         reqs = tuple(
             _Request(
                 rid=rid if len(prompts) == 1 else f"{rid}-{i}",  # vLLM's ids for a batch's prompts
@@ -843,6 +854,7 @@ class SimEngine:
                 arrival=time.monotonic(),
                 token_ids=token_ids,
                 remote=remote,
+                adapter=adapter,
                 target=count,
             )
             for i, ((token_ids, block_keys), count) in enumerate(zip(tokenized, counts, strict=True))
@@ -1373,14 +1385,24 @@ class SimEngine:
     def _admit(self) -> None:
         spec = self.spec
         bt = spec.block_tokens
-        while self._waiting and len(self._running) + len(self._transfer) < spec.time.max_running:
-            req = self._waiting[0]
+        # vLLM's scheduler passes over a request whose adapter can get no slot (every slot holds
+        # an adapter in use) and goes on with the next; otherwise the queue is FIFO.
+        skipped = 0
+        while (
+            len(self._waiting) > skipped and len(self._running) + len(self._transfer) < spec.time.max_running
+        ):
+            req = self._waiting[skipped]
+            if req.adapter is not None and not self._lora_can_load(req.adapter):
+                skipped += 1
+                continue
             private = self._private_blocks(req)
             refs = self._refs
             need = private + sum(1 for key in req.block_keys if key not in refs)
             if need > self._free_blocks():
                 break  # FIFO: the head waits for KV, as vLLM's scheduler does without preemption room
-            self._waiting.popleft()
+            del self._waiting[skipped]
+            if req.adapter is not None:
+                self._lora_use(req.adapter)
             req.blocks = private
             self._held += private + self._reference(req.block_keys)
             self._trim_cache()
@@ -1398,6 +1420,30 @@ class SimEngine:
             else:
                 req.state = "running"
                 self._running.append(req)
+
+    def _lora_can_load(self, adapter: str) -> bool:
+        """Whether ``adapter`` is resident or can be: a free slot, or one whose adapter no admitted
+        request runs with."""
+        if adapter in self._lora_slots or len(self._lora_slots) < self.spec.max_loras:
+            return True
+        return bool(self._lora_slots.keys() - self._lora_in_use())
+
+    def _lora_in_use(self) -> set[str | None]:
+        return {req.adapter for req in (*self._running, *self._transfer)}
+
+    def _lora_use(self, adapter: str) -> None:
+        """Admit with ``adapter``: the most recently used now; loaded (evicting the least recently
+        used idle one when every slot is taken) if it was not resident."""
+        slots = self._lora_slots
+        if adapter in slots:
+            slots.move_to_end(adapter)
+            return
+        if len(slots) >= self.spec.max_loras:
+            busy = self._lora_in_use()
+            del slots[next(name for name in slots if name not in busy)]
+        slots[adapter] = None
+        self._lora_loads += 1
+        self.stats.lora_loads += 1
 
     def _start_transfer(self, req: _Request, hit_blocks: int) -> None:
         remote = req.remote
@@ -1511,10 +1557,12 @@ class SimEngine:
             n_decoding = sum(1 for req in decoding if req.state == "running")
             step = (
                 tm.step_base_s
+                + spec.lora_load_s * self._lora_loads
                 + tm.prefill_s_per_token * prefill_tokens
                 + tm.decode_s_per_seq * n_decoding
                 + tm.kv_s_per_token * self._held * spec.block_tokens
             ) / tm.speed
+            self._lora_loads = 0
             self.stats.steps += 1
             self.stats.busy_s += step
             self._in_step = (asyncio.get_running_loop().time() + step, prefill, decoding)
@@ -1585,6 +1633,8 @@ class SimEngine:
                 'finished_reason="length",',
             ),
         )
+        if spec.lora_adapters:
+            lines += self._lora_lines()
         for name, help_text, value, extra in counters:
             labels = f'engine="0",{extra}model_name="{spec.model}"'
             lines += [
@@ -1605,6 +1655,25 @@ class SimEngine:
             f"{name}_sum{{{lbl}}} {self._ttft_sum!r}",
         ]
         return "\n".join(lines) + "\n"
+
+    def _lora_lines(self) -> list[str]:
+        """``vllm:lora_requests_info`` as vLLM exports it: the value is when the label set was last
+        set, and the label sets it had before stay (bounded here to the last 16)."""
+        waiting = ",".join(dict.fromkeys(r.adapter for r in (*self._waiting, *self._transfer) if r.adapter))
+        running = ",".join(dict.fromkeys(r.adapter for r in self._running if r.adapter))
+        series = self._lora_series
+        series[(waiting, running)] = time.time()
+        series.move_to_end((waiting, running))
+        while len(series) > 16:
+            series.popitem(last=False)
+        name = "vllm:lora_requests_info"
+        lines = [f"# HELP {name} Running stats on lora requests.", f"# TYPE {name} gauge"]
+        for (w, r), at in series.items():
+            labels = (
+                f'max_lora="{self.spec.max_loras}",waiting_lora_adapters="{w}",running_lora_adapters="{r}"'
+            )
+            lines.append(f"{name}{{{labels}}} {at!r}")
+        return lines
 
 
 def _port_of(endpoint: str) -> int:
