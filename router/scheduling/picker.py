@@ -187,6 +187,7 @@ class Picker:
             if not keep.all():
                 cand = cand.take(keep)
         cand.cached_blocks = self._cached_blocks(request, cand.slots)
+        cand.adapter_state = pool.lora.states(request.model, cand.slots)
         ctx = RequestCtx(
             prompt_tokens=request.prompt_tokens,
             max_tokens=request.max_tokens,
@@ -303,6 +304,8 @@ class Picker:
             kv_tokens=float(costs.view.need_kv[d_pos]),
         )
         self.pool.observe_request(request.prompt_tokens, request.max_tokens)
+        # The adapter is loaded where this goes (both pods of a pair run it) before a scrape says so.
+        self.pool.lora.routed(request.model, (d_slot,) if p_slot is None else (p_slot, d_slot))
         # Optimistic: the prompt's blocks will be on P, and on D once transferred. Recording is
         # the dearest step of a pick, so an event loop runs it right after the pick returns.
         if len(request.block_keys):

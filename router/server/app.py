@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from contextlib import AsyncExitStack
@@ -34,8 +35,12 @@ from router.observe.metrics import GroupCollector, MetricsListener
 from router.observe.scrape import ANSWERED, ScrapeError, Scraper
 from router.request.types import EngineMetrics
 from router.server.compose import Parts, kubernetes_discovery, objectives_and_rewrites_watch
+from router.state.pool import Endpoint
 
 log = logging.getLogger(__name__)
+
+# How often an engine with LoRA on is asked which adapters it serves.
+MODELS_EVERY_S = 30.0
 
 
 class App:
@@ -55,6 +60,7 @@ class App:
         self.keda: KedaListener | None = None
         self._stack = AsyncExitStack()
         self._scraper: Scraper | None = None
+        self._models_read: dict[str, float] = {}  # endpoint id -> when its adapter list was read
 
     @property
     def proxy_port(self) -> int | None:
@@ -242,6 +248,27 @@ class App:
             else:  # without engine metrics (not required): alive, its load unknown
                 metrics = EngineMetrics() if isinstance(result, ScrapeError) else result
                 pool.apply_metrics(endpoint, metrics, now)
+        await self._read_adapters(endpoints, now)
+
+    async def _read_adapters(self, endpoints: list[Endpoint], now: float) -> None:
+        """The served LoRA adapters of engines that have LoRA on: at first, then every
+        ``MODELS_EVERY_S`` (adapters are loaded and unloaded at run time)."""
+        assert self._scraper is not None
+        pool = self.parts.pool
+        due = [
+            e
+            for e in endpoints
+            if e.metrics is not None
+            and e.metrics.lora is not None
+            and now - self._models_read.get(e.id, -math.inf) >= MODELS_EVERY_S
+        ]
+        if not due:
+            return
+        lists = await asyncio.gather(*(self._scraper.served_adapters(e.address) for e in due))
+        for endpoint, adapters in zip(due, lists, strict=True):
+            if adapters is not None and pool.endpoints.get(endpoint.id) is endpoint:
+                pool.lora.observe_served(endpoint.slot, adapters)
+                self._models_read[endpoint.id] = now
 
     async def _apply_speeds(self) -> None:
         speeds = self.parts.engine_speeds

@@ -131,6 +131,8 @@ def cost_model_from(config: PoolConfig) -> CostModel:
             decode_s_per_seq=engine.decode_ms_per_seq / 1000.0,
             decode_s_per_kv_token=engine.decode_ms_per_1k_kv_tokens / 1e6,
             kv_bytes_per_token=engine.kv_bytes_per_token,
+            lora_load_s=engine.lora_load_ms / 1000.0,
+            lora_evict_s=engine.lora_evict_ms / 1000.0,
         ),
         links=link_costs_from(config),
         terms=tuple(WeightedTerm(load_term(name), w) for name, w in config.term_weights().items()),

@@ -149,6 +149,16 @@ class EngineModelConfig(_Strict):
     kv_bytes_per_token: Annotated[int, Field(gt=0)] = Field(
         131072, description="KV cache bytes per token (all layers): what a P/D transfer moves"
     )
+    lora_load_ms: NonNegative = Field(
+        100.0,
+        description="time to load a LoRA adapter into an engine's GPU slot (ms): what a request for "
+        "an adapter pays on a pod that does not hold it",
+    )
+    lora_evict_ms: NonNegative = Field(
+        100.0,
+        description="cost of evicting another adapter on a pod whose adapter slots are all taken "
+        "(max_lora) (ms): the reload the evicted adapter's next request pays",
+    )
     typical_prompt_tokens: Positive = Field(
         512.0,
         description="the prompt size assumed for queued requests the router did not route, at start; "

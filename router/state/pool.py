@@ -18,6 +18,7 @@ import numpy as np
 
 from router.scheduling.costmodel.view import Candidates
 from router.state.features import CANDIDATE, FEATURES, SCRAPED, SHARED
+from router.state.lora import LoraState
 
 if TYPE_CHECKING:
     from router.request.types import EngineMetrics
@@ -135,6 +136,7 @@ class Pool:
         # An endpoint joined (its KV-event stream, if any, is subscribed to: router/state/kv_sink.py).
         self.on_added: Callable[[Endpoint], None] = _joined
         self._free_slots: list[int] = []
+        self.lora = LoraState(0)  # adapters per slot: a matrix, not a feature column
         self._allocate(capacity)
 
     # One array per declared feature (router/state/features.py), set by _allocate: pool.running, ...
@@ -154,6 +156,7 @@ class Pool:
             (name, getattr(self, name), getattr(self, f"others_{name}") if name in SHARED else None)
             for name in CANDIDATE
         ]
+        self.lora.grow(capacity)
         self.by_slot.extend([None] * (capacity - old))
         self.generation.extend([0] * (capacity - old))
         self._free_slots.extend(range(capacity - 1, old - 1, -1))
@@ -211,6 +214,7 @@ class Pool:
             getattr(self, feature.name)[slot] = feature.empty
         for name in SHARED:
             getattr(self, f"others_{name}")[slot] = 0
+        self.lora.forget(slot)
         self._free_slots.append(slot)
         return endpoint
 
@@ -294,6 +298,7 @@ class Pool:
         values = metrics.values
         for name in SCRAPED:
             getattr(self, name)[slot] = _or_nan(values.get(name))
+        self.lora.observe(slot, metrics.lora)
 
     def eject(self, endpoint: Endpoint, reason: str) -> None:
         """Take an endpoint out of the candidates now (connect refused); the next good scrape returns it."""

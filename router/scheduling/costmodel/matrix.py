@@ -79,7 +79,7 @@ class CostModel:
     prefill_side: frozenset[str] = field(init=False)  # names of the prefill-side terms
 
     def __post_init__(self) -> None:
-        names = frozenset(w.term.name for w in self.terms if w.term.side == "prefill")
+        names = frozenset(w.term.name for w in self.terms if w.term.side != "decode")
         object.__setattr__(self, "prefill_side", names)
 
 
@@ -285,7 +285,7 @@ def costs_over(view: View, cm: CostModel, layout: Layout) -> PairCosts:
     """``pair_costs`` with its layout kept from an earlier pick over the same candidates."""
     cand, ctx, model = view.cand, view.ctx, cm.model
     k = len(cand)
-    route = column = _ZEROS
+    route = column = both = _ZEROS
     values: dict[str, np.ndarray] = {}
     for weighted in cm.terms:
         term = weighted.term
@@ -301,10 +301,12 @@ def costs_over(view: View, cm: CostModel, layout: Layout) -> PairCosts:
                 seconds = np.where(np.isinf(seconds), seconds, seconds * weighted.weight)
         values[term.name] = seconds
         # New arrays, never in place: a term may return a View array as it is.
-        if term.side == "prefill":
-            route = route + seconds
-        else:
+        if term.side == "decode":
             column = column + seconds
+        else:
+            route = route + seconds
+            if term.side == "both":  # a pair's decode pod pays it too (``view.CostTerm``)
+                both = both + seconds
     # NaN survives addition (and terms never return -inf), so one sum covers every term and
     # every candidate; only a failure looks for the culprit.
     if math.isnan(_sum(route) + _sum(column)):
@@ -326,6 +328,8 @@ def costs_over(view: View, cm: CostModel, layout: Layout) -> PairCosts:
     # Pairs, reduced to the prefill pods' link classes.
     p_route = route[prefill]
     after_transfer = 2.0 * d_tpot + (model.decode_step_base_s + model.pd_leg_overhead_s)
+    if both is not _ZEROS:
+        after_transfer = after_transfer + both[decode]
     best, second = best_two_per_class(p_route, layout.members)
     decode_bytes = link.transfer_bytes(view.cached[decode], ctx, model)
     transfer = link.seconds(layout.latency_s, layout.bytes_per_s, decode_bytes)

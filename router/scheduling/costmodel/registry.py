@@ -15,7 +15,17 @@ from router.scheduling.costmodel.view import CostTerm
 # Weights that tune the cost model itself rather than add a term.
 MODEL_WEIGHTS = frozenset({"prefix", "link"})
 # The built-in terms and their default weights, in the order they are summed.
-DEFAULT_WEIGHTS = {"queue": 1.0, "prefill": 1.0, "interference": 1.0, "load": 1.0, "kv": 1.0, "absorb": 1.0}
+DEFAULT_WEIGHTS = {
+    "queue": 1.0,
+    "prefill": 1.0,
+    "interference": 1.0,
+    "load": 1.0,
+    "kv": 1.0,
+    "absorb": 1.0,
+    "lora": 1.0,
+}
+# Who pays a term (``view.CostTerm``).
+_SIDES = ("prefill", "decode", "both")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -36,8 +46,12 @@ def load_term(name: str) -> CostTerm:
     if not callable(factory):
         raise ValueError(f"scorer module {module_name} has no term() function")
     term = factory()
-    if getattr(term, "name", None) != name or getattr(term, "side", None) not in ("prefill", "decode"):
+    if getattr(term, "name", None) != name or getattr(term, "side", None) not in (
+        "prefill",
+        "decode",
+        "both",
+    ):
         raise ValueError(
-            f"{module_name}.term() must return a term named {name!r} with side prefill or decode"
+            f"{module_name}.term() must return a term named {name!r} with side prefill, decode or both"
         )
     return term

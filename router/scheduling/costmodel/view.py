@@ -21,12 +21,22 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+# A requested LoRA adapter on a candidate (``Candidates.adapter_state``), cheapest first; the
+# ``lora`` term prices each, ``router/state/lora.py`` says which applies.
+ADAPTER_RESIDENT = 0  # loaded (as far as the router can tell): nothing to pay
+ADAPTER_FREE_SLOT = 1  # not loaded, a slot is free: one load
+ADAPTER_EVICTS = 2  # not loaded, every slot taken (or how many there are is unknown): load + eviction
+ADAPTER_NOT_SERVED = 3  # its /v1/models does not list the adapter: the engine would answer 404
+
 
 class Candidates:
     """Features of k candidate endpoints, gathered from the pool for one pick."""
 
     slots: np.ndarray
     cached_blocks: np.ndarray  # longest cached prefix of this prompt, in blocks
+    # The requested LoRA adapter on each candidate (an ``ADAPTER_*`` value, int8); None when the
+    # request names no adapter.
+    adapter_state: np.ndarray | None = None
 
     def __init__(
         self, slots: np.ndarray, cached_blocks: np.ndarray | None = None, **features: np.ndarray
@@ -69,6 +79,8 @@ class EngineModel:
     decode_s_per_seq: float
     decode_s_per_kv_token: float
     kv_bytes_per_token: int
+    lora_load_s: float = 0.1  # loading a LoRA adapter into a GPU slot (the engine's step waits)
+    lora_evict_s: float = 0.1  # evicting one: the reload its next request pays
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +118,7 @@ class View:
         return len(self.cand)
 
 
-Side = Literal["prefill", "decode"]
+Side = Literal["prefill", "decode", "both"]
 
 
 class CostTerm(Protocol):
@@ -116,6 +128,9 @@ class CostTerm(Protocol):
     decode pod itself when there is no prefill leg); part of the predicted TTFT.
     ``side = "decode"``: paid by the decode pod whoever computed the prompt (slower tokens, KV
     pressure), in seconds of TTFT-equivalent.
+    ``side = "both"``: paid by every pod the request runs on, each before its part can start (a
+    LoRA adapter's load): the computing pod's as a prefill-side term, and for a pair the decode
+    pod's too, after the KV arrives.
 
     Contract, checked by the runner: ``seconds`` returns float64 of shape ``(k,)`` (one value per
     candidate in ``view``), never NaN or -inf; ``+inf`` means the candidate cannot serve that side. Pure:

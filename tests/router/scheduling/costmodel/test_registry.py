@@ -37,7 +37,7 @@ def avoid_e0(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_built_in_term_loads_by_name() -> None:
     for name in DEFAULT_WEIGHTS:
         term = load_term(name)
-        assert term.name == name and term.side in ("prefill", "decode")
+        assert term.name == name and term.side in ("prefill", "decode", "both")
 
 
 def test_a_scorer_named_in_weights_changes_the_choice(avoid_e0: None) -> None:
