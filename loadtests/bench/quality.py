@@ -134,6 +134,7 @@ class PolicyRun:
     cpu_s: float  # CPU seconds of the whole run (process time, not virtual)
     sim_s: float  # virtual seconds from the first arrival to the last answer
     prefill_tokens_computed: int = 0
+    lora_loads: int = 0  # adapters the engines loaded into a GPU slot
     pruned: tuple[str, ...] = ()  # settings the router under test does not know (older trees)
     calls: dict[str, int] = field(default_factory=dict)  # what the router sent the engines, by route
     observed: dict[str, int] = field(default_factory=dict)  # answers the performance model compared
@@ -153,6 +154,7 @@ class PolicyRun:
             "goodput": goodput(s, scn.goodput_ttft_s / tm.speed, scn.goodput_tpot_s / tm.speed),
             "hit_rate": s.hit_rate,
             "prefill_tokens_computed": self.prefill_tokens_computed,
+            "lora_loads": self.lora_loads,
             "cross_link_pairs": self.cross_link,
             "digest": self.digest(),
         }
@@ -480,6 +482,8 @@ async def _run(
             (name, cluster.address(name), e.spec.role, e.spec.link) for name, e in cluster.engines.items()
         ]
         data = config_data(endpoints, tm, links, pol.picker)
+        if scn.configure is not None:
+            scn.configure(data, tm)
         async with open_router(
             data, pol.overrides, seed, session, cluster, reference=pol.reference, true_cache=pol.true_cache
         ) as router:
@@ -487,6 +491,7 @@ async def _run(
             observed = router.observed()
             predictions = list(router.predictions)
         computed = sum(engine.stats.prefill_tokens_computed for engine in cluster.engines.values())
+        loads = sum(engine.stats.lora_loads for engine in cluster.engines.values())
         link = {name: engine.spec.link for name, engine in cluster.engines.items()}
     run = PolicyRun(scn.key, pol.name, summary, 0.0, summary.wall_s, pruned=router.pruned)
     run.cross_link = sum(1 for r in summary.ok if r.prefill and link.get(r.prefill) != link.get(r.decode))
@@ -494,6 +499,7 @@ async def _run(
     run.calls = dict(session.calls)
     run.observed = observed
     run.prefill_tokens_computed = computed
+    run.lora_loads = loads
     return run
 
 
@@ -563,6 +569,8 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
             f"{_ratio(s['ttft_p99_ms'], ref.get('ttft_p99_ms', math.nan)):>7} "
             f"{s['hit_rate']:>5.0%} {s['cross_link_pairs']:>6} {run.sim_s:>6.1f} {run.cpu_s:>6.1f}"
         )
+    if any(run.lora_loads for run in runs):
+        lines.append("  LoRA adapter loads: " + ", ".join(f"{run.policy} {run.lora_loads}" for run in runs))
     lines += render_prediction_errors(runs)
     for run in runs:
         failed = [r for r in run.summary.results if not r.ok]
@@ -824,6 +832,7 @@ def pool_runs(runs: Sequence[PolicyRun]) -> PolicyRun:
         cpu_s=sum(run.cpu_s for run in runs),
         sim_s=sum(run.sim_s for run in runs),
         prefill_tokens_computed=sum(run.prefill_tokens_computed for run in runs),
+        lora_loads=sum(run.lora_loads for run in runs),
         pruned=first.pruned,
         cross_link=sum(run.cross_link for run in runs),
         predictions=[p for run in runs for p in run.predictions],

@@ -12,10 +12,14 @@ Scenarios:
      base rate)
   e  2 prefill + 2 decode, long outputs: decode-bound (decode pods busy, prefill pods half idle)
   f  (c) with the router told only each engine's rack label, not the links' speeds
+  g  4 × prefill-decode pods with 4 LoRA slots each, 8 adapters of Zipf popularity (and base-model
+     traffic): adapter loads stall an engine's step
+  h  (g) with 32 adapters: more than the pool's 16 slots, so some loads are unavoidable
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,7 +27,7 @@ from typing import Any
 from simulator.cluster import engine_model_for
 from simulator.engine import EngineSpec, TimeModel
 from simulator.workloads.client import Summary
-from simulator.workloads.generate import Phase, Workload, multi_turn, phased, shared_prefix
+from simulator.workloads.generate import Phase, WorkItem, Workload, multi_turn, phased, shared_prefix, text
 
 KV_BYTES_PER_TOKEN = 131072  # 128 KiB/token: Llama-3-8B class (32 layers × 8 KV heads × 128 × 2 × bf16)
 # Goodput SLOs at speed 1: TTFT ≤ 1 s and TPOT ≤ 20 ms (divided by the simulator's speed).
@@ -50,6 +54,8 @@ class Scenario:
     # Goodput: a request counts when TTFT ≤ goodput_ttft_s and TPOT ≤ goodput_tpot_s (at speed 1).
     goodput_ttft_s: float = GOODPUT_TTFT_S
     goodput_tpot_s: float = GOODPUT_TPOT_S
+    # Settings of the router's configuration this scenario needs (applied to ``config_data``'s).
+    configure: Callable[[dict[str, Any], TimeModel], None] | None = None
 
 
 # -- scenario definitions --------------------------------------------------------------------------
@@ -78,6 +84,82 @@ D_TURN_PACE = 50.0
 # (e): one rack (the in-rack link of (c)), long outputs; 8 shared 512-token prefixes + 512 tokens.
 E_BLOCKS = 2048
 E_PROMPT, E_SHARED, E_PREFIXES, E_OUT_LOW, E_OUT_HIGH = 1024, 512, 8, 192, 384
+
+
+# (g)/(h): LoRA. Prompts of 512 tokens that share nothing (so prefix locality neither helps nor
+# hides adapter placement); adapters are chosen with Zipf popularity (weight 1/rank), a quarter of
+# requests go to the base model. A load takes 100 ms (vLLM reading an adapter from local disk) and stalls the
+# engine's whole step, as vLLM loads adapters inside its step.
+G_POOL_BLOCKS, G_MAX_LORAS, G_LOAD_S = 2048, 4, 0.1
+G_PROMPT, G_MAX_TOKENS, G_BASE_SHARE = 512, 32, 0.25
+
+
+def _lora_pool(adapters: int) -> Callable[[TimeModel], list[EngineSpec]]:
+    def specs(tm: TimeModel) -> list[EngineSpec]:
+        return [
+            EngineSpec(
+                f"pod-{i}",
+                "prefill-decode",
+                link="rack-a",
+                num_gpu_blocks=G_POOL_BLOCKS,
+                time=tm,
+                lora_adapters=tuple(_adapter(a) for a in range(adapters)),
+                max_loras=G_MAX_LORAS,
+                lora_load_s=G_LOAD_S,
+            )
+            for i in range(4)
+        ]
+
+    return specs
+
+
+def _adapter(rank: int) -> str:
+    return f"lora-{rank:02d}"
+
+
+def _lora_traffic(adapters: int) -> Callable[[int, float, int], Workload]:
+    def make(n: int, rate: float, seed: int) -> Workload:
+        rng = random.Random(seed)
+        weights = [1.0 / (rank + 1) for rank in range(adapters)]
+        items, at = [], 0.0
+        for _ in range(n):
+            at += rng.expovariate(rate)
+            which = adapters if rng.random() < G_BASE_SHARE else rng.choices(range(adapters), weights)[0]
+            body = {
+                "model": "sim-model" if which == adapters else _adapter(which),
+                "prompt": text(rng, G_PROMPT),
+                "max_tokens": G_MAX_TOKENS,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            items.append(WorkItem(at, "/v1/completions", body, session=which))
+        return Workload(f"lora-{adapters}", items)
+
+    return make
+
+
+def _lora_router(data: dict[str, Any], tm: TimeModel) -> None:
+    # Adapter names are model names the pool serves besides its own; the router is told the load.
+    data["strict_model"] = False
+    data["engine"] = {**data["engine"], "lora_load_ms": G_LOAD_S * 1000.0 / tm.speed}
+
+
+def _lora_scenario(key: str, adapters: int, rate: float) -> Scenario:
+    return Scenario(
+        key,
+        f"({key}) 4 × prefill-decode, {adapters} LoRA adapters (Zipf), {G_MAX_LORAS} slots per pod",
+        _lora_pool(adapters),
+        _lora_traffic(adapters),
+        ["round-robin", "least-loaded", "pd-router"],
+        rate=rate,
+        requests=800,
+        params=(
+            f"{adapters} adapters, Zipf (1/rank), {G_BASE_SHARE:.0%} base model; unshared prompts of "
+            f"{G_PROMPT} tok, max_tokens {G_MAX_TOKENS}; {G_MAX_LORAS} adapter slots/pod, "
+            f"load {G_LOAD_S * 1000:g} ms (stalls the step); {G_POOL_BLOCKS * 16} KV tokens/pod"
+        ),
+        configure=_lora_router,
+    )
 
 
 def _pd_pool(tm: TimeModel) -> list[EngineSpec]:
@@ -234,6 +316,8 @@ SCENARIOS: dict[str, Scenario] = {
         ),
     ),
 }
+SCENARIOS["g"] = _lora_scenario("g", 8, 30.0)
+SCENARIOS["h"] = _lora_scenario("h", 32, 30.0)
 # (f): (c) as the router sees it when an operator labels racks and configures no link speeds.
 SCENARIOS["f"] = replace(
     SCENARIOS["c"],

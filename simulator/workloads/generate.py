@@ -64,7 +64,7 @@ class Workload:
     items: list[WorkItem] = field(default_factory=list)
 
 
-def _text(rng: random.Random, tokens: int, chars_per_token: float = 4.0) -> str:
+def text(rng: random.Random, tokens: int, chars_per_token: float = 4.0) -> str:
     """About ``tokens`` tokens of words (``chars_per_token`` characters each on average)."""
     target = int(tokens * chars_per_token)
     words: list[str] = []
@@ -98,11 +98,11 @@ def shared_prefix(
 ) -> Workload:
     """Few long system prompts shared by many short user questions (RAG / agents)."""
     rng = random.Random(seed)
-    prefixes = [_text(rng, prefix_tokens) for _ in range(n_prefixes)]
+    prefixes = [text(rng, prefix_tokens) for _ in range(n_prefixes)]
     items = []
     for at in _arrivals(rng, n_requests, rate):
         group = rng.randrange(n_prefixes)
-        prompt = prefixes[group] + "\nQuestion: " + _text(rng, suffix_tokens)
+        prompt = prefixes[group] + "\nQuestion: " + text(rng, suffix_tokens)
         body = {
             "model": model,
             "prompt": prompt,
@@ -141,10 +141,10 @@ def multi_turn(
     else:
         starts = phase_arrivals(rng, n_sessions, phases, scale=1.0 / turns)
     for session, start in enumerate(starts):
-        messages: list[dict[str, str]] = [{"role": "system", "content": _text(rng, system_tokens)}]
+        messages: list[dict[str, str]] = [{"role": "system", "content": text(rng, system_tokens)}]
         at = start
         for turn in range(turns):
-            messages.append({"role": "user", "content": _text(rng, user_tokens)})
+            messages.append({"role": "user", "content": text(rng, user_tokens)})
             body = {
                 "model": model,
                 "messages": list(messages),
@@ -153,7 +153,7 @@ def multi_turn(
                 "stream_options": {"include_usage": True},
             }
             items.append(WorkItem(at, "/v1/chat/completions", body, session=session, turn=turn))
-            messages.append({"role": "assistant", "content": _text(rng, answer_tokens)})
+            messages.append({"role": "assistant", "content": text(rng, answer_tokens)})
             at += rng.uniform(1.0, 3.0) * turns / rate * 4
     items.sort(key=lambda item: item.at_s)
     return Workload("multi-turn", items)
@@ -227,14 +227,14 @@ def phased(
     rng = random.Random(seed)
     longest = max((p.shared_tokens for p in phases), default=0)
     count = max((p.n_prefixes for p in phases if p.shared_tokens), default=0)
-    prefixes = [_text(rng, longest) for _ in range(count)]
+    prefixes = [text(rng, longest) for _ in range(count)]
     items = []
     start = 0.0
     for phase in phases:
         for t in phase.arrivals(rng):
             group = rng.randrange(phase.n_prefixes) if phase.shared_tokens else -1
             shared = prefixes[group][: phase.shared_tokens * 4] if phase.shared_tokens else ""
-            prompt = shared + "\nQuestion: " + _text(rng, max(1, phase.prompt_tokens - phase.shared_tokens))
+            prompt = shared + "\nQuestion: " + text(rng, max(1, phase.prompt_tokens - phase.shared_tokens))
             high = phase.max_tokens_high or phase.max_tokens
             body = {
                 "model": model,
