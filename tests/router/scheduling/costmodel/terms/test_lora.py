@@ -3,7 +3,8 @@ import math
 import numpy as np
 from scorer_cases import LINKS, MODEL, cands, cost_model, ctx, view
 
-from router.scheduling.costmodel.matrix import derive, pair_costs
+from router.scheduling.costmodel.matrix import WeightedTerm, derive, pair_costs
+from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, load_term
 from router.scheduling.costmodel.terms import lora
 from router.scheduling.costmodel.view import (
     ADAPTER_EVICTS,
@@ -70,3 +71,15 @@ def test_a_local_route_pays_its_pods_load_once() -> None:
         costs = pair_costs(derive(c, ctx(), cm), c.can_prefill, c.can_decode, cm, table)
         ttft.append(float(costs.ttft_s[0, 0]))
     assert math.isclose(ttft[1] - ttft[0], MODEL.lora_load_s)
+
+
+def test_without_an_adapter_every_cost_is_exactly_what_it_was_without_the_term() -> None:
+    """Adapter-less routing must not move by a bit: the term adds exact zeros."""
+    c = cands(4, running=[3, 0, 7, 1], queued_prefill_tokens=[900, 0, 50, 4000], can_decode=[1, 1, 0, 1])
+    table = LINKS.table({"a": 0})
+    without = cost_model(terms=tuple(WeightedTerm(load_term(n), 1.0) for n in DEFAULT_WEIGHTS if n != "lora"))
+    costs = [
+        pair_costs(derive(c, ctx(), cm), c.can_prefill, c.can_decode, cm, table).cost
+        for cm in (cost_model(), without)
+    ]
+    assert np.array_equal(costs[0], costs[1])
