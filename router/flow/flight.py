@@ -221,6 +221,7 @@ class Flight:
             self.flow.objectives,
             path=self.headers.get(":path") if path is None else path,
             pool_model=self.flow.model,
+            adapters=self.flow.picker.pool.lora.serves,
         )
         if request.requested_model is not None:
             self.flow.metrics.rewritten(request.rewrite_rule, request.requested_model, request.model)

@@ -22,7 +22,7 @@ import math
 import os
 import reprlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -294,9 +294,11 @@ def _model_of(
     headers: Mapping[str, str],
     rewrites: ModelRewrites | None,
     default: str | None,
+    adapters: Callable[[str], bool] | None = None,
 ) -> tuple[str, str | None, str]:
     """The body's ``model`` after any rewrite (written back into ``body``), the name the client
-    asked for when a rewrite changed it, and the rule; checked against a strict pool's model.
+    asked for when a rewrite changed it, and the rule; checked against a strict pool's model,
+    which also serves the LoRA adapters ``adapters`` says an engine lists.
     ``default``: the model of a body that may omit it (None: it may not)."""
     model = body.get("model")
     if model is None and default is not None:
@@ -313,7 +315,12 @@ def _model_of(
             requested, model, rule = model, rewrite.target, rewrite.rule
             body["model"] = model
     served = limits.served_model
-    if served is not None and model != served and (rewrites is None or model not in rewrites.targets):
+    if (
+        served is not None
+        and model != served
+        and (rewrites is None or model not in rewrites.targets)
+        and not (adapters is not None and adapters(model))
+    ):
         asked = f"model {_shown(model)}" + (f" (rewritten from {_shown(requested)})" if requested else "")
         raise UnknownModel(f"{asked} is not served here; this pool serves {served!r}")
     return model, requested, rule
@@ -328,23 +335,25 @@ def parse_request(
     *,
     path: str | None = None,
     pool_model: str = "",
+    adapters: Callable[[str], bool] | None = None,
 ) -> RouteRequest:
     """Validate and digest one request body (with its request headers, lower-case keys or
     case-insensitive) as the API its ``path`` names (``api_of``). ``rewrites``: model-name
     rewrites, applied to ``body`` (what goes upstream) before the served-model check;
     ``objectives``: each InferenceObjective's priority by name; ``pool_model``: the model of a
-    body that may omit it (the Responses API's). Raises a ``Rejection`` subclass."""
+    body that may omit it (the Responses API's); ``adapters``: whether an engine serves a LoRA
+    adapter of that name (a strict pool accepts those too). Raises a ``Rejection`` subclass."""
     headers = headers or {}
     if len(raw) > limits.max_body_bytes:
         raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
     api = api_of(path)
     if api == OTHER:
-        return other_request(raw, limits, headers, rewrites, objectives, pool_model)
+        return other_request(raw, limits, headers, rewrites, objectives, pool_model, adapters)
     body = client_json(raw)
     if api is None:
         api = CHAT if "messages" in body else COMPLETIONS
     default = (limits.served_model or pool_model or None) if api == RESPONSES else None
-    model, requested, rule = _model_of(body, limits, headers, rewrites, default)
+    model, requested, rule = _model_of(body, limits, headers, rewrites, default, adapters)
     prompt = _prompt(api, body, limits)
     counted = str(prompt.tokens) if prompt.ids is not None else f"about {prompt.tokens}"
     if prompt.tokens > limits.max_prompt_tokens:
@@ -398,6 +407,7 @@ def other_request(
     rewrites: ModelRewrites | None,
     objectives: Mapping[str, int] | None,
     pool_model: str,
+    adapters: Callable[[str], bool] | None = None,
 ) -> RouteRequest:
     """A request to an API whose body we do not read (embeddings, scoring, audio, ...): routed on
     load alone, to one pod, its body passed on as it came.
@@ -422,7 +432,7 @@ def other_request(
         raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
     named = body.get("model")
     if limits.served_model is not None or (isinstance(named, str) and named):
-        model, requested, rule = _model_of(body, limits, headers, rewrites, None)
+        model, requested, rule = _model_of(body, limits, headers, rewrites, None, adapters)
     else:  # a lenient pool does not need the name: whatever its shape, the request goes on
         model, requested, rule = pool_model, None, ""
     # Its prompt is unknown: the body's size, in tokens, stands for the work it brings.

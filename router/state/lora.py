@@ -104,6 +104,11 @@ class LoraState:
         state[self.served_known[slots] & ~self.served[row, slots]] = ADAPTER_NOT_SERVED
         return state
 
+    def serves(self, name: str) -> bool:
+        """Whether some engine's ``/v1/models`` lists adapter ``name`` (a strict pool accepts it)."""
+        row = self.rows.get(name)
+        return row is not None and bool(self.served[row].any())
+
     def _row(self, name: str) -> int:
         row = self.rows.get(name)
         if row is None:

@@ -71,3 +71,16 @@ async def test_an_adapter_only_one_pod_serves_goes_there() -> None:
         url = f"{base}/v1/completions"
         chosen = [await completion(session, url, "sql-lora", f"question {i}") for i in range(4)]
         assert chosen == ["pod-1"] * 4
+
+
+async def test_a_strict_pool_serves_the_adapters_its_engines_list_and_no_other_name() -> None:
+    async with (
+        router_on_sim(pods(), {**SECTIONS, "strict_model": True}) as (_, app, base),
+        aiohttp.ClientSession() as session,
+    ):
+        await eventually(lambda: app.parts.pool.lora.serves("sql-lora"), what="model lists read")
+        url = f"{base}/v1/completions"
+        assert await completion(session, url, "sql-lora", "question") in {"pod-0", "pod-1", "pod-2"}
+        body = {"model": "no-such-lora", "prompt": "question", "max_tokens": 4}
+        async with session.post(url, json=body) as resp:
+            assert resp.status == 404, await resp.text()
