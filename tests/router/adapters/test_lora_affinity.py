@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import aiohttp
 import numpy as np
+import pytest
+from gateway import gateway
 from helpers import eventually, router_on_sim
 
 from router.http.headers import DEBUG_DECODE
@@ -84,3 +87,24 @@ async def test_a_strict_pool_serves_the_adapters_its_engines_list_and_no_other_n
         body = {"model": "no-such-lora", "prompt": "question", "max_tokens": 4}
         async with session.post(url, json=body) as resp:
             assert resp.status == 404, await resp.text()
+
+
+@pytest.mark.parametrize("mode", ["full-duplex", "buffered"])
+async def test_through_envoy_an_adapter_only_one_pod_serves_goes_there(tmp_path: Path, mode: str) -> None:
+    only_pod_1 = {"pod-0": {"lora_adapters": ("chat-lora",)}, "pod-2": {"lora_adapters": ("chat-lora",)}}
+    specs = pods(**only_pod_1)
+    async with (
+        gateway(tmp_path, mode, specs, engine=SECTIONS["engine"]) as gw,
+        aiohttp.ClientSession() as http,
+    ):
+        await eventually(lambda: gw.app.parts.pool.lora.serves("sql-lora"), what="model lists read")
+        for i in range(4):
+            body = {"model": "sql-lora", "prompt": f"question {i} " * 40, "max_tokens": 4}
+            async with http.post(f"{gw.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+        served = {
+            name: sum(1 for _, _, body in e.requests_seen if body and "sql-lora" in str(body))
+            for name, e in gw.cluster.engines.items()
+        }
+        assert served["pod-1"] == 4 and served["pod-0"] == served["pod-2"] == 0
