@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -108,6 +109,7 @@ class Policy:
     overrides: tuple[str, ...] = ()
     reference: bool = False
     true_cache: bool = False
+    regret: bool = False  # price each of its picks with the reference (``routing.RegretTap``)
 
 
 def policy(name: str, overrides: Sequence[str] = ()) -> Policy:
@@ -140,6 +142,7 @@ class PolicyRun:
     observed: dict[str, int] = field(default_factory=dict)  # answers the performance model compared
     cross_link: int = 0  # pairs whose prefill and decode pods have different link labels
     predictions: list[PredictionError] = field(default_factory=list)  # the router's, where it has them
+    regrets: list[float] = field(default_factory=list)  # seconds per pick, with ``--regret``
 
     def stats(self, scn: Scenario, tm: TimeModel) -> dict[str, Any]:
         s = self.summary
@@ -214,6 +217,7 @@ class RouterUnderTest:
     pruned: tuple[str, ...] = ()
     app: Any = None
     predictions: list[PredictionError] = field(default_factory=list)
+    regrets: list[float] = field(default_factory=list)  # seconds, with ``Policy.regret``
 
     def observed(self) -> dict[str, int]:
         """Answers the performance model compared with its predictions, per measure (TTFT, TPOT,
@@ -241,6 +245,7 @@ async def open_router(
     *,
     reference: bool = False,
     true_cache: bool = False,
+    regret: bool = False,
 ) -> AsyncIterator[RouterUnderTest]:
     """The router of whichever tree is importable, started as the service starts (``App``), its
     engine session answered in-process by ``session``."""
@@ -248,13 +253,15 @@ async def open_router(
 
     with mock.patch.object(app_module, "upstream_session", lambda: session):
         if _flow_api():
-            async with _flow_router(app_module, data, overrides, seed, session, cluster, reference) as r:
+            async with _flow_router(
+                app_module, data, overrides, seed, session, cluster, reference, regret
+            ) as r:
                 if true_cache:
                     _install_true_cache(parts_of(r.app).picker, cluster)
                 yield r
         else:
-            if true_cache:
-                raise UnsupportedTree(f"{TRUE_CACHE} needs the current picker")
+            if true_cache or regret:
+                raise UnsupportedTree("the true cache and --regret need the current picker")
             async with _legacy_router(app_module, data, overrides, seed, session, reference) as r:
                 yield r
 
@@ -285,6 +292,7 @@ async def _flow_router(
     session: LocalSession,
     cluster: SimCluster,
     reference: bool,
+    regret: bool = False,
 ) -> AsyncIterator[RouterUnderTest]:
     from router.adapters.openai import Proxy
     from router.http.exchange import TwoLegExchange
@@ -304,6 +312,10 @@ async def _flow_router(
         exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)  # type: ignore[arg-type]
         proxy = Proxy(parts_of(app).flow, exchange, lambda: app.ready, debug_headers=True)
         router = RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", pruned, app)
+        if regret and not reference:
+            from loadtests.bench.routing import install_regret
+
+            router.regrets = install_regret(app, cluster).regrets
         with _tap_predictions(router.predictions):
             yield router
 
@@ -485,17 +497,26 @@ async def _run(
         if scn.configure is not None:
             scn.configure(data, tm)
         async with open_router(
-            data, pol.overrides, seed, session, cluster, reference=pol.reference, true_cache=pol.true_cache
+            data,
+            pol.overrides,
+            seed,
+            session,
+            cluster,
+            reference=pol.reference,
+            true_cache=pol.true_cache,
+            regret=pol.regret,
         ) as router:
             summary = await _drive(router, workload, pol.name)
             observed = router.observed()
             predictions = list(router.predictions)
+            regrets = list(router.regrets)
         computed = sum(engine.stats.prefill_tokens_computed for engine in cluster.engines.values())
         loads = sum(engine.stats.lora_loads for engine in cluster.engines.values())
         link = {name: engine.spec.link for name, engine in cluster.engines.items()}
     run = PolicyRun(scn.key, pol.name, summary, 0.0, summary.wall_s, pruned=router.pruned)
     run.cross_link = sum(1 for r in summary.ok if r.prefill and link.get(r.prefill) != link.get(r.decode))
     run.predictions = predictions
+    run.regrets = regrets
     run.calls = dict(session.calls)
     run.observed = observed
     run.prefill_tokens_computed = computed
@@ -572,6 +593,7 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
     if any(run.lora_loads for run in runs):
         lines.append("  LoRA adapter loads: " + ", ".join(f"{run.policy} {run.lora_loads}" for run in runs))
     lines += render_prediction_errors(runs)
+    lines += render_regrets(runs)
     for run in runs:
         failed = [r for r in run.summary.results if not r.ok]
         if failed:
@@ -581,6 +603,27 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
         if run.pruned:
             lines.append(f"  {run.policy}: this router does not know {', '.join(run.pruned)} (dropped)")
     return "\n".join(lines) + "\n"
+
+
+def render_regrets(runs: Sequence[PolicyRun]) -> list[str]:
+    """With ``--regret``: each policy's picks against the reference's in the same state."""
+    rows = [(run.policy, run.regrets) for run in runs if run.regrets]
+    if not rows:
+        return []
+    width = max(18, *(len(name) for name, _ in rows))
+    header = (
+        f"  {'regret at the pick':<{width}} {'picks':>6} {'p50 ms':>7} {'p90':>7} {'p99':>7} "
+        f"{'> 20 ms':>7} {'sum s':>7}"
+    )
+    lines = ["", header, "  " + "-" * (len(header) - 2)]
+    for name, regrets in rows:
+        p50, p90, p99 = (percentile(regrets, q) * MS for q in (0.5, 0.9, 0.99))
+        late = sum(1 for r in regrets if r > 0.020) / len(regrets)
+        lines.append(
+            f"  {name:<{width}} {len(regrets):>6} {p50:>7.1f} {p90:>7.1f} {p99:>7.1f} {late:>7.1%} "
+            f"{sum(regrets):>7.2f}"
+        )
+    return lines
 
 
 def render_prediction_errors(runs: Sequence[PolicyRun]) -> list[str]:
@@ -718,6 +761,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a row of pd-router's defaults with these --set overrides (repeatable)",
     )
     parser.add_argument("--no-reference", action="store_true", help="skip the full-information reference")
+    parser.add_argument(
+        "--regret",
+        action="store_true",
+        help="price every pick of every policy with the reference, in the state it was made in, and "
+        "print each policy's regret (its route's true TTFT minus the best route's); slower",
+    )
     parser.add_argument("--requests", type=int, default=0, help="requests per run (default: per scenario)")
     parser.add_argument("--rate", type=float, default=0.0, help="arrival rate, req/s (default: per scenario)")
     parser.add_argument("--seed", type=int, default=0)
@@ -779,6 +828,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         policies = [policy(n) for n in names] + [policy(n, sets) for n, sets in variants.items()]
     except ValueError as exc:
         parser.error(str(exc))
+    if args.regret:
+        policies = [dataclasses.replace(p, regret=not p.reference) for p in policies]
     tm = TimeModel()
     command = shlex.join(["python", "-m", "loadtests.bench.quality", *argv])
     out: dict[str, Any] = {"command": command, "seed": args.seed, "hop_ms": args.hop_ms, "scenarios": {}}
@@ -836,6 +887,7 @@ def pool_runs(runs: Sequence[PolicyRun]) -> PolicyRun:
         pruned=first.pruned,
         cross_link=sum(run.cross_link for run in runs),
         predictions=[p for run in runs for p in run.predictions],
+        regrets=[r for run in runs for r in run.regrets],
     )
     return pooled
 

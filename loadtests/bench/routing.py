@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import heapq
 import logging
 import math
@@ -47,7 +48,7 @@ import statistics
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,6 +314,12 @@ class ReferencePicker:
         # The last pick's routes: (prefill engine or None, decode engine) -> predicted TTFT.
         self.last_routes: dict[tuple[str | None, str], float] = {}
         self.sent: list[_Sent] = []
+        # The last pick priced: its routes' legs to record (``send_legs(prefill, col)``), and what
+        # choosing among them needs.
+        self.send_legs: Callable[[int, int], None] = lambda prefill, col: None
+        self._request_id = ""
+        self._alone: dict[int, float] = {}
+        self._running: list[int] = []
 
     def _in_flight(self, now: float) -> dict[str, list[tuple[float, SimJob]]]:
         """Legs sent but not received yet, per engine name: ``(expected arrival, job)``."""
@@ -342,7 +349,9 @@ class ReferencePicker:
         finally:
             self.pick_s.append(time.perf_counter() - started)
 
-    def _choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None:
+    def price(self, costs: PairCosts) -> list[_Route]:
+        """Every route the matrix allows, with its true TTFT from the engines' state now (also
+        ``last_routes``); ``send_legs`` then records the legs of whichever route is taken."""
         request, self.request = self.request, None
         if request is None:
             raise RuntimeError("reference picker used without its RequestTap filter")
@@ -370,6 +379,7 @@ class ReferencePicker:
             return in_flight.get(engine_at[pos].spec.name, [])
 
         alone: dict[int, float] = {}
+        self._alone, self._request_id = alone, request.request_id
 
         def served_alone(pos: int) -> float:
             """First token of the prompt computed on ``pos`` (as a whole request or a prefill leg)."""
@@ -405,26 +415,53 @@ class ReferencePicker:
             (_name(engine_at, r.prefill), engine_at[int(costs.decode[r.col])].spec.name): r.ttft_s
             for r in routes
         }
+        self._running = [len(snap(d).running) + len(snap(d).waiting) for d in costs.decode.tolist()]
+        # Until the engines receive them, a pick's legs are part of the state the next picks must
+        # see (a burst picked in one go would otherwise herd onto one engine).
+        self.send_legs = functools.partial(
+            self._send, request.request_id, costs, engine_at, keys, prompt, max_tokens, now, served_alone
+        )
+        return routes
+
+    def _send(
+        self,
+        request_id: str,
+        costs: PairCosts,
+        engine_at: list[SimEngine],
+        keys: Sequence[int],
+        prompt: int,
+        max_tokens: int,
+        now: float,
+        served_alone: Callable[[int], float],
+        prefill: int,
+        col: int,
+    ) -> None:
+        """Record the legs of the route (``prefill`` position or -1, decode ``col``) as sent."""
+        picked = time.monotonic()
+        d = int(costs.decode[col])
+        if prefill < 0:
+            job = engine_at[d].job_for(keys, prompt, max_tokens)
+            self.sent.append(_Sent(request_id, engine_at[d].spec.name, now + self.hop_s, job, picked))
+            return
+        remote = engine_at[prefill]
+        job = remote.job_for(keys, prompt, 1)
+        self.sent.append(_Sent(request_id, remote.spec.name, now + self.hop_s, job, picked))
+        job = engine_at[d].job_for(keys, prompt, max_tokens, remote=remote)
+        at = served_alone(prefill) + self.hop_s
+        self.sent.append(_Sent(request_id, engine_at[d].spec.name, at, job, picked))
+
+    def _choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None:
+        routes = self.price(costs)
         finite = [r for r in routes if r.ttft_s < math.inf]
         if not finite:
             return None
         # Ties (an idle pool): the emptier decode pod, then the cheaper route (no pair).
-        running = [len(snap(d).running) + len(snap(d).waiting) for d in costs.decode.tolist()]
+        running = self._running
         chosen = min(finite, key=lambda r: (r.ttft_s, running[r.col], r.prefill >= 0))
-        self.predicted[request.request_id] = chosen.ttft_s
-        # Until the engines receive them, this request's legs are part of the state the next
-        # picks must see (a burst picked in one go would otherwise herd onto one engine).
-        picked, rid = time.monotonic(), request.request_id
-        d = int(costs.decode[chosen.col])
-        if chosen.prefill < 0:
-            job = engine_at[d].job_for(keys, prompt, max_tokens)
-            self.sent.append(_Sent(rid, engine_at[d].spec.name, now + self.hop_s, job, picked))
-        else:
-            p, remote = chosen.prefill, engine_at[chosen.prefill]
-            job = remote.job_for(keys, prompt, 1)
-            self.sent.append(_Sent(rid, remote.spec.name, now + self.hop_s, job, picked))
-            job = engine_at[d].job_for(keys, prompt, max_tokens, remote=remote)
-            self.sent.append(_Sent(rid, engine_at[d].spec.name, alone[p] + self.hop_s, job, picked))
+        self.predicted[self._request_id] = chosen.ttft_s
+        self.send_legs(chosen.prefill, chosen.col)
+        alone = self._alone
+        prefill_positions = costs.prefill.tolist()
         column_best: dict[int, float] = {}
         for r in finite:
             column_best[r.col] = min(r.ttft_s, column_best.get(r.col, math.inf))
@@ -438,6 +475,43 @@ class ReferencePicker:
             )
             prefill_fallbacks = np.array([p for _, p in ranked[:fallbacks]], dtype=np.int64)
         return PairChoice(chosen.prefill, chosen.col, prefill_fallbacks, decode_fallbacks)
+
+
+class RegretTap:
+    """Another pair picker, its every pick priced by the reference without choosing: the pick's
+    *regret* is the true TTFT of the route it took minus the best route's, both from the engines'
+    exact state at that moment. Its legs, not the reference's, join the reference's in-flight
+    state. A pair through a prefill pod the reference did not price (not its link class's
+    soonest) is not counted."""
+
+    def __init__(self, inner: Any, reference: ReferencePicker) -> None:
+        self.inner = inner
+        self.reference = reference
+        self.name = inner.name
+        self.regrets: list[float] = []  # seconds, one per counted pick
+
+    def choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None:
+        choice = self.inner.choose(costs, fallbacks)
+        routes = self.reference.price(costs)
+        if choice is None:
+            return None
+        best = min((r.ttft_s for r in routes), default=math.inf)
+        route = (choice.prefill, choice.decode)
+        taken = next((r.ttft_s for r in routes if (r.prefill, r.col) == route), None)
+        if taken is not None and math.isfinite(taken) and math.isfinite(best):
+            self.regrets.append(taken - best)
+        self.reference.send_legs(choice.prefill, choice.decode)
+        return choice
+
+
+def install_regret(app: App, cluster: SimCluster) -> RegretTap:
+    """Price every pick of ``app``'s own pair picker with the full-information reference."""
+    reference = ReferencePicker(cluster, app.parts.pool)
+    picker = app.parts.picker
+    tap = RegretTap(picker.pair_picker, reference)
+    picker.pair_picker = tap
+    picker.filters = (*picker.filters, RequestTap(reference))
+    return tap
 
 
 def install_reference(app: App, cluster: SimCluster) -> ReferencePicker:

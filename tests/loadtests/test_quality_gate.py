@@ -314,3 +314,16 @@ def test_the_true_cache_diagnostic_reads_each_engine_s_own_cache() -> None:
     request = SimpleNamespace(body={}, block_tokens=0.0, precise_keys=None)
     assert picker._cached_blocks(request, np.array([2, 0, 1])).tolist() == [40, 0, 117]
     assert policy("pd-router-true-cache").true_cache
+
+
+def test_regret_prices_every_pick_and_changes_no_decision(small: PolicyRun) -> None:
+    """``--regret``: the reference prices each pick of pd-router's in the state it was made in;
+    pd-router's own decisions stay what they are without it."""
+    import dataclasses
+
+    tapped = run_policy(SCENARIOS["b"], dataclasses.replace(policy("pd-router"), regret=True), requests=80)
+    assert tapped.per_request() == small.per_request()
+    assert 0.9 * 80 <= len(tapped.regrets) <= 80  # a pair the reference did not price is not counted
+    assert min(tapped.regrets) >= -1e-9  # nothing beats the best route the reference found
+    assert any(r > 0 for r in tapped.regrets)  # on a busy pool some picks are not the best
+    assert not small.regrets
