@@ -413,6 +413,9 @@ class Flight:
         learns = self.request is None or self.request.api != OTHER
         if self.outcome == OK and self.decision is not None and not self.retargeted and learns:
             self._learn(self.decision)
+        answer_id = None if self.meter is None else self.meter.response_id
+        if answer_id is not None and self.outcome == OK and self.decision is not None:
+            self.flow.picker.pool.response_homes.remember(answer_id, self.decision.decode.id)
         if self.span is not None:
             self._end_span(self.outcome)
 

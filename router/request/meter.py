@@ -42,7 +42,17 @@ class Usage:
 class ResponseMeter:
     """Token counts and token times of one answer."""
 
-    __slots__ = ("_json", "_tail", "events", "first_at", "last_at", "streaming", "strip_usage", "usage")
+    __slots__ = (
+        "_json",
+        "_tail",
+        "events",
+        "first_at",
+        "last_at",
+        "response_id",
+        "streaming",
+        "strip_usage",
+        "usage",
+    )
 
     def __init__(self, streaming: bool, *, strip_usage: bool = False) -> None:
         """``strip_usage``: the router asked for the usage chunk; ``feed`` keeps it from the client."""
@@ -52,6 +62,9 @@ class ResponseMeter:
         self.first_at: float | None = None
         self.last_at: float | None = None
         self.usage: Usage | None = None
+        # The Responses API's id of this answer (``resp_...``), read with its usage: where a
+        # later request naming it as ``previous_response_id`` must go.
+        self.response_id: str | None = None
         self._json = bytearray()
         self._tail = b""  # an SSE event cut between two chunks
 
@@ -123,9 +136,12 @@ class ResponseMeter:
             answer = orjson.loads(payload)
             usage = answer.get("usage")
             if usage is None and isinstance(answer.get("response"), dict):
-                usage = answer["response"].get("usage")  # the Responses API's closing event
+                answer = answer["response"]  # the Responses API's closing event
+                usage = answer.get("usage")
         except (orjson.JSONDecodeError, AttributeError):
             return
+        if answer.get("object") == "response" and isinstance(answer.get("id"), str):
+            self.response_id = answer["id"]
         # (Anthropic's message_start nests a usage of no output yet under "message": not read.)
         usage = usage_of(usage)
         if usage is not None:

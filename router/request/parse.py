@@ -397,7 +397,15 @@ def parse_request(
         api=api,
         chat=prompt.chat,
         prompts=prompt.prompts,
+        previous_response_id=_previous_response(body) if api == RESPONSES else None,
     )
+
+
+def _previous_response(body: dict[str, Any]) -> str | None:
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise BadRequest(f"'previous_response_id' must be a non-empty string, got {_shown(previous)}")
+    return previous
 
 
 def other_request(

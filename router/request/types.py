@@ -53,6 +53,9 @@ class RouteRequest:
     # A completions batch's prompts: each is its own engine request of up to max_tokens / prompts
     # tokens; ``prompt_tokens`` counts them all, ``prompt``/``prompt_ids`` is what they share.
     prompts: int = 1
+    # The Responses API's ``previous_response_id``: the conversation vLLM stored with that answer
+    # lives on the engine that gave it, so the request must go there.
+    previous_response_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from router.scheduling.costmodel.policies import POLICIES
 from router.scheduling.costmodel.registry import load_term
 from router.scheduling.costmodel.view import EngineModel, Objectives
 from router.scheduling.extension import Producer
-from router.scheduling.filters import SubsetHint
+from router.scheduling.filters import ResponseHome, SubsetHint
 from router.scheduling.picker import Picker, PickerSettings
 from router.scheduling.producers import FreshLoad, PreciseKeys, SharedLookup
 from router.server.config import KubernetesConfig, PoolConfig, RedisConfig, Secrets, default_checks
@@ -168,7 +168,7 @@ def picker_from(
             shed_ttft_factor=config.picker.shed_ttft_factor,
             max_wait_s=config.flow_control.max_wait_ms / 1000.0 if config.flow_control.enabled else None,
         ),
-        filters=(SubsetHint(pool),),
+        filters=(SubsetHint(pool), ResponseHome(pool)),
         precise=precise,
         defer=defer,
         links=links,

@@ -19,6 +19,7 @@ import numpy as np
 from router.scheduling.costmodel.view import Candidates
 from router.state.features import CANDIDATE, FEATURES, SCRAPED, SHARED
 from router.state.lora import LoraState
+from router.state.response_homes import ResponseHomes
 
 if TYPE_CHECKING:
     from router.request.types import EngineMetrics
@@ -137,6 +138,7 @@ class Pool:
         self.on_added: Callable[[Endpoint], None] = _joined
         self._free_slots: list[int] = []
         self.lora = LoraState(0)  # adapters per slot: a matrix, not a feature column
+        self.response_homes = ResponseHomes()  # the Responses API's answers, by the engine that gave each
         self._allocate(capacity)
 
     # One array per declared feature (router/state/features.py), set by _allocate: pool.running, ...

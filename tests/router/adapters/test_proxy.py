@@ -386,3 +386,40 @@ async def test_a_messages_stream_cut_mid_way_ends_with_an_anthropic_error_event(
         name, data = last.split(b"\n", 1)
         assert name == b"event: error" and orjson.loads(data[6:])["error"]["type"] == "api_error"
         await eventually(lambda: app.parts.pool.outstanding == 0, what="reservation released")
+
+
+async def test_a_response_s_follow_up_goes_back_to_the_engine_that_stored_it() -> None:
+    """vLLM keeps a stored Responses answer in the memory of the engine that gave it: a request
+    naming it as previous_response_id goes there, busy or not (in streams and in JSON)."""
+    specs = [EngineSpec(f"e{i}", "prefill-decode", num_gpu_blocks=1024) for i in range(3)]
+    async with router_on_sim(specs) as (cluster, app, base), aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/v1/responses", json=responses_body("First?", stream=True)) as resp:
+            home = resp.headers["x-pd-router-decode"]
+            await resp.read()
+        async with http.post(f"{base}/v1/responses", json=responses_body("Second?")) as resp:
+            second = await resp.json()
+            second_home = resp.headers["x-pd-router-decode"]
+        ids = [rid for rid, _ in app.parts.pool.response_homes._homes.items()]
+        assert len(ids) == 2 and second["id"] == ids[1]
+        # The home is kept busy from elsewhere: load alone would go to another pod.
+        busy = f"http://{cluster.address(home)}/v1/completions"
+        long = asyncio.create_task(
+            http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 400})
+        )
+        slot = app.parts.pool.endpoints[home].slot
+        await eventually(lambda: app.parts.pool.running[slot] >= 1, what="the home pod seen busy")
+        for _ in range(3):
+            # Only the new turn is sent (vLLM prepends what it stored): nothing for locality to find.
+            follow = {"model": "sim-model", "input": "And then?", "previous_response_id": ids[0]}
+            async with http.post(f"{base}/v1/responses", json=follow) as resp:
+                assert resp.status == 200 and resp.headers["x-pd-router-decode"] == home
+                await resp.read()
+        plain = {"model": "sim-model", "input": "And then?"}
+        async with http.post(f"{base}/v1/responses", json=plain) as resp:
+            assert resp.headers["x-pd-router-decode"] != home  # the busy pod, avoided without the id
+            await resp.read()
+        follow = {"model": "sim-model", "input": "After the second?", "previous_response_id": second["id"]}
+        async with http.post(f"{base}/v1/responses", json=follow) as resp:
+            assert resp.headers["x-pd-router-decode"] == second_home
+            await resp.read()
+        long.cancel()

@@ -167,3 +167,20 @@ def test_json_answers_of_the_messages_and_responses_apis(answer: dict, counts: t
     meter.finish()
     assert meter.usage is not None
     assert (meter.usage.prompt_tokens, meter.usage.completion_tokens, meter.usage.cached_tokens) == counts
+
+
+def test_a_responses_answer_s_id_is_read_from_its_json_or_its_completed_event() -> None:
+    usage = {"input_tokens": 5, "output_tokens": 2}
+    whole = ResponseMeter(streaming=False)
+    whole.feed(orjson.dumps({"id": "resp_a", "object": "response", "usage": usage}))
+    whole.finish()
+    streamed = ResponseMeter(streaming=True)
+    completed = {
+        "type": "response.completed",
+        "response": {"id": "resp_b", "object": "response", "usage": usage},
+    }
+    streamed.feed(named("response.completed", completed), now=1.0)
+    other = ResponseMeter(streaming=False)
+    other.feed(orjson.dumps({"id": "cmpl-1", "object": "text_completion", "usage": {"prompt_tokens": 5}}))
+    other.finish()
+    assert (whole.response_id, streamed.response_id, other.response_id) == ("resp_a", "resp_b", None)
