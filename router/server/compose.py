@@ -50,6 +50,7 @@ from router.signals.scaling import PoolSignals, ScalingSettings
 from router.signals.shared import SharedDemand
 from router.state.kv_sink import IndexEventSink, PoolSubscriptions
 from router.state.pool import Pool
+from router.state.response_homes import ResponseHomeLookup, SharedResponseHomes
 from router.state.shared_load import SharedLoad
 
 if TYPE_CHECKING:  # kubernetes_asyncio is imported only when a cluster is followed
@@ -355,6 +356,15 @@ def build(
         shared_load = SharedLoad(clients[-1], shared_redis.namespace, pool, interval_s=interval_s)
         pool.on_load_change = shared_load.changed
         producers.append(FreshLoad(shared_load, shared_redis.lookup_timeout_ms / 1000.0))
+    if shared_redis is not None:
+        clients.append(redis_client(shared_redis.url, password))
+        pool.response_homes.shared = SharedResponseHomes(
+            clients[-1],
+            shared_redis.namespace,
+            ttl_s=shared_redis.ttl_s,
+            timeout_s=shared_redis.lookup_timeout_ms / 1000.0,
+        )
+        producers.append(ResponseHomeLookup(pool.response_homes))
     if kv_events is not None or shared is not None or shared_load is not None:
         metrics.registry.register(IndexCollector(kv_events, shared, pool, shared_load))
     for collector in (

@@ -4,27 +4,113 @@ vLLM keeps the conversation it stored with an answer (``store``) in that engine'
 naming the answer as ``previous_response_id`` can only be served there (another engine answers
 404). The flow remembers each answer's engine; a filter sends the follow-up back to it. Bounded:
 the oldest answers are forgotten first, as their engines forget them too.
+
+With several picker replicas the follow-up may reach another replica than the one that routed the
+answer: with ``index.redis`` each answer's engine is also written to Redis (``{ns}:resp:<id>``, for
+the index's TTL) and a replica that does not know an id reads it there before the pick
+(``ResponseHomeLookup``), within the lookup timeout. Redis trouble never fails a request: the
+follow-up is then routed on load, and the engine answers whether it knows the conversation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections import OrderedDict
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from router.request.types import RouteRequest
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_WRITES = 1024  # past this, an answer's home is kept locally only
 
 
 class ResponseHomes:
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
+        self.shared: SharedResponseHomes | None = None  # with index.redis
         self._homes: OrderedDict[str, str] = OrderedDict()  # response id -> endpoint id
 
     def remember(self, response_id: str, endpoint_id: str) -> None:
+        self._keep(response_id, endpoint_id)
+        if self.shared is not None:
+            self.shared.publish(response_id, endpoint_id)
+
+    def home(self, response_id: str) -> str | None:
+        """The endpoint that gave answer ``response_id``, if it is known here."""
+        return self._homes.get(response_id)
+
+    async def look_up(self, response_id: str) -> None:
+        """Learn from the other replicas where ``response_id`` was answered, if it is not known here."""
+        if self.shared is not None and response_id not in self._homes:
+            endpoint_id = await self.shared.fetch(response_id)
+            if endpoint_id is not None:
+                self._keep(response_id, endpoint_id)
+
+    def _keep(self, response_id: str, endpoint_id: str) -> None:
         self._homes[response_id] = endpoint_id
         self._homes.move_to_end(response_id)
         if len(self._homes) > self.max_entries:
             self._homes.popitem(last=False)
 
-    def home(self, response_id: str) -> str | None:
-        """The endpoint that gave answer ``response_id``, if it is still remembered."""
-        return self._homes.get(response_id)
-
     def __len__(self) -> int:
         return len(self._homes)
+
+
+class SharedResponseHomes:
+    """The homes in Redis, one key per answer (written in the background, read within a timeout)."""
+
+    def __init__(self, client: Any, namespace: str, *, ttl_s: float, timeout_s: float) -> None:
+        self.client = client
+        self.prefix = f"{namespace}:resp:"
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self.timeout_s = timeout_s
+        self.errors = 0
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def publish(self, response_id: str, endpoint_id: str) -> None:
+        if len(self._pending) >= MAX_PENDING_WRITES:
+            self.errors += 1
+            return
+        task = asyncio.get_running_loop().create_task(self._write(response_id, endpoint_id))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _write(self, response_id: str, endpoint_id: str) -> None:
+        try:
+            async with asyncio.timeout(self.timeout_s * 10):
+                await self.client.set(self.prefix + response_id, endpoint_id, px=self.ttl_ms)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("write", exc)
+
+    async def fetch(self, response_id: str) -> str | None:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                value = await self.client.get(self.prefix + response_id)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed("read", exc)
+            return None
+        if value is None:
+            return None
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.errors += 1
+        if self.errors == 1 or self.errors % 1000 == 0:
+            log.warning("shared response homes: Redis %s failed (%s); %d failures", what, exc, self.errors)
+
+
+class ResponseHomeLookup:
+    """Producer: a follow-up's stored answer, looked up among the other replicas' before the pick."""
+
+    name = "response_home"
+
+    def __init__(self, homes: ResponseHomes) -> None:
+        self.homes = homes
+
+    async def produce(self, request: RouteRequest) -> None:
+        if request.previous_response_id is not None:
+            await self.homes.look_up(request.previous_response_id)

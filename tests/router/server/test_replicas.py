@@ -174,3 +174,36 @@ async def test_keda_reading_either_replica_sees_the_pool_s_demand(redis: RedisSe
 
 async def b_recommends_above(read: object, n: float) -> bool:
     return await read() > n  # type: ignore[operator]
+
+
+async def test_a_responses_follow_up_reaching_the_other_replica_goes_to_the_stored_answer_s_pod(
+    redis: RedisServer,
+) -> None:
+    specs = [
+        EngineSpec(f"e{i}", "prefill-decode", num_gpu_blocks=1024, time=TimeModel(speed=20)) for i in range(3)
+    ]
+    async with SimCluster(specs) as cluster, aiohttp.ClientSession() as http:
+        sections = _sections(cluster, redis)
+        async with router_for(sections) as (a, base_a), router_for(sections) as (b, base_b):
+            first = {"model": "sim-model", "instructions": "Be brief. " * 30, "input": "First?"}
+            async with http.post(f"{base_a}/v1/responses", json=first) as resp:
+                home = resp.headers["x-pd-router-decode"]
+                answer_id = (await resp.json())["id"]
+            await eventually(lambda: not a.parts.pool.response_homes.shared._pending, 5, "A's write done")
+            # Another client keeps the home pod busy: B's load alone would go elsewhere.
+            busy = f"http://{cluster.address(home)}/v1/completions"
+            long = asyncio.create_task(
+                http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 400})
+            )
+            slot = b.parts.pool.endpoints[home].slot
+            await eventually(lambda: b.parts.pool.running[slot] >= 1, 5, "B sees the home pod busy")
+            follow = {"model": "sim-model", "input": "And then?", "previous_response_id": answer_id}
+            async with http.post(f"{base_b}/v1/responses", json=follow) as resp:
+                assert resp.status == 200 and resp.headers["x-pd-router-decode"] == home
+                await resp.read()
+            async with http.post(
+                f"{base_b}/v1/responses", json={"model": "sim-model", "input": "x?"}
+            ) as resp:
+                assert resp.headers["x-pd-router-decode"] != home  # without the id, load decides
+                await resp.read()
+            long.cancel()
