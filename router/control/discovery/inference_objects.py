@@ -41,6 +41,7 @@ from kubernetes_asyncio.client import ApiClient, CustomObjectsApi
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvindex.aio import stop_task
+from router.control.discovery.kube_client import api_client
 from router.request.rewrite import MAX_MODEL_NAME
 
 log = logging.getLogger(__name__)
@@ -218,22 +219,17 @@ class InferenceObjectsWatch:
         self.policy: ClusterPolicy | None = None  # the last one published
 
     async def run(self) -> None:
-        if isinstance(self._api_client, ApiClient):
-            client, owned = self._api_client, False
-        else:
-            client, owned = self._api_client(), True
-        api = CustomObjectsApi(client)
-        tasks = [
-            asyncio.create_task(self._follow(api, kind), name=f"watch-{kind.crd_name}")
-            for kind in self._objects
-        ]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                await stop_task(task)
-            if owned:
-                await client.close()
+        async with api_client(self._api_client) as client:
+            api = CustomObjectsApi(client)
+            tasks = [
+                asyncio.create_task(self._follow(api, kind), name=f"watch-{kind.crd_name}")
+                for kind in self._objects
+            ]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    await stop_task(task)
 
     # -- what counts ---------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from kvindex.aio import stop_task
+from router.control.discovery.kube_client import api_client
 from router.control.topology import GroupSpec, Member, Publish, Role
 from router.server.config import (
     KV_EVENTS_ANNOTATION,
@@ -235,21 +236,16 @@ class KubernetesDiscovery:
 
     async def run(self, publish: Publish) -> None:
         self._publish = publish
-        if isinstance(self._api_client, ApiClient):
-            client, owned = self._api_client, False
-        else:
-            client, owned = self._api_client(), True
-        self._core = CoreV1Api(client)
-        try:
-            if self._pool_name is None:
-                assert self._target is not None
-                await self._pods_loop(self._target)
-            else:
-                await self._pool_loop(CustomObjectsApi(client), self._pool_name)
-        finally:
-            await self._stop_pods()
-            if owned:
-                await client.close()
+        async with api_client(self._api_client) as client:
+            self._core = CoreV1Api(client)
+            try:
+                if self._pool_name is None:
+                    assert self._target is not None
+                    await self._pods_loop(self._target)
+                else:
+                    await self._pool_loop(CustomObjectsApi(client), self._pool_name)
+            finally:
+                await self._stop_pods()
 
     # -- the InferencePool -------------------------------------------------------------------
 
