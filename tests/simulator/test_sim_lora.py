@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from helpers import eventually
 
 from router.observe.scrape import parse_vllm_metrics
 from router.request.types import LoraInfo
@@ -56,7 +57,8 @@ async def test_an_adapter_waits_for_a_slot_while_every_slot_runs_another() -> No
     async with SimCluster([spec]) as cluster, aiohttp.ClientSession() as session:
         address = cluster.address("e0")
         long = asyncio.create_task(complete(session, address, "a", max_tokens=40))
-        await asyncio.sleep(0.05)
+        engine = cluster.engines["e0"]
+        await eventually(lambda: engine.num_running == 1, 5, "a running")
         took_b = asyncio.create_task(complete(session, address, "b"))
         took_base = await complete(session, address, "sim-model")  # passes the waiting b
         assert not took_b.done() and took_base < await long
@@ -72,9 +74,10 @@ async def test_lora_requests_info_names_running_and_waiting_adapters_as_vllm_doe
         async with session.get(f"http://{address}/metrics") as resp:
             assert parse_vllm_metrics(await resp.text()).lora == LoraInfo(1)  # idle
         long = asyncio.create_task(complete(session, address, "a", max_tokens=60))
-        await asyncio.sleep(0.05)
+        engine = cluster.engines["e0"]
+        await eventually(lambda: engine.num_running == 1, 5, "a running")
         waiting = asyncio.create_task(complete(session, address, "b"))
-        await asyncio.sleep(0.02)
+        await eventually(lambda: engine.num_waiting == 1, 5, "b waiting for the slot")
         async with session.get(f"http://{address}/metrics") as resp:
             text = await resp.text()
         assert text.count("vllm:lora_requests_info{") >= 2  # the earlier, idle label set stays
