@@ -718,6 +718,13 @@ if not np.array_equal(theirs.text_block_keys(sample, 64), ours.text_block_keys(s
     sys.exit("--router-tree: the tree's kvindex.hashing keys text differently from this checkout's")
 sys.modules["kvindex.hashing"] = ours
 importlib.import_module("kvindex").hashing = ours
+# Pure modules the simulator reads prompts with that an older tree's kvindex lacks: this checkout's.
+for name in ("chat_messages",):
+    if not (tree / "kvindex" / f"{name}.py").exists():
+        spec = importlib.util.spec_from_file_location(f"kvindex.{name}", here / "kvindex" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[f"kvindex.{name}"] = module
+        spec.loader.exec_module(module)
 from loadtests.bench.quality import main
 
 sys.exit(main(sys.argv[3:]))
