@@ -26,6 +26,7 @@ from router.request.types import RouteRequest
 log = logging.getLogger(__name__)
 
 MAX_PENDING_WRITES = 1024  # past this, an answer's home is kept locally only
+WRITE_TIMEOUT_S = 1.0  # a write is off the request path: it may wait longer than a lookup
 
 
 class ResponseHomes:
@@ -71,6 +72,10 @@ class SharedResponseHomes:
         self.errors = 0
         self._pending: set[asyncio.Task[None]] = set()
 
+    @property
+    def writes_pending(self) -> int:
+        return len(self._pending)
+
     def publish(self, response_id: str, endpoint_id: str) -> None:
         if len(self._pending) >= MAX_PENDING_WRITES:
             self.errors += 1
@@ -81,7 +86,7 @@ class SharedResponseHomes:
 
     async def _write(self, response_id: str, endpoint_id: str) -> None:
         try:
-            async with asyncio.timeout(self.timeout_s * 10):
+            async with asyncio.timeout(WRITE_TIMEOUT_S):
                 await self.client.set(self.prefix + response_id, endpoint_id, px=self.ttl_ms)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("write", exc)

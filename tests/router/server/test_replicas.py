@@ -189,7 +189,8 @@ async def test_a_responses_follow_up_reaching_the_other_replica_goes_to_the_stor
             async with http.post(f"{base_a}/v1/responses", json=first) as resp:
                 home = resp.headers["x-pd-router-decode"]
                 answer_id = (await resp.json())["id"]
-            await eventually(lambda: not a.parts.pool.response_homes.shared._pending, 5, "A's write done")
+            shared = a.parts.pool.response_homes.shared
+            await eventually(lambda: not shared.writes_pending, 5, "A's write done")
             # Another client keeps the home pod busy: B's load alone would go elsewhere.
             busy = f"http://{cluster.address(home)}/v1/completions"
             long = asyncio.create_task(

@@ -29,7 +29,7 @@ async def test_one_replica_learns_another_s_answers_and_redis_trouble_only_count
 
     (a, a_shared), (b, b_shared) = replica(), replica()
     a.remember("resp_1", "e2")
-    await eventually(lambda: not a_shared._pending, 5, "the write done")
+    await eventually(lambda: not a_shared.writes_pending, 5, "the write done")
     assert b.home("resp_1") is None
     await b.look_up("resp_1")
     assert b.home("resp_1") == "e2"
@@ -39,6 +39,6 @@ async def test_one_replica_learns_another_s_answers_and_redis_trouble_only_count
     redis.kill()
     await b.look_up("resp_2")  # never raises: no home, one failure counted
     a.remember("resp_3", "e0")  # kept locally, the write fails in the background
-    await eventually(lambda: not a_shared._pending, 5, "the failed write done")
+    await eventually(lambda: not a_shared.writes_pending, 5, "the failed write done")
     assert b.home("resp_2") is None and b_shared.errors == 1
     assert a.home("resp_3") == "e0" and a_shared.errors == 1
