@@ -121,6 +121,8 @@ def cost_model_from(config: PoolConfig) -> CostModel:
         objectives=Objectives(
             ttft_slo_s=config.slo.ttft_ms / 1000.0,
             tpot_slo_s=config.slo.tpot_ms / 1000.0,
+            tpot_weight=config.picker.tpot_weight,
+            kv_penalty_s=config.picker.kv_penalty_tokens / engine.prefill_tokens_per_s,
             kv_soft_threshold=config.picker.kv_soft_threshold,
             max_wait_skew_s=config.picker.max_wait_skew_ms / 1000.0,
             prefix_trust=config.weight("prefix"),

@@ -119,14 +119,16 @@ class EndpointConfig(_Strict):
 
 
 class SLOConfig(_Strict):
-    """The latency objectives: costs are seconds of TTFT measured against them, and the replica
-    recommendation sizes each role to meet them."""
+    """The latency objectives: what shedding, admission and the replica recommendation aim for.
+    They do not set the routing trade (``picker.tpot_weight``, ``picker.kv_penalty_tokens`` do)."""
 
     ttft_ms: Positive = Field(
-        2000.0, description="time to first token target (ms); the cost model is normalised against it"
+        2000.0,
+        description="time to first token target (ms): shedding (picker.shed_ttft_factor), the prefill "
+        "role's load and replicas; a decision's cost is reported in units of it",
     )
     tpot_ms: Positive = Field(
-        100.0, description="time per output token target (ms); weighs decode load against TTFT"
+        100.0, description="time per output token target (ms): the decode role's load and replicas"
     )
 
 
@@ -205,7 +207,18 @@ class PickerConfig(_Strict):
     kv_soft_threshold: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.85,
         description="KV use (with the request) above this share of a decode pod's capacity starts to "
-        "cost, one TTFT SLO at full",
+        "cost, the prefill of kv_penalty_tokens at full",
+    )
+    kv_penalty_tokens: Positive = Field(
+        10000.0,
+        description="what a decode pod exactly full of KV costs, as the time to prefill this many "
+        "tokens (the cached prefixes the pressure evicts are recomputed when asked for again)",
+    )
+    tpot_weight: Positive = Field(
+        10.0,
+        description="seconds of TTFT one second of predicted time per output token costs (as if the "
+        "first this-many answer tokens were awaited); not taken from the SLOs, so how tight they are "
+        "set does not change the routing trade",
     )
     allow_local_prefill: bool = Field(
         True,
@@ -262,7 +275,7 @@ class LimitsConfig(_Strict):
 class ScrapeConfig(_Strict):
     """Polling every endpoint's ``/metrics`` for its load and KV use."""
 
-    interval_ms: Positive = Field(500.0, description="time between scrape rounds (±10% jitter)")
+    interval_ms: Positive = Field(200.0, description="time between scrape rounds (±10% jitter)")
     timeout_ms: Positive = Field(1000.0, description="a scrape without an answer within this fails")
     stale_after_ms: Positive = Field(
         2500.0, description="an endpoint whose last good scrape is older is not a candidate"

@@ -85,10 +85,16 @@ class EngineModel:
 
 @dataclass(frozen=True, slots=True)
 class Objectives:
-    """The SLOs costs are measured against, and the thresholds terms share."""
+    """The SLOs costs are measured against, and the exchange rates and thresholds terms share.
+
+    The exchange rates are not derived from the SLOs: the SLOs are targets (shedding, admission,
+    the replica recommendation), and a decision's quality must not hinge on how tight they are set
+    (docs/quality.md, "Decisions that do not depend on the SLO targets")."""
 
     ttft_slo_s: float
     tpot_slo_s: float
+    tpot_weight: float = 10.0  # seconds of TTFT one second of predicted TPOT costs
+    kv_penalty_s: float = 0.5  # what a unit of KV pressure costs (a pod exactly full), seconds
     kv_soft_threshold: float = 0.85  # KV use above this fraction starts to cost
     max_wait_skew_s: float = 1.0  # locality credit only within this of the least queue wait
     prefix_trust: float = 1.0  # how much of a cached prefix counts (0..1)

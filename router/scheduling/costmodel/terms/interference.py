@@ -3,9 +3,9 @@
 On a pod that also decodes (``prefill-decode``, or the decode pod itself when there is no prefill
 leg) each of the ``batch`` running decodes waits once for as long as the prefill takes; over an
 answer of the pool's typical length that is ``prefill_s / typical_answer_tokens`` on its time per
-output token, priced as the ``load`` term prices TPOT (against its SLO, in seconds of TTFT)::
+output token, priced as the ``load`` term prices TPOT (in seconds of TTFT)::
 
-    stall = prefill_s * batch / typical_answer_tokens * ttft_slo / tpot_slo
+    stall = prefill_s * batch / typical_answer_tokens * tpot_weight
 
 Prefill-only pods have no decodes to stall. (Priced as whole user-seconds of delay, one second of
 stall per second of TTFT, it outweighed a prompt's own wait: pd-router then kept prompts off decode
@@ -25,8 +25,7 @@ class DecodeStall:
     side: Side = "prefill"
 
     def seconds(self, view: View) -> np.ndarray:
-        o = view.objectives
-        per_stalled = (o.ttft_slo_s / o.tpot_slo_s) / max(view.ctx.typical_answer_tokens, 1.0)
+        per_stalled = view.objectives.tpot_weight / max(view.ctx.typical_answer_tokens, 1.0)
         return np.where(view.cand.can_decode, view.prefill_s * view.batch * per_stalled, 0.0)
 
 

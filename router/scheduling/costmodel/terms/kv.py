@@ -7,7 +7,10 @@ they are newer). With ``frac = (used + need) / capacity`` the penalty is
 ``max(0, frac - soft) / (1 - soft)``: 0 below the soft threshold, 1 at exactly full, and growing
 beyond, because a pod that is full *now* queues the request until blocks free (that is a wait,
 not a refusal). Only a request that cannot fit in the pod's whole capacity is filtered out
-(``+inf``). The term is the penalty in TTFT SLOs: ``penalty * ttft_slo`` seconds. Unknown usage is
+(``+inf``). The term is ``penalty * kv_penalty_s`` seconds: at full, the prefill of
+``picker.kv_penalty_tokens`` tokens (10,000 by default), what the pod will recompute when the cached
+prefixes the pressure evicts are asked for again; in the engine's time, not the TTFT SLO's, so a
+relaxed SLO does not make a full pod look worse. Unknown usage is
 the pool's worst known usage; unknown capacity cannot be filtered and pays the worst known fraction.
 Consumes: ``kv_usage``, ``kv_capacity_tokens``, ``reserved_kv_tokens``.
 """
@@ -47,7 +50,7 @@ class KVPressure:
     def seconds(self, view: View) -> np.ndarray:
         o = view.objectives
         pen = penalty(view.cand, view.used_kv, view.need_kv, o.kv_soft_threshold)
-        pen *= o.ttft_slo_s
+        pen *= o.kv_penalty_s
         pen[~fits(view.cand, view.need_kv)] = np.inf
         return pen
 

@@ -3,7 +3,9 @@
 ``tpot = step_base + per_seq * (batch + 1) + per_kv_token * (used_kv + need)`` where
 ``batch = max(scraped running, our in-flight requests)`` (scrapes lag behind our own picks; other
 replicas only show in scrapes). Unknown ``running`` is the pool's worst known. The term is TPOT
-measured against its SLO, in seconds of TTFT: ``tpot / tpot_slo * ttft_slo``.
+in seconds of TTFT: ``tpot * tpot_weight`` (``picker.tpot_weight``, 10 by default: as if the first
+ten answer tokens were awaited; not the SLOs' ratio, which would make the trade depend on how
+tight the targets are set).
 Consumes: ``running``, ``inflight_requests``, KV use (``router/scheduling/costmodel/terms/kv.py``).
 """
 
@@ -32,8 +34,7 @@ class DecodeLoad:
     side: Side = "decode"
 
     def seconds(self, view: View) -> np.ndarray:
-        o = view.objectives
-        return view.tpot_s * (o.ttft_slo_s / o.tpot_slo_s)
+        return view.tpot_s * view.objectives.tpot_weight
 
 
 def term() -> DecodeLoad:

@@ -12,7 +12,7 @@ vLLM loads an adapter inside an engine step, so the pod's running decodes wait f
 is ``lora_load_s`` for this request plus the stall of the ``batch`` running there, priced as
 ``interference`` prices a prefill's::
 
-    load = lora_load_s * (1 + batch / typical_answer_tokens * ttft_slo / tpot_slo)
+    load = lora_load_s * (1 + batch / typical_answer_tokens * tpot_weight)
 
 Side ``both``: every pod the request runs on needs the adapter, the one that computes the prompt
 and, for a pair, the decode pod after the KV arrives. The stall is priced on pods that decode (a
@@ -36,7 +36,7 @@ class LoraLoad:
         if state is None:
             return np.zeros(len(view))
         model, o = view.model, view.objectives
-        per_stalled = (o.ttft_slo_s / o.tpot_slo_s) / max(view.ctx.typical_answer_tokens, 1.0)
+        per_stalled = o.tpot_weight / max(view.ctx.typical_answer_tokens, 1.0)
         stalled = np.where(view.cand.can_decode, view.batch, 0.0)
         load = model.lora_load_s * (1.0 + stalled * per_stalled)
         seconds = np.where(state == ADAPTER_RESIDENT, 0.0, load)

@@ -92,7 +92,7 @@ def test_local_prefill_pays_for_stalling_the_running_batch() -> None:
     assert busy.cost[0, 0] > idle.cost[0, 0]
     # Each of the 40 waits the prefill once, spread over a typical answer and priced as TPOT is.
     o = busy.view.objectives
-    stall = busy.view.prefill_s[0] * 40 / c.typical_answer_tokens * o.ttft_slo_s / o.tpot_slo_s
+    stall = busy.view.prefill_s[0] * 40 / c.typical_answer_tokens * o.tpot_weight
     assert busy.terms["interference"][0] == pytest.approx(stall)
     # Short answers make the same stall a larger share of each one's time per token.
     short = RequestCtx(2000, 100, block_tokens=16, typical_prompt_tokens=500.0, typical_answer_tokens=16.0)
