@@ -416,8 +416,21 @@ class Flight:
         answer_id = None if self.meter is None else self.meter.response_id
         if answer_id is not None and self.outcome == OK and self.decision is not None:
             self.flow.picker.pool.response_homes.remember(answer_id, self.decision.decode.id)
+        if self.outcome in (OK, ROUTED) and self.decision is not None and self.request is not None:
+            self._session_home(self.request, self.decision)
         if self.span is not None:
             self._end_span(self.outcome)
+
+    def _session_home(self, request: RouteRequest, decision: RouteDecision) -> None:
+        """The session's prompt is cached where this turn ran (after any failover): its new home.
+        Behind Envoy without response processing (``routed``) the pick is all there is to go on."""
+        sessions = self.flow.picker.pool.sessions
+        session = sessions.key_of(request)
+        if session is None:
+            return
+        computed = decision.prefill or decision.decode
+        endpoints = (computed.id,) if computed is decision.decode else (computed.id, decision.decode.id)
+        sessions.remember(session[0], endpoints, request.prompt_tokens)
 
     def _end_span(self, outcome: str) -> None:
         tracer = self.flow.tracer

@@ -185,6 +185,13 @@ class PickerCollector:
 
     def collect(self) -> Iterator[Metric]:
         yield series.CACHE_AFFINITY_MISSED.one_sample(float(self.picker.affinity_misses))
+        sessions = self.picker.pool.sessions
+        routes = series.SESSION_ROUTES.family()
+        for outcome, count in sessions.routes.items():
+            routes.add_metric([outcome], float(count))
+        yield routes
+        if sessions.shared is not None:
+            yield series.SESSION_SHARED_ERRORS.one_sample(float(sessions.shared.errors))
 
 
 class FlowMetrics:

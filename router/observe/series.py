@@ -122,6 +122,17 @@ CACHE_AFFINITY_MISSED = CounterSeries(
     "pd_router_cache_affinity_missed",
     "Picks whose prompt was cached best on another candidate that load ruled out.",
 )
+SESSION_ROUTES = CounterSeries(
+    "pd_router_session_routes",
+    "Requests with a session (x-session-id) by what the pick did with it: home (computed on a pod "
+    "of its last turn), moved (elsewhere: the cost model preferred it, or the home is gone), new "
+    "(no home known), invalid (an x-session-id that is not 1-128 visible ASCII characters: ignored).",
+    ("outcome",),
+)
+SESSION_SHARED_ERRORS = CounterSeries(
+    "pd_router_session_shared_errors",
+    "Redis reads and writes of session homes that failed (the local entry, if any, was used).",
+)
 _REWRITE_HELP = "Requests whose model name was rewritten, by rule (or 'header'), asked and target name."
 _REWRITE_LABELS = ("model_rewrite_name", "model_name", "target_model")
 MODEL_REWRITE_DECISIONS = (

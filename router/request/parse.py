@@ -370,6 +370,8 @@ def parse_request(
     else:
         # No tokenizer needed: blocks of exactly block_tokens ids, as in vLLM's own index.
         block_keys = token_block_keys(prompt.ids.ids, limits.block_tokens)
+    raw_session = headers.get(SESSION_HEADER)
+    session_id = _session_key(raw_session)
     if api == MESSAGES:
         max_tokens = max_tokens_of(body, None, ("max_tokens",))  # required by the Messages API
     elif api == RESPONSES:
@@ -398,7 +400,22 @@ def parse_request(
         chat=prompt.chat,
         prompts=prompt.prompts,
         previous_response_id=_previous_response(body) if api == RESPONSES else None,
+        session_id=session_id,
+        user=_session_key(body.get("user")),
+        session_id_invalid=raw_session is not None and session_id is None,
     )
+
+
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID = 128
+
+
+def _session_key(value: object) -> str | None:
+    """A session id (or ``user``) the router keys on: 1-128 visible ASCII characters. Anything else
+    is ignored rather than refused: the id only hints where a cache is, the request is fine."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_SESSION_ID and all("!" <= c <= "~" for c in value):
+        return value
+    return None
 
 
 def _previous_response(body: dict[str, Any]) -> str | None:

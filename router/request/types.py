@@ -56,6 +56,11 @@ class RouteRequest:
     # The Responses API's ``previous_response_id``: the conversation vLLM stored with that answer
     # lives on the engine that gave it, so the request must go there.
     previous_response_id: str | None = None
+    # The client's session (``x-session-id``) and the body's ``user``, when valid: a soft hint
+    # of where the conversation's prefix is cached (``router/state/sessions.py``).
+    session_id: str | None = None
+    user: str | None = None
+    session_id_invalid: bool = False  # an x-session-id was sent that is not one: ignored, counted
 
 
 @dataclass(frozen=True, slots=True)

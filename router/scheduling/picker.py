@@ -22,9 +22,11 @@ from router.request.types import RouteRequest
 from router.scheduling.costmodel.link import LinkOverlay, LinkTable
 from router.scheduling.costmodel.matrix import CostModel, Layout, PairCosts, costs_over, derive
 from router.scheduling.costmodel.policies import PairChoice, PairPicker
+from router.scheduling.costmodel.session import cached_blocks_with_session
 from router.scheduling.costmodel.view import Candidates, RequestCtx
 from router.scheduling.extension import CandidateFilter
 from router.state.pool import Endpoint, Pool, Reservation
+from router.state.sessions import HOME, INVALID, MOVED, NEW
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +200,12 @@ class Picker:
             typical_prompt_tokens=pool.typical_prompt_tokens,
             typical_answer_tokens=pool.typical_answer_tokens,
         )
+        session = self._session_home(request)
+        if session is not None:
+            home_slots, expected_tokens = session
+            cand.cached_blocks = cached_blocks_with_session(
+                cand.cached_blocks, np.isin(cand.slots, home_slots), expected_tokens, ctx.block_tokens
+            )
         return costs_over(derive(cand, ctx, self.cost_model), self.cost_model, self._layout(cand, request))
 
     def _layout(self, cand: Candidates, request: RouteRequest) -> Layout:
@@ -224,6 +232,30 @@ class Picker:
             pairs_into = cand.sidecar if request.pairs_need_sidecar else None
             self._kept_layout = (key, Layout.of(cand, is_prefill, is_decode, links, pairs_into))
         return self._kept_layout[1]
+
+    def _session_home(self, request: RouteRequest) -> tuple[np.ndarray, float] | None:
+        """The session's home pods (slots) and the prompt tokens credited there, if it has a home."""
+        sessions = self.pool.sessions
+        session = sessions.key_of(request)
+        home = None if session is None else sessions.home(session[0])
+        if home is None:
+            return None
+        assert session is not None
+        endpoints = (self.pool.endpoints.get(endpoint_id) for endpoint_id in home.endpoints)
+        slots = np.array([e.slot for e in endpoints if e is not None], dtype=np.int64)
+        return slots, session[1] * home.prompt_tokens
+
+    def _count_session(self, request: RouteRequest, computes_slot: int) -> None:
+        sessions = self.pool.sessions
+        if request.session_id_invalid:
+            sessions.routes[INVALID] += 1
+        if sessions.key_of(request) is None:
+            return
+        session = self._session_home(request)
+        if session is None:
+            sessions.routes[NEW] += 1
+        else:
+            sessions.routes[HOME if computes_slot in session[0].tolist() else MOVED] += 1
 
     def _cached_blocks(self, request: RouteRequest, slots: np.ndarray) -> np.ndarray:
         cached = self.index.match(request.block_keys, slots)
@@ -304,6 +336,7 @@ class Picker:
             kv_tokens=float(costs.view.need_kv[d_pos]),
         )
         self.pool.observe_request(request.prompt_tokens, request.max_tokens)
+        self._count_session(request, d_slot if p_slot is None else p_slot)
         # The adapter is loaded where this goes (both pods of a pair run it) before a scrape says so.
         self.pool.lora.routed(request.model, (d_slot,) if p_slot is None else (p_slot, d_slot))
         # Optimistic: the prompt's blocks will be on P, and on D once transferred. Recording is

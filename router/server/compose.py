@@ -51,6 +51,7 @@ from router.signals.shared import SharedDemand
 from router.state.kv_sink import IndexEventSink, PoolSubscriptions
 from router.state.pool import Pool
 from router.state.response_homes import ResponseHomeLookup, SharedResponseHomes
+from router.state.sessions import SessionHomeLookup, SessionHomes
 from router.state.shared_load import SharedLoad
 
 if TYPE_CHECKING:  # kubernetes_asyncio is imported only when a cluster is followed
@@ -89,12 +90,17 @@ def gate_settings_from(config: PoolConfig) -> GateSettings:
 def empty_pool(config: PoolConfig) -> Pool:
     """The pool's settings from the configuration, no endpoint yet: the service fills it from
     discovery and the gate (``router.server.app``)."""
-    return Pool(
+    pool = Pool(
         stale_after_s=config.scrape.stale_after_ms / 1000.0,
         eject_after_failures=config.scrape.eject_after_failures,
         typical_prompt_tokens=config.engine.typical_prompt_tokens,
         typical_answer_tokens=config.limits.default_max_tokens,
     )
+    sessions = config.sessions
+    pool.sessions = SessionHomes(
+        sessions.max_entries, sessions.ttl_s, enabled=sessions.enabled, user_weight=sessions.user_weight
+    )
+    return pool
 
 
 def pool_from(config: PoolConfig) -> Pool:
@@ -367,6 +373,15 @@ def build(
             timeout_s=shared_redis.lookup_timeout_ms / 1000.0,
         )
         producers.append(ResponseHomeLookup(pool.response_homes))
+        if config.sessions.enabled:  # the same client: one GET before a session's pick
+            pool.sessions.shared = SharedResponseHomes(
+                clients[-1],
+                shared_redis.namespace,
+                ttl_s=config.sessions.ttl_s,
+                timeout_s=shared_redis.lookup_timeout_ms / 1000.0,
+                kind="session",
+            )
+            producers.append(SessionHomeLookup(pool.sessions))
     if kv_events is not None or shared is not None or shared_load is not None:
         metrics.registry.register(IndexCollector(kv_events, shared, pool, shared_load))
     for collector in (

@@ -351,6 +351,26 @@ class IndexConfig(_Strict):
     )
 
 
+class SessionsConfig(_Strict):
+    """Session affinity (soft): a conversation's home pods count as holding its last prompt."""
+
+    enabled: bool = Field(
+        False,
+        description="credit a session's home pods (x-session-id) with its last prompt as cached, where "
+        "the prefix index knows less; requests without a session route as without this. Off by "
+        "default: with an intact index it gains nothing measurable (docs/benchmarks.md)",
+    )
+    max_entries: Annotated[int, Field(gt=0)] = Field(
+        100_000, description="sessions remembered (least recently used forgotten first)"
+    )
+    ttl_s: Positive = Field(600.0, description="a session's home is forgotten this long after its last turn")
+    user_weight: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = Field(
+        0.0,
+        description="take the body's 'user' as a session when no x-session-id is sent, crediting this "
+        "share of its last prompt (a user may hold several conversations; 0: ignore 'user')",
+    )
+
+
 class _TlsFiles(_Strict):
     cert_file: str | None = Field(None, description="PEM certificate; unset: a self-signed one is generated")
     key_file: str | None = Field(None, description="PEM private key of cert_file")
@@ -841,6 +861,7 @@ class PoolConfig(_Strict):
     limits: LimitsConfig = Field(LimitsConfig(), description="request limits and size estimates")
     scrape: ScrapeConfig = Field(ScrapeConfig(), description="polling the engines' /metrics")
     index: IndexConfig = Field(IndexConfig(), description="the prefix index")
+    sessions: SessionsConfig = Field(SessionsConfig(), description="session affinity (x-session-id)")
     proxy: ProxyConfig = Field(ProxyConfig(), description="the OpenAI-compatible HTTP proxy")
     extproc: ExtProcConfig = Field(ExtProcConfig(), description="the Envoy ext_proc endpoint picker")
     metrics: MetricsConfig = Field(MetricsConfig(), description="a separate Prometheus listener")

@@ -20,6 +20,7 @@ from router.scheduling.costmodel.view import Candidates
 from router.state.features import CANDIDATE, FEATURES, SCRAPED, SHARED
 from router.state.lora import LoraState
 from router.state.response_homes import ResponseHomes
+from router.state.sessions import SessionHomes
 
 if TYPE_CHECKING:
     from router.request.types import EngineMetrics
@@ -139,6 +140,7 @@ class Pool:
         self._free_slots: list[int] = []
         self.lora = LoraState(0)  # adapters per slot: a matrix, not a feature column
         self.response_homes = ResponseHomes()  # the Responses API's answers, by the engine that gave each
+        self.sessions = SessionHomes()  # each session's last pods, for session affinity (soft)
         self._allocate(capacity)
 
     # One array per declared feature (router/state/features.py), set by _allocate: pool.running, ...

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -27,6 +27,17 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_WRITES = 1024  # past this, an answer's home is kept locally only
 WRITE_TIMEOUT_S = 1.0  # a write is off the request path: it may wait longer than a lookup
+
+
+V = TypeVar("V")
+
+
+def keep_newest(entries: OrderedDict[str, V], key: str, value: V, max_entries: int) -> None:
+    """Set ``key`` as the most recently used entry, forgetting the least recently used past the bound."""
+    entries[key] = value
+    entries.move_to_end(key)
+    if len(entries) > max_entries:
+        entries.popitem(last=False)
 
 
 class ResponseHomes:
@@ -52,21 +63,24 @@ class ResponseHomes:
                 self._keep(response_id, endpoint_id)
 
     def _keep(self, response_id: str, endpoint_id: str) -> None:
-        self._homes[response_id] = endpoint_id
-        self._homes.move_to_end(response_id)
-        if len(self._homes) > self.max_entries:
-            self._homes.popitem(last=False)
+        keep_newest(self._homes, response_id, endpoint_id, self.max_entries)
 
     def __len__(self) -> int:
         return len(self._homes)
 
 
 class SharedResponseHomes:
-    """The homes in Redis, one key per answer (written in the background, read within a timeout)."""
+    """The homes in Redis, one key per answer (written in the background, read within a timeout).
 
-    def __init__(self, client: Any, namespace: str, *, ttl_s: float, timeout_s: float) -> None:
+    ``kind`` names the keys (``{namespace}:<kind>:<id>``) and the warning: session homes
+    (``router/state/sessions.py``) are kept the same way under ``session``."""
+
+    def __init__(
+        self, client: Any, namespace: str, *, ttl_s: float, timeout_s: float, kind: str = "resp"
+    ) -> None:
         self.client = client
-        self.prefix = f"{namespace}:resp:"
+        self.kind = kind
+        self.prefix = f"{namespace}:{kind}:"
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.timeout_s = timeout_s
         self.errors = 0
@@ -76,25 +90,25 @@ class SharedResponseHomes:
     def writes_pending(self) -> int:
         return len(self._pending)
 
-    def publish(self, response_id: str, endpoint_id: str) -> None:
+    def publish(self, key: str, value: str) -> None:
         if len(self._pending) >= MAX_PENDING_WRITES:
             self.errors += 1
             return
-        task = asyncio.get_running_loop().create_task(self._write(response_id, endpoint_id))
+        task = asyncio.get_running_loop().create_task(self._write(key, value))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _write(self, response_id: str, endpoint_id: str) -> None:
+    async def _write(self, key: str, value: str) -> None:
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S):
-                await self.client.set(self.prefix + response_id, endpoint_id, px=self.ttl_ms)
+                await self.client.set(self.prefix + key, value, px=self.ttl_ms)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("write", exc)
 
-    async def fetch(self, response_id: str) -> str | None:
+    async def fetch(self, key: str) -> str | None:
         try:
             async with asyncio.timeout(self.timeout_s):
-                value = await self.client.get(self.prefix + response_id)
+                value = await self.client.get(self.prefix + key)
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed("read", exc)
             return None
@@ -105,7 +119,9 @@ class SharedResponseHomes:
     def _failed(self, what: str, exc: BaseException) -> None:
         self.errors += 1
         if self.errors == 1 or self.errors % 1000 == 0:
-            log.warning("shared response homes: Redis %s failed (%s); %d failures", what, exc, self.errors)
+            log.warning(
+                "shared %s homes: Redis %s failed (%s); %d failures", self.kind, what, exc, self.errors
+            )
 
 
 class ResponseHomeLookup:

@@ -104,3 +104,31 @@ def test_the_prompt_limit_holds_the_exact_count_of_token_ids() -> None:
     with pytest.raises(BodyTooLarge, match="prompt is 100 tokens; the limit is 99"):
         parse_request(orjson.dumps({"model": "m", "prompt": IDS}), limits)
     assert parse_request(orjson.dumps({"model": "m", "prompt": IDS[:99]}), limits).prompt_tokens == 99
+
+
+@pytest.mark.parametrize(
+    ("header", "session_id", "invalid"),
+    [
+        (None, None, False),
+        ("chat-7f3a", "chat-7f3a", False),
+        ("x" * 128, "x" * 128, False),
+        ("x" * 129, None, True),  # bounded: a client cannot make the router keep megabytes per key
+        ("has space", None, True),
+        ("tab\there", None, True),
+        ("caf\u00e9", None, True),  # visible ASCII only
+        ("", None, True),
+    ],
+)
+def test_a_session_id_is_read_when_it_is_one_and_otherwise_ignored_not_refused(
+    header: str | None, session_id: str | None, invalid: bool
+) -> None:
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    headers = CIMultiDict() if header is None else CIMultiDict({"X-Session-Id": header})
+    request = parse_request(body, LIMITS, headers, path="/v1/chat/completions")
+    assert (request.session_id, request.session_id_invalid) == (session_id, invalid)
+
+
+@pytest.mark.parametrize(("user", "read"), [("alice", "alice"), (7, None), ("", None), ("a b", None)])
+def test_the_body_s_user_is_kept_as_a_possible_session(user: object, read: str | None) -> None:
+    body = orjson.dumps({"model": "m", "prompt": "hello", "user": user})
+    assert parse_request(body, LIMITS, path="/v1/completions").user == read

@@ -208,3 +208,42 @@ async def test_a_responses_follow_up_reaching_the_other_replica_goes_to_the_stor
                 assert resp.headers["x-pd-router-decode"] != home  # without the id, load decides
                 await resp.read()
             long.cancel()
+
+
+async def test_a_session_keeps_its_home_across_a_router_restart(redis: RedisServer) -> None:
+    """A replica started after the one that routed a session's first turn (a restart, or another
+    replica) reads the session's home from Redis and sends the next turn there, though that pod is
+    busy and the index (one block per engine here) remembers nothing of the conversation."""
+    specs = [
+        EngineSpec(f"e{i}", "prefill-decode", num_gpu_blocks=2048, time=TimeModel(speed=20)) for i in range(3)
+    ]
+    system = "You are a careful assistant who answers in full sentences. " * 120
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Hello?"}]
+    then = [*first, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "More."}]
+    session = {"x-session-id": "chat-7"}
+    async with SimCluster(specs) as cluster, aiohttp.ClientSession() as http:
+        sections = _sections(cluster, redis)
+        sections["index"]["capacity_blocks_per_endpoint"] = 1
+        sections["sessions"] = {"enabled": True}
+        body = {"model": "sim-model", "messages": first, "max_tokens": 2}
+        async with router_for(sections) as (a, base_a):
+            async with http.post(f"{base_a}/v1/chat/completions", json=body, headers=session) as resp:
+                assert resp.status == 200
+                home = resp.headers["x-pd-router-decode"]
+            shared = a.parts.pool.sessions.shared
+            await eventually(lambda: a.parts.pool.sessions.home("h:chat-7") is not None, 5, "A kept it")
+            await eventually(lambda: not shared.writes_pending, 5, "A's write done")
+        busy = f"http://{cluster.address(home)}/v1/completions"
+        long = asyncio.create_task(
+            http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 300})
+        )
+        async with router_for(sections) as (b, base_b):
+            slot = b.parts.pool.endpoints[home].slot
+            await eventually(lambda: b.parts.pool.running[slot] >= 1, 5, "B sees the home pod busy")
+            body = {"model": "sim-model", "messages": then, "max_tokens": 2}
+            async with http.post(f"{base_b}/v1/chat/completions", json=body, headers=session) as resp:
+                assert resp.status == 200 and resp.headers["x-pd-router-decode"] == home
+            async with http.post(f"{base_b}/v1/chat/completions", json=body) as resp:
+                assert resp.headers["x-pd-router-decode"] != home  # without the session: load decides
+            assert b.parts.pool.sessions.routes["home"] == 1
+        long.cancel()
