@@ -245,17 +245,24 @@ class Picker:
         slots = np.array([e.slot for e in endpoints if e is not None], dtype=np.int64)
         return slots, session[1] * home.prompt_tokens
 
-    def _count_session(self, request: RouteRequest, computes_slot: int) -> None:
+    def _session_routed(self, request: RouteRequest, p_slot: int | None, d_slot: int) -> None:
+        """Count what the pick did with the request's session, and make these pods its home."""
         sessions = self.pool.sessions
         if request.session_id_invalid:
             sessions.routes[INVALID] += 1
-        if sessions.key_of(request) is None:
-            return
-        session = self._session_home(request)
+        session = sessions.key_of(request)
         if session is None:
+            return
+        home = self._session_home(request)
+        computes = d_slot if p_slot is None else p_slot
+        if home is None:
             sessions.routes[NEW] += 1
         else:
-            sessions.routes[HOME if computes_slot in session[0].tolist() else MOVED] += 1
+            sessions.routes[HOME if computes in home[0].tolist() else MOVED] += 1
+        by_slot = self.pool.by_slot
+        slots = (d_slot,) if p_slot is None else (p_slot, d_slot)
+        endpoints = tuple(e.id for e in (by_slot[slot] for slot in slots) if e is not None)
+        sessions.routed(session[0], endpoints, request.prompt_tokens)
 
     def _cached_blocks(self, request: RouteRequest, slots: np.ndarray) -> np.ndarray:
         cached = self.index.match(request.block_keys, slots)
@@ -336,7 +343,7 @@ class Picker:
             kv_tokens=float(costs.view.need_kv[d_pos]),
         )
         self.pool.observe_request(request.prompt_tokens, request.max_tokens)
-        self._count_session(request, d_slot if p_slot is None else p_slot)
+        self._session_routed(request, p_slot, d_slot)
         # The adapter is loaded where this goes (both pods of a pair run it) before a scrape says so.
         self.pool.lora.routed(request.model, (d_slot,) if p_slot is None else (p_slot, d_slot))
         # Optimistic: the prompt's blocks will be on P, and on D once transferred. Recording is

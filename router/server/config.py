@@ -355,10 +355,9 @@ class SessionsConfig(_Strict):
     """Session affinity (soft): a conversation's home pods count as holding its last prompt."""
 
     enabled: bool = Field(
-        False,
+        True,
         description="credit a session's home pods (x-session-id) with its last prompt as cached, where "
-        "the prefix index knows less; requests without a session route as without this. Off by "
-        "default: with an intact index it gains nothing measurable (docs/benchmarks.md)",
+        "the prefix index knows less; requests without a session route as without this",
     )
     max_entries: Annotated[int, Field(gt=0)] = Field(
         100_000, description="sessions remembered (least recently used forgotten first)"

@@ -64,7 +64,7 @@ class SessionHomes:
         max_entries: int = 100_000,
         ttl_s: float = 600.0,
         *,
-        enabled: bool = False,
+        enabled: bool = True,
         user_weight: float = 0.0,
         clock: Callable[[], float] = time.time,  # wall time: shared entries are compared by it
     ) -> None:
@@ -97,6 +97,12 @@ class SessionHomes:
             del self._homes[key]
             return None
         return home
+
+    def routed(self, key: str, endpoints: tuple[str, ...], prompt_tokens: int) -> None:
+        """A turn of session ``key`` was just sent to ``endpoints``: its home here at once, as the
+        index records a prompt at its pick, so a next turn sent before this one's answer ends
+        (an open-loop client, an agent) finds it. Local only: ``remember`` shares it at the end."""
+        self._keep(key, SessionHome(endpoints, prompt_tokens, self.clock()))
 
     def remember(self, key: str, endpoints: tuple[str, ...], prompt_tokens: int) -> None:
         """A turn of session ``key`` ended: its prompt is now cached on ``endpoints``."""

@@ -5,12 +5,15 @@ candidates that are the session's home (the pods its last turn ran on, ``router/
 and ``expected_tokens`` is that turn's prompt length times the session's weight (1 for
 ``x-session-id``, ``sessions.user_weight`` for ``user``). The max, not a sum: where the index holds
 the same prefix the session adds nothing; where the index lost it (evicted, a restart, a miss) the
-session's evidence stands in. Everything downstream is unchanged: ``prefix.cached_tokens`` caps it
-at the prompt, the fairness cap drops it on a pod whose queue is far above the least, and the
-``queue``, ``kv`` and transfer costs decide whether staying is worth it, so a saturated home loses
-the session like any warm pod. Units: blocks of ``block_tokens`` prompt tokens. Consumes:
-``cached_blocks`` and ``slots``; other candidates are unknown to the session and keep the index's
-value.
+session's evidence stands in. Within one block of the session's count the index's stands: the two
+count a prompt differently (characters against estimated tokens), so a block's difference is
+rounding, and the index's is the evidence of the very blocks this prompt shares.
+
+Everything downstream is unchanged: ``prefix.cached_tokens`` caps the credit at the prompt, the
+fairness cap drops it on a pod whose queue is far above the least, and the ``queue``, ``kv`` and
+transfer costs decide whether staying is worth it, so a saturated home loses the session like any
+warm pod. Units: blocks of ``block_tokens`` prompt tokens. Consumes: ``cached_blocks`` and
+``slots``; other candidates are unknown to the session and keep the index's value.
 """
 
 from __future__ import annotations
@@ -25,5 +28,5 @@ def cached_blocks_with_session(
     expected_blocks = int(expected_tokens // block_tokens) if block_tokens > 0 else 0
     if expected_blocks <= 0 or not known.any():
         return cached_blocks
-    raised = np.maximum(cached_blocks, expected_blocks).astype(cached_blocks.dtype, copy=False)
-    return np.where(known, raised, cached_blocks)
+    lost = known & (cached_blocks < expected_blocks - 1)
+    return np.where(lost, np.asarray(expected_blocks, dtype=cached_blocks.dtype), cached_blocks)

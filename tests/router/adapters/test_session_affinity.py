@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 FAST = TimeModel(speed=20.0)
 SPECS = [EngineSpec(f"e{i}", "prefill-decode", num_gpu_blocks=2048, time=FAST) for i in range(3)]
 # The index forgets every conversation at once: only the session remembers where it is.
-FORGETFUL = {"index": {"capacity_blocks_per_endpoint": 1}, "sessions": {"enabled": True}}
+FORGETFUL = {"index": {"capacity_blocks_per_endpoint": 1}}
 SYSTEM = "You are a careful assistant who answers in full sentences. " * 120
 
 

@@ -31,6 +31,7 @@ def every_collector_with_a_sample() -> CollectorRegistry:
     pool = make_pool(config, {"p0": Metrics(waiting=2, kv_usage=0.3, running=1)})
     pool.stale_after_s = 1e12
     picker = make_picker(config, pool)
+    pool.sessions.shared = SimpleNamespace(errors=1)  # type: ignore[assignment]  # with index.redis
     metrics = RouterMetrics(pool, "pool")
     registry = metrics.registry
     registry.register(SignalsCollector(pool, "pool", lambda: picker.cost_model))

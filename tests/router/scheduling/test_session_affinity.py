@@ -82,3 +82,13 @@ def test_sessions_off_ignores_the_home() -> None:
     picker.pool.sessions.remember("h:chat-1", ("e1",), 3000)
     decision = picker.pick(make_request(3200, session_id="chat-1"), now=NOW)
     assert decision.breakdown["cached_tokens"] == 0
+
+
+def test_the_pick_makes_the_home_at_once_for_a_turn_sent_before_the_last_one_ended() -> None:
+    picker = picker_for(SINGLE_PODS)
+    first = picker.pick(make_request(3200, session_id="agent-9"), now=NOW)
+    first.reservation.finish_prefill()  # its answer is still streaming: not closed yet
+    # The next turn already finds the prompt where the first went.
+    second = picker.pick(make_request(3400, session_id="agent-9"), now=NOW)
+    assert second.decode.id == first.decode.id and second.breakdown["cached_tokens"] == 3200
+    assert (picker.pool.sessions.routes["new"], picker.pool.sessions.routes["home"]) == (1, 1)

@@ -224,7 +224,6 @@ async def test_a_session_keeps_its_home_across_a_router_restart(redis: RedisServ
     async with SimCluster(specs) as cluster, aiohttp.ClientSession() as http:
         sections = _sections(cluster, redis)
         sections["index"]["capacity_blocks_per_endpoint"] = 1
-        sections["sessions"] = {"enabled": True}
         body = {"model": "sim-model", "messages": first, "max_tokens": 2}
         async with router_for(sections) as (a, base_a):
             async with http.post(f"{base_a}/v1/chat/completions", json=body, headers=session) as resp:

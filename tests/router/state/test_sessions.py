@@ -37,7 +37,7 @@ def test_x_session_id_is_a_session_user_only_when_opted_in_and_never_the_same_ke
     assert SessionHomes(enabled=True).key_of(with_both) == ("h:abc", 1.0)
     assert SessionHomes(enabled=True).key_of(only_user) is None  # user_weight 0: user is ignored
     assert SessionHomes(enabled=True, user_weight=0.5).key_of(only_user) == ("u:abc", 0.5)
-    assert SessionHomes().key_of(with_both) is None  # off by default
+    assert SessionHomes(enabled=False).key_of(with_both) is None
     assert SessionHomes(enabled=True).key_of(make_request(100)) is None
 
 
