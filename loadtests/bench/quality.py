@@ -110,6 +110,9 @@ class Policy:
     reference: bool = False
     true_cache: bool = False
     regret: bool = False  # price each of its picks with the reference (``routing.RegretTap``)
+    # Send each request's conversation as ``x-session-id`` (``--session-ids``: the multi-turn
+    # workloads know their sessions; a client that sends none is the default row).
+    session_ids: bool = False
 
 
 def policy(name: str, overrides: Sequence[str] = ()) -> Policy:
@@ -441,7 +444,9 @@ def prune_unknown(data: dict[str, Any], model: Any, prefix: str = "") -> list[st
 # -- one run -----------------------------------------------------------------------------------
 
 
-async def _drive(router: RouterUnderTest, workload: Workload, name: str) -> Summary:
+async def _drive(
+    router: RouterUnderTest, workload: Workload, name: str, session_ids: bool = False
+) -> Summary:
     """The open-loop client: every item at its arrival time, through the proxy's handler."""
     import asyncio
 
@@ -466,6 +471,8 @@ async def _drive(router: RouterUnderTest, workload: Workload, name: str) -> Summ
         # of its own so the run does not depend on uuid4.
         raw = json.dumps(item.body).encode()
         headers = {"Content-Type": "application/json", "X-Request-Id": f"r{index:06d}"}
+        if session_ids:
+            headers["X-Session-Id"] = f"s{item.session}"
         response = await client.call("POST", item.path, headers, raw, on_data)
         if response.status != 200:
             result = Result(False, response.status, error=b"".join(head)[:200].decode(errors="replace"))
@@ -506,7 +513,7 @@ async def _run(
             true_cache=pol.true_cache,
             regret=pol.regret,
         ) as router:
-            summary = await _drive(router, workload, pol.name)
+            summary = await _drive(router, workload, pol.name, pol.session_ids)
             observed = router.observed()
             predictions = list(router.predictions)
             regrets = list(router.regrets)
@@ -767,6 +774,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="NAME=KEY=VALUE[,KEY=VALUE]",
         help="a row of pd-router's defaults with these --set overrides (repeatable)",
     )
+    parser.add_argument(
+        "--session-ids",
+        action="store_true",
+        help="add a twin of every pd-router row (and variant), named '<row> +sid', whose client sends "
+        "each conversation's x-session-id and whose router has sessions.enabled",
+    )
     parser.add_argument("--no-reference", action="store_true", help="skip the full-information reference")
     parser.add_argument(
         "--regret",
@@ -837,6 +850,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if args.regret:
         policies = [dataclasses.replace(p, regret=not p.reference) for p in policies]
+    if args.session_ids:
+        twins = [p for p in policies if p.picker == POLICIES[JOINT] and not p.reference and not p.true_cache]
+        policies += [
+            dataclasses.replace(
+                p, name=f"{p.name} +sid", overrides=(*p.overrides, "sessions.enabled=true"), session_ids=True
+            )
+            for p in twins
+        ]
     tm = TimeModel()
     command = shlex.join(["python", "-m", "loadtests.bench.quality", *argv])
     out: dict[str, Any] = {"command": command, "seed": args.seed, "hop_ms": args.hop_ms, "scenarios": {}}

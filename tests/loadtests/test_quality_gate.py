@@ -327,3 +327,20 @@ def test_regret_prices_every_pick_and_changes_no_decision(small: PolicyRun) -> N
     assert min(tapped.regrets) >= -1e-9  # nothing beats the best route the reference found
     assert any(r > 0 for r in tapped.regrets)  # on a busy pool some picks are not the best
     assert not small.regrets
+
+
+def test_session_ids_recover_the_locality_an_index_that_forgets_loses() -> None:
+    """``--session-ids``: the client sends each conversation's x-session-id, the router has
+    sessions on. With an index that keeps 256 blocks per engine (a quarter of a pod's KV), the
+    engines' prefix hit rate drops; the sessions bring much of it back (docs/benchmarks.md)."""
+    import dataclasses
+
+    scn = SCENARIOS["b"]
+    workload = scn.workload(200, scn.rate, 0)
+    forgetful = policy("small-index", ["index.capacity_blocks_per_endpoint=256"])
+    with_ids = dataclasses.replace(
+        forgetful, overrides=(*forgetful.overrides, "sessions.enabled=true"), session_ids=True
+    )
+    without = run_policy(scn, forgetful, workload=workload).summary.hit_rate
+    with_sessions = run_policy(scn, with_ids, workload=workload).summary.hit_rate
+    assert with_sessions > without + 0.05, (without, with_sessions)
