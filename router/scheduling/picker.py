@@ -237,13 +237,15 @@ class Picker:
         """The session's home pods (slots) and the prompt tokens credited there, if it has a home."""
         sessions = self.pool.sessions
         session = sessions.key_of(request)
-        home = None if session is None else sessions.home(session[0])
+        if session is None:
+            return None
+        key, weight = session
+        home = sessions.home(key)
         if home is None:
             return None
-        assert session is not None
         endpoints = (self.pool.endpoints.get(endpoint_id) for endpoint_id in home.endpoints)
         slots = np.array([e.slot for e in endpoints if e is not None], dtype=np.int64)
-        return slots, session[1] * home.prompt_tokens
+        return slots, weight * home.prompt_tokens
 
     def _session_routed(self, request: RouteRequest, p_slot: int | None, d_slot: int) -> None:
         """Count what the pick did with the request's session, and make these pods its home."""

@@ -92,3 +92,11 @@ def test_the_pick_makes_the_home_at_once_for_a_turn_sent_before_the_last_one_end
     second = picker.pick(make_request(3400, session_id="agent-9"), now=NOW)
     assert second.decode.id == first.decode.id and second.breakdown["cached_tokens"] == 3200
     assert (picker.pool.sessions.routes["new"], picker.pool.sessions.routes["home"]) == (1, 1)
+
+
+def test_user_is_a_weaker_hint_only_when_opted_in() -> None:
+    for user_weight, credited in ((0.0, 0), (0.5, 1600)):
+        picker = picker_for(SINGLE_PODS, sessions={"enabled": True, "user_weight": user_weight})
+        picker.pool.sessions.remember("u:alice", ("e1",), 3200)
+        decision = picker.pick(make_request(3400, user="alice"), now=NOW)
+        assert decision.breakdown["cached_tokens"] == credited
