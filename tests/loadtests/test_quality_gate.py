@@ -30,7 +30,8 @@ import aiohttp
 import pytest
 
 from loadtests.bench.quality import PolicyRun, policy, pool_runs, render_prediction_errors, run_policy
-from loadtests.bench.scenarios import MIXES, SCENARIOS, matrix_scenario
+from loadtests.bench.scenarios import MIXES, SCENARIOS, config_data, matrix_scenario
+from router.server.config import ScrapeConfig, SLOConfig
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 REPO = Path(__file__).resolve().parents[2]
@@ -344,3 +345,16 @@ def test_session_ids_recover_the_locality_an_index_that_forgets_loses() -> None:
     without = run_policy(scn, forgetful, workload=workload).summary.hit_rate
     with_sessions = run_policy(scn, with_ids, workload=workload).summary.hit_rate
     assert with_sessions > without + 0.05, (without, with_sessions)
+
+
+def test_the_slos_users_set_route_every_request_as_the_measured_defaults(small: PolicyRun) -> None:
+    """The gate measures routing at the harness's SLOs; the shipped defaults and the goodput's own
+    targets must route the same requests the same way, or the gate would not be measuring what
+    users run (the SLOs used to set the TPOT and KV-pressure prices: docs/quality.md). The scrape
+    interval the harness runs at is the shipped default for the same reason."""
+    shipped = SLOConfig()
+    for slo in ((shipped.ttft_ms, shipped.tpot_ms), (1000.0, 20.0)):
+        overrides = (f"slo.ttft_ms={slo[0]}", f"slo.tpot_ms={slo[1]}")
+        run = run_policy(SCENARIOS["b"], policy("pd-router", overrides), requests=80)
+        assert run.per_request() == small.per_request(), slo
+    assert ScrapeConfig().interval_ms == config_data([], TimeModel(), {})["scrape"]["interval_ms"]
