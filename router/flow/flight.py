@@ -25,9 +25,18 @@ from router.flow.hold_queue import FlowControl
 from router.observe.metrics import RouterMetrics
 from router.request.meter import ResponseMeter, Usage, usage_of
 from router.request.parse import OTHER, RESPONSES, headers_only_request, parse_request
-from router.request.rejections import UPSTREAM_DISCONNECTED, Answer, NoCapacity, Rejection, Saturated, answer
+from router.request.rejections import (
+    KINDS,
+    UPSTREAM_DISCONNECTED,
+    Answer,
+    NoCapacity,
+    Rejection,
+    Saturated,
+    answer,
+)
 from router.request.rewrite import ModelRewrites
-from router.request.types import RequestLimits, RouteRequest
+from router.request.slo import slo_of
+from router.request.types import RequestLimits, RouteRequest, SloTarget
 from router.scheduling.extension import Producer
 from router.scheduling.picker import Picker, RouteDecision
 from router.signals.calibration import evicted_blocks
@@ -51,6 +60,8 @@ CLIENT_GONE = "client_gone"  # the proxy's client disconnected mid-request
 CANCELLED = "cancelled"  # the client or the gateway went away before the response ended
 NO_ROUTE = "no_route"  # the stream ended before a request was complete enough to route
 ROUTED = "routed"  # ext_proc without response processing: the router never sees the response
+# The router's own refusals (``router.request.rejections.KINDS``' codes): no engine was asked.
+_REFUSED = frozenset(kind.code for kind in KINDS.values())
 
 
 def response_outcome(status: int, *, gateway_reply: bool = False) -> str:
@@ -80,6 +91,7 @@ class RequestFlow:
         links: LinkLearner | None = None,
         objectives: Mapping[str, int] | None = None,
         tracer: RequestTracer | None = None,
+        slo_objectives: Mapping[str, SloTarget] | None = None,
     ) -> None:
         """``signals``: where arrivals and observed latencies go (demand, the performance model);
         ``control``: flow control, which holds requests while the pool is saturated;
@@ -87,7 +99,9 @@ class RequestFlow:
         ``links``: what answered P/D pairs show of each link's bandwidth; ``objectives``: each
         InferenceObjective's priority by name. ``rewrites`` and ``objectives`` are read per
         request, so the cluster's objects replace them live. ``tracer``: spans per request (None:
-        tracing off, and no request pays more than that check)."""
+        tracing off, and no request pays more than that check). ``slo_objectives``: each
+        InferenceObjective's default SLOs by name (``slo.objectives``), which the ``x-slo-*``
+        headers override."""
         self.picker = picker
         self.metrics = metrics
         self.limits = limits
@@ -100,6 +114,7 @@ class RequestFlow:
         self.rewrites = rewrites if rewrites is not None else ModelRewrites([])
         self.objectives: Mapping[str, int] = objectives or {}
         self.tracer = tracer
+        self.slo_objectives: Mapping[str, SloTarget] = slo_objectives or {}
 
     @property
     def prepares(self) -> bool:
@@ -226,6 +241,7 @@ class Flight:
         if request.requested_model is not None:
             self.flow.metrics.rewritten(request.rewrite_rule, request.requested_model, request.model)
         request.subset = subset
+        request.slo = slo_of(self.headers, self.flow.slo_objectives)
         # Another API's "prompt" is its body's size, no estimate of characters: never calibrated.
         self.estimated_tokens = 0 if request.exact_tokens or request.api == OTHER else request.prompt_tokens
         return request
@@ -246,8 +262,12 @@ class Flight:
         request = self.request
         assert request is not None, "parse() or headers_only() first"
         self._calibrate(request)
+        picker = self.flow.picker
         try:
-            self.decision = self.flow.picker.pick(request)
+            if request.slo is None:
+                self.decision = picker.pick(request)
+            else:  # time held by flow control comes out of its TTFT objective
+                self.decision = picker.pick(request, waited_s=time.perf_counter() - self.started)
         except Saturated:
             raise
         except Rejection as rejection:
@@ -409,6 +429,8 @@ class Flight:
         metrics = self.flow.metrics
         metrics.observe_request(self.outcome, seconds)
         self._count(seconds)
+        if self.request is not None and self.request.slo is not None:
+            metrics.observe_slo(self.request.slo.objective, self._slo_outcome(self.request.slo))
         # Another API's answer (an embedding, a score) says nothing of prompt or decode speed.
         learns = self.request is None or self.request.api != OTHER
         if self.outcome == OK and self.decision is not None and not self.retargeted and learns:
@@ -431,6 +453,26 @@ class Flight:
         computed = decision.prefill or decision.decode
         endpoints = (computed.id,) if computed is decision.decode else (computed.id, decision.decode.id)
         sessions.remember(session[0], endpoints, request.prompt_tokens)
+
+    def _slo_outcome(self, target: SloTarget) -> str:
+        """Whether the answer met the request's SLO, as observed: ``rejected`` (refused by the
+        router), ``failed`` (no complete answer), ``missed_ttft``, ``missed_tpot`` or ``met``."""
+        if self.decision is None:  # never routed: refused by the router, or the client left first
+            return "rejected" if self.outcome in _REFUSED else "failed"
+        if self.outcome != OK:
+            return "failed"
+        if target.ttft_s is not None:
+            # A non-streamed answer's first token is its end: the client waited that long.
+            first = self.first_byte_at
+            if first is None and self.meter is not None and self.meter.first_at is not None:
+                first = self.meter.first_at
+            ttft = (first if first is not None else time.perf_counter()) - self.started
+            if ttft > target.ttft_s:
+                return "missed_ttft"
+        tpot = None if self.meter is None else self.meter.tpot()
+        if target.tpot_s is not None and tpot is not None and tpot > target.tpot_s:
+            return "missed_tpot"
+        return "met"
 
     def _end_span(self, outcome: str) -> None:
         tracer = self.flow.tracer

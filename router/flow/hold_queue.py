@@ -8,7 +8,10 @@ it the picker refuses a route whose predicted queue wait exceeds ``flow_control.
 
 * **Ordered**: by priority (the objective's, higher first; sheddable < 0), then round-robin
   between tenants (the ``x-llm-d-inference-fairness-id`` header) within a priority, FIFO within a
-  tenant. A new request never overtakes a waiting one of its priority or higher.
+  tenant. A new request never overtakes a waiting one of its priority or higher. Within a
+  tenant, requests with a TTFT SLO leave earliest deadline (arrival + objective) first, ahead of
+  those without one (FIFO among themselves); tenants stay round-robin, so one tenant's tight
+  deadlines cannot starve another.
 * **Bound late**: whenever capacity frees (a prefill finishes, a request ends, a scrape lands) and
   at least every ``poll_s``, the head is picked again *now*; it leaves with the best pod of that
   moment, or stays if the pool is still saturated.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -50,6 +54,7 @@ class FlowSettings:
     max_queue: int = 1024
     queue_timeout_s: float = 30.0
     poll_s: float = 0.05
+    deadlines: bool = True  # requests with a TTFT SLO leave earliest deadline first (``slo.per_request``)
 
 
 @dataclass(eq=False, slots=True)
@@ -58,6 +63,7 @@ class Waiter:
     priority: int
     tenant: str
     enqueued_at: float
+    deadline: float = math.inf  # when its TTFT objective runs out (inf: none), on ``clock``
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -110,7 +116,10 @@ class FlowControl:
         if self.size >= self.settings.max_queue:
             cls = Shed if sheddable else QueueFull
             raise cls(f"flow control queue full ({self.size} requests wait)", retry_after_s=1.0)
-        waiter = Waiter(flight, request.priority, flight.fairness_id(), self.clock())
+        now = self.clock()
+        ttft_s = None if request.slo is None or not self.settings.deadlines else request.slo.ttft_s
+        deadline = math.inf if ttft_s is None else now + ttft_s
+        waiter = Waiter(flight, request.priority, flight.fairness_id(), now, deadline)
         self._push(waiter)
         self._wake.set()
         outcome = "dispatched"
@@ -191,7 +200,11 @@ class FlowControl:
         if tenants is None:
             self.queues[waiter.priority] = tenants = OrderedDict()
             self.queues = dict(sorted(self.queues.items(), reverse=True))
-        tenants.setdefault(waiter.tenant, deque()).append(waiter)
+        fifo = tenants.setdefault(waiter.tenant, deque())
+        at = len(fifo)
+        while at and fifo[at - 1].deadline > waiter.deadline:  # earliest deadline first, else FIFO
+            at -= 1
+        fifo.insert(at, waiter)
         self.size += 1
         self.observer.queued(waiter, +1)
 

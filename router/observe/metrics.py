@@ -42,6 +42,9 @@ class RouterMetrics:
         self.rewrites = _instruments(series.MODEL_REWRITE_DECISIONS, r)
         r.register(_PoolCollector(pool, pool_name))
         self.per_request = RequestMetrics(r)
+        self.slo_requests = series.SLO_REQUESTS.instrument(r)
+        self._slo_objectives: set[str] = set()
+        self._slo_children: dict[tuple[str, str], Counter] = {}
         # Label children bound once per value: ``labels()`` costs a lock and a tuple per call.
         self._decision_children: dict[str, Counter] = {}
         self._request_children: dict[str, Counter] = {}
@@ -58,6 +61,14 @@ class RouterMetrics:
     def observe_request(self, outcome: str, seconds: float) -> None:
         _child(self._request_children, self.requests, outcome).inc()
         self.request_duration.observe(seconds)
+
+    def observe_slo(self, objective: str, outcome: str) -> None:
+        """One SLO request's outcome; objective names are client-chosen, so capped."""
+        label = _capped(objective or "none", self._slo_objectives, MAX_MODEL_LABELS)
+        child = self._slo_children.get((label, outcome))
+        if child is None:
+            child = self._slo_children[label, outcome] = self.slo_requests.labels(label, outcome)
+        child.inc()
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -133,6 +133,13 @@ SESSION_SHARED_ERRORS = CounterSeries(
     "pd_router_session_shared_errors",
     "Redis reads and writes of session homes that failed (the local entry, if any, was used).",
 )
+SLO_REQUESTS = CounterSeries(
+    "pd_router_slo_requests",
+    "Requests with an SLO (x-slo-* headers or their objective's), by InferenceObjective ('none': "
+    "headers alone) and outcome: met, missed_ttft, missed_tpot (observed), rejected (refused by "
+    "the router), failed (no complete answer).",
+    ("objective", "outcome"),
+)
 _REWRITE_HELP = "Requests whose model name was rewritten, by rule (or 'header'), asked and target name."
 _REWRITE_LABELS = ("model_rewrite_name", "model_name", "target_model")
 MODEL_REWRITE_DECISIONS = (

@@ -73,6 +73,20 @@ class QueueTimeout(NoCapacity):
     """The request waited its deadline in flow control without a pod having room."""
 
 
+class SloUnattainable(NoCapacity):
+    """No route is predicted to meet the request's SLO (``x-slo-ttft-ms``/``x-slo-tpot-ms`` or its
+    objective's): refused now rather than answered late; retry after ``Retry-After``."""
+
+
+class SloShed(Shed):
+    """``SloUnattainable`` for a sheddable request (priority < 0): 429."""
+
+
+class SloWait(Saturated):
+    """No route meets the request's SLO now, but its deadline has not passed: with flow control
+    (``slo.admission: hold``) it waits, earliest deadline first, instead of being refused."""
+
+
 class UpstreamFailed(Rejection):
     """Every engine tried for this request failed."""
 
@@ -96,6 +110,9 @@ KINDS: dict[type[Rejection], Kind] = {
     Saturated: Kind(503, "service_unavailable", "saturated"),
     QueueFull: Kind(503, "service_unavailable", "queue_full"),
     QueueTimeout: Kind(503, "service_unavailable", "queue_timeout"),
+    SloUnattainable: Kind(503, "service_unavailable", "slo_unattainable"),
+    SloShed: Kind(429, "rate_limit_error", "slo_unattainable"),
+    SloWait: Kind(503, "service_unavailable", "slo_unattainable"),
     UpstreamFailed: Kind(502, "server_error", "upstream_failed"),
 }
 

@@ -11,6 +11,17 @@ from typing import Any
 import numpy as np
 
 
+@dataclass(frozen=True, slots=True)
+class SloTarget:
+    """A request's latency objectives, in seconds (None: no objective on that measure), and the
+    InferenceObjective they came with ("" when the headers alone set them): the picker routes to
+    meet them and the SLO series count, per objective, whether they were met."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    objective: str = ""
+
+
 @dataclass(slots=True)
 class RouteRequest:
     """What the picker needs to know about one request; limits already enforced."""
@@ -61,6 +72,9 @@ class RouteRequest:
     session_id: str | None = None
     user: str | None = None
     session_id_invalid: bool = False  # an x-session-id was sent that is not one: ignored, counted
+    # Per-request latency objectives (``x-slo-ttft-ms``/``x-slo-tpot-ms``, or the objective's);
+    # None: routed on cost alone, exactly as before SLOs existed.
+    slo: SloTarget | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from router.scheduling.costmodel.policies import PairChoice, PairPicker
 from router.scheduling.costmodel.session import cached_blocks_with_session
 from router.scheduling.costmodel.view import Candidates, RequestCtx
 from router.scheduling.extension import CandidateFilter
+from router.scheduling.slo import SloGuide
 from router.state.pool import Endpoint, Pool, Reservation
 from router.state.sessions import HOME, INVALID, MOVED, NEW
 
@@ -143,9 +144,11 @@ class Picker:
         precise: PrefixIndex | None = None,
         defer: Callable[..., object] | None = None,
         links: LinkOverlay | None = None,
+        slo: SloGuide | None = None,
     ) -> None:
         """``index``: approximate (our own picks, text blocks); ``precise``: fed by KV events;
-        ``links``: link costs laid over the configured ones (learned from answers).
+        ``links``: link costs laid over the configured ones (learned from answers); ``slo``:
+        honours requests' own SLOs (None: every request is routed on cost alone).
 
         ``defer`` runs work that may follow a pick (recording the optimistic index entries); by
         default right after the pick returns when on an event loop (off its latency), else at once.
@@ -159,6 +162,7 @@ class Picker:
         self.filters = tuple(filters)
         self.defer: Callable[..., object] = defer or _after_pick
         self.links = links
+        self.slo = slo
         self._links: LinkTable | None = None
         self._links_version = (-1, -1)
         self._kept_layout: tuple[tuple[object, ...], Layout] | None = None  # (key, layout)
@@ -276,13 +280,19 @@ class Picker:
                 cached = np.where(covered, self.precise.match(request.precise_keys, slots), cached)
         return cached
 
-    def pick(self, request: RouteRequest, now: float | None = None) -> RouteDecision:
-        """Choose and reserve; raises ``NoCapacity`` or ``Shed``. Never awaits."""
+    def pick(
+        self, request: RouteRequest, now: float | None = None, *, waited_s: float = 0.0
+    ) -> RouteDecision:
+        """Choose and reserve; raises ``NoCapacity`` or ``Shed``. Never awaits. ``waited_s``: how
+        long the request has been in the router (spent from its TTFT SLO, if it has one)."""
         costs = self.costs(request, now)
         if not len(costs.decode):
             raise NoCapacity("no admitted endpoint with fresh metrics can decode", retry_after_s=1.0)
-        choice = self.pair_picker.choose(costs, self.settings.fallbacks)
         max_wait = self.settings.max_wait_s
+        chosen_from = costs
+        if request.slo is not None and self.slo is not None:
+            chosen_from = self.slo.constrain(costs, request, waited_s=waited_s, holds=max_wait is not None)
+        choice = self.pair_picker.choose(chosen_from, self.settings.fallbacks)
         if choice is None:
             view = costs.view
             capacity = view.cand.kv_capacity_tokens[costs.decode]

@@ -32,6 +32,7 @@ from router.flow.hold_queue import FlowControl, FlowSettings
 from router.observe.metrics import ControlMetrics, FlowMetrics, IndexCollector, PickerCollector, RouterMetrics
 from router.observe.tracing import RequestTracer, tracer_for
 from router.request.rewrite import ModelRewrites
+from router.request.types import SloTarget
 from router.scheduling.costmodel.link import LinkCosts, LinkOverlay
 from router.scheduling.costmodel.matrix import CostModel, WeightedTerm
 from router.scheduling.costmodel.policies import POLICIES
@@ -41,6 +42,7 @@ from router.scheduling.extension import Producer
 from router.scheduling.filters import ResponseHome, SubsetHint
 from router.scheduling.picker import Picker, PickerSettings
 from router.scheduling.producers import FreshLoad, PreciseKeys, SharedLookup
+from router.scheduling.slo import SloGuide, SloSettings
 from router.server.config import KubernetesConfig, PoolConfig, RedisConfig, Secrets, default_checks
 from router.signals.engines import EngineSpeeds
 from router.signals.links import LinkLearner
@@ -181,7 +183,29 @@ def picker_from(
         precise=precise,
         defer=defer,
         links=links,
+        slo=slo_guide_from(config, seed),
     )
+
+
+def slo_guide_from(config: PoolConfig, seed: int | None = None) -> SloGuide | None:
+    """The picker's SLO step (None with ``slo.per_request: false``: every request on cost alone)."""
+    slo = config.slo
+    if not slo.per_request:
+        return None
+    settings = SloSettings(slo.admission, slo.fit, slo.exploration)
+    return SloGuide(settings, None if seed is None else seed + 1)  # its own stream, not the tie-break's
+
+
+def slo_objectives_from(config: PoolConfig) -> dict[str, SloTarget]:
+    """Each InferenceObjective's default SLOs (``slo.objectives``), in seconds."""
+    return {
+        name: SloTarget(
+            None if o.ttft_ms is None else o.ttft_ms / 1000.0,
+            None if o.tpot_ms is None else o.tpot_ms / 1000.0,
+            name,
+        )
+        for name, o in config.slo.objectives.items()
+    }
 
 
 def learn_settings_from(config: PoolConfig) -> LearnSettings:
@@ -219,7 +243,12 @@ def scaling_settings_from(config: PoolConfig) -> ScalingSettings:
 
 def flow_settings_from(config: PoolConfig) -> FlowSettings:
     flow = config.flow_control
-    return FlowSettings(flow.max_queue, flow.queue_timeout_ms / 1000.0, flow.poll_ms / 1000.0)
+    return FlowSettings(
+        flow.max_queue,
+        flow.queue_timeout_ms / 1000.0,
+        flow.poll_ms / 1000.0,
+        deadlines=config.slo.per_request,
+    )
 
 
 @dataclass(frozen=True)
@@ -426,6 +455,7 @@ def build(
         links,
         objectives=dict(config.objectives),
         tracer=tracer,
+        slo_objectives=slo_objectives_from(config),
     )
     gate_results = None
     if shared_redis is not None and config.gate.share_results:

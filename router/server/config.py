@@ -118,9 +118,23 @@ class EndpointConfig(_Strict):
         return self.name or self.address
 
 
+# An objective beyond an hour is a mistake, not a latency target (as the x-slo-* headers' limit).
+SloMs = Annotated[float, Field(gt=0, le=3_600_000)]
+
+
+class ObjectiveSLOConfig(_Strict):
+    """An InferenceObjective's default SLOs; a request's ``x-slo-*`` header wins per measure."""
+
+    ttft_ms: SloMs | None = Field(None, description="time to first token objective (ms); unset: none")
+    tpot_ms: SloMs | None = Field(None, description="time per output token objective (ms); unset: none")
+
+
 class SLOConfig(_Strict):
     """The latency objectives: what shedding, admission and the replica recommendation aim for.
-    They do not set the routing trade (``picker.tpot_weight``, ``picker.kv_penalty_tokens`` do)."""
+    They do not set the routing trade (``picker.tpot_weight``, ``picker.kv_penalty_tokens`` do).
+    Requests may carry their own (``x-slo-ttft-ms``/``x-slo-tpot-ms``, or their objective's
+    ``objectives`` entry): the picker then prefers routes predicted to meet them (docs/routing.md,
+    Per-request SLOs)."""
 
     ttft_ms: Positive = Field(
         2000.0,
@@ -129,6 +143,34 @@ class SLOConfig(_Strict):
     )
     tpot_ms: Positive = Field(
         100.0, description="time per output token target (ms): the decode role's load and replicas"
+    )
+    per_request: bool = Field(
+        True,
+        description="route requests with their own SLOs to meet them; false: route every request on "
+        "cost alone (their SLOs are still validated and counted)",
+    )
+    admission: Literal["reject", "hold", "off"] = Field(
+        "hold",
+        description="a request whose SLO no route is predicted to meet: reject (429 if sheddable, "
+        "else 503 slo_unattainable), hold (with flow_control.enabled: held, earliest deadline first, "
+        "until its TTFT objective is spent, then refused as reject; without flow control: reject) or "
+        "off (routed on cost, late); requests without an SLO are never refused by this",
+    )
+    fit: Literal["reserve", "cost"] = Field(
+        "reserve",
+        description="among routes meeting a request's SLO: reserve (with flow_control.enabled, a "
+        "request whose TTFT objective is at least twice the tightest recent one leaves the routes "
+        "fast enough for that one to tight requests while a slower route meets its own; then the "
+        "cheapest) or cost (the cheapest)",
+    )
+    exploration: Annotated[float, Field(ge=0, le=1)] = Field(
+        0.02,
+        description="share of requests with an SLO routed on cost alone, admission included, so the "
+        "predictions keep being tested where the SLO logic would not send traffic",
+    )
+    objectives: dict[Annotated[str, Field(min_length=1)], ObjectiveSLOConfig] = Field(
+        default_factory=dict,
+        description="default SLOs per InferenceObjective name (the x-gateway-inference-objective header)",
     )
 
 

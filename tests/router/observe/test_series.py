@@ -58,6 +58,7 @@ def every_collector_with_a_sample() -> CollectorRegistry:
     metrics.observe_request("ok", 0.1)
     metrics.observe_pick(SimpleNamespace(kind="pd-pair"), 0.001)
     metrics.rewritten("rule", "m", "m2")
+    metrics.observe_slo("premium", "met")
     metrics.upstream_errors.labels("p0").inc()
     metrics.prefill_fallback_local.inc()
     children = metrics.per_request.bind("m", "tenant", 0, True)

@@ -1,0 +1,54 @@
+"""The x-slo-* headers and objective defaults: read in seconds, per measure, and every value
+that is not a positive number of milliseconds up to an hour refused with a 400 naming the header."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.request.rejections import BadRequest, answer
+from router.request.slo import slo_of
+from router.request.types import SloTarget
+
+DEFAULTS = {"premium": SloTarget(0.2, 0.03, "premium"), "batch": SloTarget(None, 0.2, "batch")}
+
+
+def test_headers_give_both_objectives_in_seconds() -> None:
+    assert slo_of({"x-slo-ttft-ms": "250", "x-slo-tpot-ms": "12.5"}) == SloTarget(0.25, 0.0125, "")
+
+
+def test_no_header_and_no_objective_default_means_no_slo() -> None:
+    assert slo_of({}) is None
+    assert slo_of({"x-gateway-inference-objective": "unknown"}, DEFAULTS) is None
+
+
+def test_an_objective_gives_its_defaults_and_a_header_overrides_one_measure() -> None:
+    named = {"x-gateway-inference-objective": "premium"}
+    assert slo_of(named, DEFAULTS) == SloTarget(0.2, 0.03, "premium")
+    assert slo_of({**named, "x-slo-ttft-ms": "900"}, DEFAULTS) == SloTarget(0.9, 0.03, "premium")
+    # An objective with only a TPOT default: the header adds the TTFT one.
+    batch = {"x-llm-d-inference-objective": "batch", "x-slo-ttft-ms": "5000"}
+    assert slo_of(batch, DEFAULTS) == SloTarget(5.0, 0.2, "batch")
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("fast", "must be a number of milliseconds"),
+        ("", "must be a number of milliseconds"),
+        ("0", "must be a positive number"),
+        ("-5", "must be a positive number"),
+        ("nan", "must be a positive number"),
+        ("inf", "must be a positive number"),
+        ("3600001", "at most 3.6e+06 ms (an hour)"),
+    ],
+)
+@pytest.mark.parametrize("header", ["x-slo-ttft-ms", "x-slo-tpot-ms"])
+def test_invalid_values_are_a_400_naming_the_header(header: str, value: str, says: str) -> None:
+    with pytest.raises(BadRequest) as refused:
+        slo_of({header: value}, DEFAULTS)
+    assert header in refused.value.message and says in refused.value.message
+    assert answer(refused.value).status == 400
+
+
+def test_an_hour_exactly_is_accepted() -> None:
+    assert slo_of({"x-slo-ttft-ms": "3600000"}) == SloTarget(3600.0, None, "")
