@@ -32,7 +32,7 @@ from router.flow.flight import RequestFlow
 from router.flow.hold_queue import FlowControl, FlowSettings
 from router.observe.metrics import RouterMetrics
 from router.request.rejections import NoCapacity, QueueFull, QueueTimeout, Saturated, Shed, answer
-from router.request.types import RouteRequest
+from router.request.types import RouteRequest, SloTarget
 from router.server.compose import flow_settings_from
 from router.state.pool import Pool
 from simulator.engine import EngineSpec
@@ -94,6 +94,38 @@ async def test_held_requests_bind_by_priority_then_round_robin_between_tenants()
     assert control.dispatch() == 6
     await asyncio.gather(*tasks)
     assert room.order == ["urgent", "a1", "b1", "a2", "a3", "sheddable"]
+
+
+def slo_flight(room: Room, name: str, ttft_s: float | None, tenant: str = "") -> FakeFlight:
+    flight = FakeFlight(room, name, tenant=tenant)
+    assert flight.request is not None
+    flight.request.slo = None if ttft_s is None else SloTarget(ttft_s, None, "")
+    return flight
+
+
+@pytest.mark.parametrize("deadlines", [True, False])
+async def test_within_a_tenant_held_requests_leave_earliest_deadline_first(deadlines: bool) -> None:
+    room = Room()
+    control = FlowControl(FlowSettings(poll_s=0.01, deadlines=deadlines))
+    flights = [
+        slo_flight(room, "none-1", None),
+        slo_flight(room, "relaxed", 5.0),
+        slo_flight(room, "tight", 0.2),
+        slo_flight(room, "none-2", None),
+        slo_flight(room, "other-tenant", 0.1, tenant="b"),
+        slo_flight(room, "middling", 1.0),
+    ]
+    tasks = []
+    for held, flight in enumerate(flights, 1):
+        tasks.append(asyncio.create_task(admit(control, flight)))
+        await eventually(lambda held=held: control.size == held, what=f"{flight.name} held")
+    room.free = len(flights)
+    assert control.dispatch() == len(flights)
+    await asyncio.gather(*tasks)
+    if deadlines:  # tenants still alternate; within tenant "" deadlines first, then FIFO
+        assert room.order == ["tight", "other-tenant", "middling", "relaxed", "none-1", "none-2"]
+    else:  # slo.per_request: false: arrival order, as before SLOs
+        assert room.order == ["none-1", "other-tenant", "relaxed", "tight", "none-2", "middling"]
 
 
 async def test_a_full_queue_and_a_deadline_answer_with_the_right_status() -> None:
