@@ -470,7 +470,7 @@ async def _drive(
         # As aiohttp's ``json=`` sends it (simulator.workloads.client.send), with a request id
         # of its own so the run does not depend on uuid4.
         raw = json.dumps(item.body).encode()
-        headers = {"Content-Type": "application/json", "X-Request-Id": f"r{index:06d}"}
+        headers = {"Content-Type": "application/json", "X-Request-Id": f"r{index:06d}", **item.headers}
         if session_ids:
             headers["X-Session-Id"] = f"s{item.session}"
         response = await client.call("POST", item.path, headers, raw, on_data)
@@ -481,6 +481,7 @@ async def _drive(
             result = tally.result(response.status, response.headers)
             result.request_id = result.request_id or headers["X-Request-Id"]
         result.at_s = item.at_s
+        result.tag = item.tag
         summary.results.append(result)
 
     await asyncio.gather(*(one(i, item) for i, item in enumerate(workload.items)))
@@ -599,6 +600,7 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
         )
     if any(run.lora_loads for run in runs):
         lines.append("  LoRA adapter loads: " + ", ".join(f"{run.policy} {run.lora_loads}" for run in runs))
+    lines += render_slo_attainment(scn, runs, tm)
     lines += render_prediction_errors(runs)
     lines += render_regrets(runs)
     for run in runs:
@@ -610,6 +612,42 @@ def render(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel, requests: in
         if run.pruned:
             lines.append(f"  {run.policy}: this router does not know {', '.join(run.pruned)} (dropped)")
     return "\n".join(lines) + "\n"
+
+
+def slo_attainment(scn: Scenario, run: PolicyRun, tm: TimeModel) -> dict[str, tuple[float, int, int]]:
+    """Per SLO class (and ``all``): (share of its requests answered within both objectives,
+    requests, refused by the router). A refused or failed request missed its SLO."""
+    out: dict[str, tuple[float, int, int]] = {}
+    met_all = n_all = refused_all = 0
+    for tag, (ttft_s, tpot_s) in scn.slo_classes.items():
+        results = [r for r in run.summary.results if r.tag == tag]
+        met = sum(
+            1
+            for r in results
+            if r.ok and r.ttft_s <= ttft_s / tm.speed and not r.tpot_s > tpot_s / tm.speed  # NaN: one token
+        )
+        refused = sum(1 for r in results if r.status in (429, 503))
+        out[tag] = (met / len(results) if results else math.nan, len(results), refused)
+        met_all, n_all, refused_all = met_all + met, n_all + len(results), refused_all + refused
+    out["all"] = (met_all / n_all if n_all else math.nan, n_all, refused_all)
+    return out
+
+
+def render_slo_attainment(scn: Scenario, runs: Sequence[PolicyRun], tm: TimeModel) -> list[str]:
+    """With SLO classes: each policy's attainment per class (refused requests count as missed)."""
+    if not scn.slo_classes:
+        return []
+    classes = [*scn.slo_classes, "all"]
+    width = max(18, *(len(run.policy) for run in runs))
+    header = f"  {'SLO attainment':<{width}} " + " ".join(f"{c:>22}" for c in classes)
+    lines = ["", header, "  " + "-" * (len(header) - 2)]
+    for run in runs:
+        cells = slo_attainment(scn, run, tm)
+        lines.append(
+            f"  {run.policy:<{width}} "
+            + " ".join(f"{cells[c][0]:>7.1%} of {cells[c][1]:>4} ({cells[c][2]:>3} refused)" for c in classes)
+        )
+    return lines
 
 
 def render_regrets(runs: Sequence[PolicyRun]) -> list[str]:

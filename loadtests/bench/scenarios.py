@@ -15,6 +15,8 @@ Scenarios:
   g  4 × prefill-decode pods with 4 LoRA slots each, 8 adapters of Zipf popularity (and base-model
      traffic): adapter loads stall an engine's step
   h  (g) with 32 adapters: more than the pool's 16 slots, so some loads are unavoidable
+  i, j, k  4 × prefill-decode pods, a quarter of the requests with tight SLOs and the rest relaxed
+     (``x-slo-*`` headers), at 0.8, 1.0 and 1.2 × the nominal capacity: SLO attainment per class
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ class Scenario:
     goodput_tpot_s: float = GOODPUT_TPOT_S
     # Settings of the router's configuration this scenario needs (applied to ``config_data``'s).
     configure: Callable[[dict[str, Any], TimeModel], None] | None = None
+    # Per-request SLO classes (``WorkItem.tag`` -> (TTFT, TPOT) objectives in seconds at speed 1):
+    # the table adds each class's attainment.
+    slo_classes: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 # -- scenario definitions --------------------------------------------------------------------------
@@ -92,6 +97,58 @@ E_PROMPT, E_SHARED, E_PREFIXES, E_OUT_LOW, E_OUT_HIGH = 1024, 512, 8, 192, 384
 # engine's whole step, as vLLM loads adapters inside its step.
 G_POOL_BLOCKS, G_MAX_LORAS, G_LOAD_S = 2048, 4, 0.1
 G_PROMPT, G_MAX_TOKENS, G_BASE_SHARE = 512, 32, 0.25
+
+
+# (i)/(j)/(k): per-request SLOs. 4 prefill-decode pods; prompts of 1024 tokens (512 shared, 8
+# prefixes), 64–128 out; a quarter of the requests are interactive with tight objectives, the rest
+# relaxed (batch-like). Arrivals at 0.8, 1.0 and 1.2 × the nominal capacity (``nominal_capacity``).
+SLO_MIX_TOKENS = (1024, 512, 64, 128)  # prompt, shared, max_tokens low, high
+SLO_PREFIXES, SLO_BLOCKS = 8, 2048
+SLO_TIGHT_SHARE = 0.25
+SLO_CLASSES = {"tight": (0.150, 0.050), "relaxed": (2.0, 0.150)}  # TTFT, TPOT objectives (s)
+SLO_LOADS = {"i": 0.8, "j": 1.0, "k": 1.2}
+
+
+def _slo_pool(tm: TimeModel) -> list[EngineSpec]:
+    return [
+        EngineSpec(f"pod-{i}", "prefill-decode", link="rack-a", num_gpu_blocks=SLO_BLOCKS, time=tm)
+        for i in range(4)
+    ]
+
+
+def _slo_traffic(n: int, rate: float, seed: int) -> Workload:
+    prompt, shared, low, high = SLO_MIX_TOKENS
+    wl = _poisson(n, rate, seed, "slo-mix", Phase(0.0, rate, None, prompt, shared, SLO_PREFIXES, low, high))
+    classes = random.Random(seed + 7919)  # its own stream: the arrivals are phased()'s
+    for item in wl.items:
+        item.tag = "tight" if classes.random() < SLO_TIGHT_SHARE else "relaxed"
+        ttft, tpot = SLO_CLASSES[item.tag]
+        item.headers = {"x-slo-ttft-ms": f"{ttft * 1000:g}", "x-slo-tpot-ms": f"{tpot * 1000:g}"}
+    return wl
+
+
+def _slo_scenario(key: str, load: float) -> Scenario:
+    prompt, shared, low, high = SLO_MIX_TOKENS
+    capacity = nominal_capacity(TimeModel(), Mix("slo", prompt, shared, low, high), "pd", 4)
+    classes = ", ".join(
+        f"{name} TTFT ≤ {ttft * 1000:g} ms, TPOT ≤ {tpot * 1000:g} ms"
+        for name, (ttft, tpot) in SLO_CLASSES.items()
+    )
+    return Scenario(
+        key,
+        f"({key}) 4 × prefill-decode, mixed tight/relaxed SLOs at {load:g}× capacity",
+        _slo_pool,
+        _slo_traffic,
+        ["least-loaded", "pd-router"],
+        rate=load * capacity,
+        requests=600,
+        params=(
+            f"{prompt} tok prompts ({shared} shared, {SLO_PREFIXES} prefixes), {low}–{high} out; "
+            f"{SLO_TIGHT_SHARE:.0%} tight, the rest relaxed ({classes}; x-slo-* headers); nominal "
+            f"capacity {capacity:.1f} req/s; {SLO_BLOCKS * 16} KV tokens/pod"
+        ),
+        slo_classes=SLO_CLASSES,
+    )
 
 
 def _lora_pool(adapters: int) -> Callable[[TimeModel], list[EngineSpec]]:
@@ -227,17 +284,14 @@ def _bursty_chat(n: int, rate: float, seed: int) -> Workload:
 
 
 def _long_outputs(n: int, rate: float, seed: int) -> Workload:
-    # Poisson arrivals over a longer stretch than needed, cut at exactly ``n`` requests.
-    phase = Phase(
-        1.5 * n / rate + 1.0,
-        rate,
-        prompt_tokens=E_PROMPT,
-        shared_tokens=E_SHARED,
-        n_prefixes=E_PREFIXES,
-        max_tokens=E_OUT_LOW,
-        max_tokens_high=E_OUT_HIGH,
-    )
-    wl = phased([phase], seed=seed, name="long-outputs")
+    shape = Phase(0.0, rate, None, E_PROMPT, E_SHARED, E_PREFIXES, E_OUT_LOW, E_OUT_HIGH)
+    return _poisson(n, rate, seed, "long-outputs", shape)
+
+
+def _poisson(n: int, rate: float, seed: int, name: str, shape: Phase) -> Workload:
+    """Exactly ``n`` requests of ``shape`` (its duration ignored), Poisson at ``rate``: arrivals
+    over a longer stretch than needed, cut at ``n``."""
+    wl = phased([replace(shape, duration_s=1.5 * n / rate + 1.0, rate=rate)], seed=seed, name=name)
     wl.items = wl.items[:n]
     return wl
 
@@ -496,8 +550,8 @@ def matrix_scenario(shape: str, pods: int, mix: Mix, load: float, seconds: float
         ]
 
     def workload(n: int, rate: float, seed: int) -> Workload:
-        phase = Phase(
-            1.5 * n / rate + 1.0,
+        shape = Phase(
+            0.0,
             rate,
             prompt_tokens=mix.prompt_tokens,
             shared_tokens=mix.shared_tokens,
@@ -505,9 +559,7 @@ def matrix_scenario(shape: str, pods: int, mix: Mix, load: float, seconds: float
             max_tokens=mix.max_tokens,
             max_tokens_high=mix.max_tokens_high,
         )
-        wl = phased([phase], seed=seed, name=f"matrix-{mix.name}")
-        wl.items = wl.items[:n]
-        return wl
+        return _poisson(n, rate, seed, f"matrix-{mix.name}", shape)
 
     kind = "prefill-decode" if shape == "pd" else "P/D split"
     return Scenario(
@@ -524,3 +576,8 @@ def matrix_scenario(shape: str, pods: int, mix: Mix, load: float, seconds: float
             f"{mix.max_tokens}–{mix.max_tokens_high} out; nominal capacity {rate / load:.1f} req/s"
         ),
     )
+
+
+# (i)/(j)/(k) are sized by ``nominal_capacity``, so they join the table once it is defined.
+for _key, _load in SLO_LOADS.items():
+    SCENARIOS[_key] = _slo_scenario(_key, _load)

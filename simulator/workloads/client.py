@@ -31,6 +31,7 @@ class Result:
     error: str = ""
     at_s: float = float("nan")  # the item's arrival offset (set by run_workload)
     request_id: str = ""  # the X-Request-Id the router answered with (matches its pick)
+    tag: str = ""  # the work item's class (``WorkItem.tag``), e.g. its SLO class
 
 
 def percentile(values: Iterable[float], q: float) -> float:

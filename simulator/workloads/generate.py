@@ -56,6 +56,9 @@ class WorkItem:
     body: dict[str, Any]
     session: int = 0  # conversation id (multi-turn), or prefix group (shared-prefix)
     turn: int = 0
+    # Request headers of its own (per-request SLOs), and its class in the results ("": none).
+    headers: dict[str, str] = field(default_factory=dict)
+    tag: str = ""
 
 
 @dataclass(slots=True)
