@@ -429,7 +429,8 @@ class Flight:
         metrics = self.flow.metrics
         metrics.observe_request(self.outcome, seconds)
         self._count(seconds)
-        if self.request is not None and self.request.slo is not None:
+        # Without response processing (ext_proc ``routed``) the answer is never seen: not counted.
+        if self.request is not None and self.request.slo is not None and self.outcome != ROUTED:
             metrics.observe_slo(self.request.slo.objective, self._slo_outcome(self.request.slo))
         # Another API's answer (an embedding, a score) says nothing of prompt or decode speed.
         learns = self.request is None or self.request.api != OTHER

@@ -129,6 +129,14 @@ class RequestTracer:
         operation = _OPERATIONS.get(request.api)
         if operation is not None:
             attributes["gen_ai.operation.name"] = operation
+        slo = request.slo
+        if slo is not None:  # only requests that carry one: the others' spans are as before
+            if slo.ttft_s is not None:
+                attributes["pd_router.slo.ttft_s"] = slo.ttft_s
+            if slo.tpot_s is not None:
+                attributes["pd_router.slo.tpot_s"] = slo.tpot_s
+            if slo.objective:
+                attributes["pd_router.slo.objective"] = slo.objective
         if decision.prefill is not None:
             attributes["pd_router.prefill.endpoint"] = decision.prefill.id
             attributes["pd_router.prefill.address"] = decision.prefill.address

@@ -298,6 +298,32 @@ async def test_an_incoming_traceparent_is_the_request_span_s_parent(spans: Any) 
     assert engine_headers["tracestate"] == "vendor=1"
 
 
+async def test_a_request_s_slo_is_on_its_span_and_an_unmeetable_one_is_an_error(spans: Any) -> None:
+    provider, exporter = spans
+    sections = {**TRACING, "slo": {"exploration": 0}}
+    async with (
+        router_on_sim(SINGLE, sections, tracer_provider=provider) as (_cluster, _app, base),
+        aiohttp.ClientSession() as http,
+    ):
+        relaxed = {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "500"}
+        async with http.post(f"{base}/v1/completions", json=completion(), headers=relaxed) as resp:
+            assert resp.status == 200
+            await resp.read()
+        await finished(exporter, 2)
+        async with http.post(
+            f"{base}/v1/completions", json=completion(), headers={"x-slo-ttft-ms": "0.001"}
+        ) as resp:
+            assert resp.status == 503
+        await finished(exporter, 3)
+    served, refused = [s for s in exporter.get_finished_spans() if s.name == "pd_router.request"]
+    assert (
+        served.attributes["pd_router.slo.ttft_s"] == 60.0 and served.attributes["pd_router.slo.tpot_s"] == 0.5
+    )
+    assert "pd_router.slo.objective" not in served.attributes
+    assert refused.status.status_code is StatusCode.ERROR
+    assert refused.attributes["error.type"] == "slo_unattainable"
+
+
 async def test_a_refused_request_s_span_has_error_status_and_the_answer_s_status(spans: Any) -> None:
     provider, exporter = spans
     async with (
