@@ -17,7 +17,9 @@ it the picker refuses a route whose predicted queue wait exceeds ``flow_control.
   moment, or stays if the pool is still saturated.
 * **Bounded**: at most ``max_queue`` requests (then 503 ``queue_full``; 429 ``shed`` for a
   sheddable one), each at most ``queue_timeout_s`` (then 503 ``queue_timeout``, or 429), with
-  ``Retry-After``. Shutdown answers everyone still waiting.
+  ``Retry-After``. Shutdown answers everyone still waiting. A request with a TTFT SLO is refused
+  (``slo_unattainable``: 503, or 429 if sheddable) once its objective has run out while held,
+  with ``refuse_late``: a late answer would miss it anyway.
 
 ``bind_now`` never awaits (the ext_proc stream only pauses when it returns False); ``wait`` is
 the held path. Both go through ``Flight.pick``, so a held request is counted like any other.
@@ -34,7 +36,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from router.request.rejections import QueueFull, QueueTimeout, Rejection, Saturated, Shed
+from router.request.rejections import (
+    QueueFull,
+    QueueTimeout,
+    Rejection,
+    Saturated,
+    Shed,
+    SloShed,
+    SloUnattainable,
+)
 from router.request.types import RouteRequest
 
 
@@ -55,6 +65,9 @@ class FlowSettings:
     queue_timeout_s: float = 30.0
     poll_s: float = 0.05
     deadlines: bool = True  # requests with a TTFT SLO leave earliest deadline first (``slo.per_request``)
+    # A held request with a TTFT SLO is refused (slo_unattainable) when its objective runs out,
+    # not answered late (``slo.admission`` other than off).
+    refuse_late: bool = False
 
 
 @dataclass(eq=False, slots=True)
@@ -123,12 +136,22 @@ class FlowControl:
         self._push(waiter)
         self._wake.set()
         outcome = "dispatched"
+        limit = self.settings.queue_timeout_s
+        late = self.settings.refuse_late and deadline - now < limit
+        if late:
+            limit = max(0.0, deadline - now)
         try:
-            async with asyncio.timeout(self.settings.queue_timeout_s):
+            async with asyncio.timeout(limit):
                 await waiter.future
         except TimeoutError:
             outcome = "timeout"
             self._remove(waiter)
+            if flight.decision is None and late:
+                refusal = SloShed if sheddable else SloUnattainable
+                raise refusal(
+                    f"held {limit * 1000:.0f} ms, its whole TTFT objective, without a route to meet it",
+                    retry_after_s=1.0,
+                ) from None
             if flight.decision is None:
                 cls = Shed if sheddable else QueueTimeout
                 raise cls(

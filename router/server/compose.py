@@ -248,6 +248,7 @@ def flow_settings_from(config: PoolConfig) -> FlowSettings:
         flow.queue_timeout_ms / 1000.0,
         flow.poll_ms / 1000.0,
         deadlines=config.slo.per_request,
+        refuse_late=config.slo.per_request and config.slo.admission != "off",
     )
 
 

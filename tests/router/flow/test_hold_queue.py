@@ -31,7 +31,16 @@ from router.adapters.extproc import ExtProcCall, ExtProcSettings, ExtProcStream
 from router.flow.flight import RequestFlow
 from router.flow.hold_queue import FlowControl, FlowSettings
 from router.observe.metrics import RouterMetrics
-from router.request.rejections import NoCapacity, QueueFull, QueueTimeout, Saturated, Shed, answer
+from router.request.rejections import (
+    NoCapacity,
+    QueueFull,
+    QueueTimeout,
+    Saturated,
+    Shed,
+    SloShed,
+    SloUnattainable,
+    answer,
+)
 from router.request.types import RouteRequest, SloTarget
 from router.server.compose import flow_settings_from
 from router.state.pool import Pool
@@ -126,6 +135,27 @@ async def test_within_a_tenant_held_requests_leave_earliest_deadline_first(deadl
         assert room.order == ["tight", "other-tenant", "middling", "relaxed", "none-1", "none-2"]
     else:  # slo.per_request: false: arrival order, as before SLOs
         assert room.order == ["none-1", "other-tenant", "relaxed", "tight", "none-2", "middling"]
+
+
+async def test_a_held_request_is_refused_when_its_ttft_objective_runs_out() -> None:
+    room = Room()
+    control = FlowControl(FlowSettings(queue_timeout_s=30.0, poll_s=0.01, refuse_late=True))
+    tight = asyncio.create_task(admit(control, slo_flight(room, "tight", 0.05)))
+    patient = asyncio.create_task(admit(control, slo_flight(room, "no-slo", None)))
+    sheddable = slo_flight(room, "sheddable", 0.05)
+    assert sheddable.request is not None
+    sheddable.request.priority = -1
+    shed = asyncio.create_task(admit(control, sheddable))
+    with pytest.raises(SloUnattainable) as refused:
+        await tight
+    assert answer(refused.value).status == 503 and refused.value.code == "slo_unattainable"
+    with pytest.raises(SloShed):
+        await shed
+    assert control.size == 1 and not patient.done()  # no objective: held until room or its timeout
+    room.free = 1
+    control.dispatch()
+    await patient
+    assert room.order == ["no-slo"]
 
 
 async def test_a_full_queue_and_a_deadline_answer_with_the_right_status() -> None:
