@@ -52,7 +52,7 @@ from router.signals.scaling import PoolSignals, ScalingSettings
 from router.signals.shared import SharedDemand
 from router.state.kv_sink import IndexEventSink, PoolSubscriptions
 from router.state.pool import Pool
-from router.state.response_homes import ResponseHomeLookup, SharedResponseHomes
+from router.state.response_homes import ResponseHomeLookup, SharedHomes
 from router.state.sessions import SessionHomeLookup, SessionHomes
 from router.state.shared_load import SharedLoad
 
@@ -396,7 +396,7 @@ def build(
         producers.append(FreshLoad(shared_load, shared_redis.lookup_timeout_ms / 1000.0))
     if shared_redis is not None:
         clients.append(redis_client(shared_redis.url, password))
-        pool.response_homes.shared = SharedResponseHomes(
+        pool.response_homes.shared = SharedHomes(
             clients[-1],
             shared_redis.namespace,
             ttl_s=shared_redis.ttl_s,
@@ -404,7 +404,7 @@ def build(
         )
         producers.append(ResponseHomeLookup(pool.response_homes))
         if config.sessions.enabled:  # the same client: one GET before a session's pick
-            pool.sessions.shared = SharedResponseHomes(
+            pool.sessions.shared = SharedHomes(
                 clients[-1],
                 shared_redis.namespace,
                 ttl_s=config.sessions.ttl_s,

@@ -43,7 +43,7 @@ def keep_newest(entries: OrderedDict[str, V], key: str, value: V, max_entries: i
 class ResponseHomes:
     def __init__(self, max_entries: int = 100_000) -> None:
         self.max_entries = max_entries
-        self.shared: SharedResponseHomes | None = None  # with index.redis
+        self.shared: SharedHomes | None = None  # with index.redis
         self._homes: OrderedDict[str, str] = OrderedDict()  # response id -> endpoint id
 
     def remember(self, response_id: str, endpoint_id: str) -> None:
@@ -69,11 +69,11 @@ class ResponseHomes:
         return len(self._homes)
 
 
-class SharedResponseHomes:
-    """The homes in Redis, one key per answer (written in the background, read within a timeout).
+class SharedHomes:
+    """Homes in Redis, one key each (written in the background, read within a timeout): the
+    Responses API answers' (``resp``) and the sessions' (``session``, ``router/state/sessions.py``).
 
-    ``kind`` names the keys (``{namespace}:<kind>:<id>``) and the warning: session homes
-    (``router/state/sessions.py``) are kept the same way under ``session``."""
+    ``kind`` names the keys (``{namespace}:<kind>:<id>``) and the warning."""
 
     def __init__(
         self, client: Any, namespace: str, *, ttl_s: float, timeout_s: float, kind: str = "resp"

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.request.types import RouteRequest
-from router.state.response_homes import SharedResponseHomes, keep_newest
+from router.state.response_homes import SharedHomes, keep_newest
 
 # What a pick did with a session (``pd_router_session_routes_total{outcome}``).
 HOME = "home"  # the pod that computes the prompt is one of the session's home pods
@@ -73,7 +73,7 @@ class SessionHomes:
         self.enabled = enabled
         self.user_weight = user_weight
         self.clock = clock
-        self.shared: SharedResponseHomes | None = None  # with index.redis
+        self.shared: SharedHomes | None = None  # with index.redis
         self.routes = dict.fromkeys(OUTCOMES, 0)
         self._homes: OrderedDict[str, SessionHome] = OrderedDict()
 

@@ -6,7 +6,7 @@ from helpers import eventually
 from redis.asyncio import Redis
 
 from loadtests.servers.redis import RedisServer
-from router.state.response_homes import ResponseHomes, SharedResponseHomes
+from router.state.response_homes import ResponseHomes, SharedHomes
 
 
 def test_the_oldest_answers_are_forgotten_first() -> None:
@@ -22,9 +22,9 @@ def test_the_oldest_answers_are_forgotten_first() -> None:
 async def test_one_replica_learns_another_s_answers_and_redis_trouble_only_counts(
     redis: RedisServer, redis_client: Redis
 ) -> None:
-    def replica() -> tuple[ResponseHomes, SharedResponseHomes]:
+    def replica() -> tuple[ResponseHomes, SharedHomes]:
         homes = ResponseHomes()
-        homes.shared = SharedResponseHomes(redis_client, "t", ttl_s=60.0, timeout_s=0.5)
+        homes.shared = SharedHomes(redis_client, "t", ttl_s=60.0, timeout_s=0.5)
         return homes, homes.shared
 
     (a, a_shared), (b, b_shared) = replica(), replica()

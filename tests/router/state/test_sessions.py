@@ -6,7 +6,7 @@ from helpers import eventually, make_request
 from redis.asyncio import Redis
 
 from loadtests.servers.redis import RedisServer
-from router.state.response_homes import SharedResponseHomes
+from router.state.response_homes import SharedHomes
 from router.state.sessions import SessionHome, SessionHomes
 
 
@@ -53,9 +53,9 @@ async def test_another_replica_keeps_the_session_home_and_redis_trouble_only_cou
 ) -> None:
     clock = Clock()
 
-    def replica() -> tuple[SessionHomes, SharedResponseHomes]:
+    def replica() -> tuple[SessionHomes, SharedHomes]:
         homes = SessionHomes(enabled=True, clock=clock)
-        homes.shared = SharedResponseHomes(redis_client, "t", ttl_s=60.0, timeout_s=0.5, kind="session")
+        homes.shared = SharedHomes(redis_client, "t", ttl_s=60.0, timeout_s=0.5, kind="session")
         return homes, homes.shared
 
     (a, a_shared), (b, b_shared) = replica(), replica()
