@@ -59,6 +59,7 @@ API_PATHS = {
     "/v1/messages": "messages",
     "/v1/responses": "responses",
 }
+STORED_RESPONSES = 10_000  # Responses API answers an engine keeps for GET /v1/responses/{id}
 _ID_PREFIX = {"completions": "cmpl-", "chat": "chatcmpl-", "messages": "msg_", "responses": "resp_"}
 # The simulated model's chat template (vLLM renders chat requests with the model's template, then
 # tokenizes the text): "<|role|>\ncontent\n" per message, then "<|assistant|>\n". Text parts of
@@ -316,6 +317,8 @@ class SimEngine:
         # referenced are in use; the others are free blocks that keep their content until reused.
         self._cache: OrderedDict[int, None] = OrderedDict()
         self._cached_and_referenced = 0
+        # Responses API answers kept for GET /v1/responses/{id} (vLLM's response store), newest last.
+        self._stored_responses: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
@@ -555,6 +558,8 @@ class SimEngine:
         for path in API_PATHS:
             app.router.add_post(path, self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/responses/{response_id}", self._stored_response)
+        app.router.add_post("/v1/responses/{response_id}/cancel", self._stored_response)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
@@ -974,7 +979,7 @@ class SimEngine:
             )
         if call.api == "responses":
             # vLLM's Responses answer has no kv_transfer_params field: a prefill leg gets none back.
-            return orjson.dumps(self._response_object(call, created, "incomplete", texts[0]))
+            return orjson.dumps(self._store(self._response_object(call, created, "incomplete", texts[0])))
         choices: list[dict[str, Any]]
         if call.api == "chat":
             message = {
@@ -1213,7 +1218,7 @@ class SimEngine:
         text = "".join(parts)
         done = {"type": "response.output_text.done", **where, "text": text, "logprobs": []}
         yield _named("response.output_text.done", {**done, "sequence_number": next(seq)})
-        final = self._response_object(call, created, "incomplete", text)
+        final = self._store(self._response_object(call, created, "incomplete", text))
         item = final["output"][0]
         yield _named(
             "response.content_part.done",
@@ -1237,6 +1242,28 @@ class SimEngine:
             "response.completed",
             {"type": "response.completed", "response": final, "sequence_number": next(seq)},
         )
+
+    def _store(self, response: dict[str, Any]) -> dict[str, Any]:
+        """Keep a finished Responses answer where vLLM keeps it: on this engine, in memory."""
+        self._stored_responses[response["id"]] = response
+        while len(self._stored_responses) > STORED_RESPONSES:
+            self._stored_responses.popitem(last=False)
+        return response
+
+    async def _stored_response(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{id}`` (and ``/cancel``, of an answer that already finished): the
+        stored answer, or vLLM's 404 where this engine never gave it."""
+        response_id = request.match_info["response_id"]
+        stored = self._stored_responses.get(response_id)
+        if stored is None:
+            error = {
+                "message": f"Response with id '{response_id}' not found.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": 404,
+            }
+            return web.json_response({"error": error}, status=404)
+        return web.Response(body=orjson.dumps(stored), content_type="application/json")
 
     def _usage(self, call: _Call) -> dict[str, Any]:
         prompt = sum(req.prompt_tokens for req in call.reqs)

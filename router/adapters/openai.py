@@ -66,6 +66,9 @@ class Proxy:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.router.add_post("/{tail:.*}", self.completions)  # an API we do not read: load-only
+        # A stored Responses API answer lives on the engine that gave it: to that pod.
+        app.router.add_get("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_delete("/v1/responses/{response_id}", self.stored_response)
         return app
 
     async def models(self, _: web.Request) -> web.Response:
@@ -91,9 +94,17 @@ class Proxy:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, with_body=True)
+
+    async def stored_response(self, request: web.Request) -> web.StreamResponse:
+        """``GET``/``DELETE /v1/responses/{id}``: no body, to the pod that stored the answer."""
+        return await self._serve(request, with_body=False)
+
+    async def _serve(self, request: web.Request, *, with_body: bool) -> web.StreamResponse:
         flight = self.flow.start(request.headers, path=request.path)
         try:
-            await self.flow.route(flight, await read_body(request, self.max_body_bytes), request.path)
+            body = await read_body(request, self.max_body_bytes) if with_body else None
+            await self.flow.route(flight, body, request.path)
             return await self._forward(request, flight)
         except Rejection as rejection:
             return answer_response(flight.reject(rejection))
@@ -111,6 +122,8 @@ class Proxy:
         if route.api == OTHER and "Content-Type" in request.headers:  # not ours to re-encode: as sent
             headers["content-type"] = request.headers["Content-Type"]
         leg = Leg(request.path, headers)
+        if request.method != "POST":  # a stored answer's GET: its query is the request (?stream=true)
+            leg = Leg(request.path_qs, headers, request.method)
         kv_params = await self._prefill(flight, leg) if decision.prefill is not None else None
         # Ask a streamed answer for its usage (what the engine counted and had cached); the
         # client gets that chunk only if it asked for it itself.
@@ -190,7 +203,7 @@ class Proxy:
         tracer = self.flow.tracer
         assert flight.span is not None and tracer is not None
         span, headers = tracer.leg(flight.span, role, endpoint, leg.headers)
-        return span, Leg(leg.path, headers)
+        return span, Leg(leg.path, headers, leg.method)
 
     def _decode_answered(self, span: Span, status: int, flight: Flight) -> None:
         span.set_attribute("http.response.status_code", status)

@@ -161,9 +161,11 @@ class RequestFlow:
             flight.span = self.tracer.start(headers, via, path)
         return flight
 
-    async def route(self, flight: Flight, body: bytes, path: str | None = None) -> RouteDecision:
-        """A request's way to its pods, top to bottom (a rejection on the way raises)."""
-        request = flight.parse(body, path=path)  # body -> RouteRequest: limits, model, rewrite
+    async def route(self, flight: Flight, body: bytes | None, path: str | None = None) -> RouteDecision:
+        """A request's way to its pods, top to bottom (a rejection on the way raises); ``body``
+        None: a request without one (``Flight.headers_only``)."""
+        # body -> RouteRequest: limits, model, rewrite
+        request = flight.headers_only(path=path) if body is None else flight.parse(body, path=path)
         if self.prepares:
             await self.prepare(request)  # I/O before the pick: the tokenizer, the shared index
         await self.admit(flight)  # pick now (sync, reserves), or held until a pod has room
@@ -246,9 +248,11 @@ class Flight:
         self.estimated_tokens = 0 if request.exact_tokens or request.api == OTHER else request.prompt_tokens
         return request
 
-    def headers_only(self, subset: frozenset[str] | None = None) -> RouteRequest:
-        """A request without a body: one pod answers it, never a prefill → decode pair."""
-        self.request = headers_only_request(self.flow.model, self.headers, subset)
+    def headers_only(self, subset: frozenset[str] | None = None, path: str | None = None) -> RouteRequest:
+        """A request without a body: one pod answers it, never a prefill → decode pair. ``path``:
+        the request's (default: the ``:path`` header, as Envoy sends it)."""
+        path = self.headers.get(":path") if path is None else path
+        self.request = headers_only_request(self.flow.model, self.headers, subset, path)
         return self.request
 
     def pick(self) -> RouteDecision:

@@ -83,6 +83,7 @@ class Leg:
 
     path: str
     headers: dict[str, str]
+    method: str = "POST"  # GET/DELETE: a stored Responses API answer (no body)
 
 
 class TwoLegExchange:
@@ -139,7 +140,8 @@ class TwoLegExchange:
         reported to ``on_cut`` (with its reason): the response began well, but did not end so.
         """
         try:
-            resp = await self.session.post(
+            resp = await self.session.request(
+                leg.method,
                 f"http://{address}{leg.path}",
                 data=data,
                 headers={"content-type": "application/json", **leg.headers},

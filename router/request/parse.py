@@ -60,6 +60,19 @@ def api_of(path: str | None) -> str | None:
     return api
 
 
+def stored_response_of(path: str | None) -> str | None:
+    """The stored Responses API answer a path acts on: ``/v1/responses/{id}`` (retrieve, delete)
+    or ``/v1/responses/{id}/{action}`` (``cancel``, ``input_items``); vLLM keeps the answer on the
+    engine that gave it. None for any other path."""
+    if path is None:
+        return None
+    parts = path.split("?", 1)[0].rstrip("/").split("/")
+    for at in (len(parts) - 1, len(parts) - 2):
+        if at >= 2 and parts[at - 2 : at] == ["v1", "responses"] and parts[at]:
+            return parts[at]
+    return None
+
+
 # orjson encodes at most this many nested arrays/objects (it reads up to 1024), and the proxy
 # re-encodes bodies (the usage request of a streamed answer, both legs of a P/D pair): a deeper
 # body is refused at parse, whichever adapter it came through, instead of failing half-way.
@@ -348,7 +361,8 @@ def parse_request(
         raise BodyTooLarge(f"request body is {len(raw)} bytes; the limit is {limits.max_body_bytes}")
     api = api_of(path)
     if api == OTHER:
-        return other_request(raw, limits, headers, rewrites, objectives, pool_model, adapters)
+        stored = stored_response_of(path)
+        return other_request(raw, limits, headers, rewrites, objectives, pool_model, adapters, stored)
     body = client_json(raw)
     if api is None:
         api = CHAT if "messages" in body else COMPLETIONS
@@ -433,9 +447,12 @@ def other_request(
     objectives: Mapping[str, int] | None,
     pool_model: str,
     adapters: Callable[[str], bool] | None = None,
+    stored_response: str | None = None,
 ) -> RouteRequest:
     """A request to an API whose body we do not read (embeddings, scoring, audio, ...): routed on
-    load alone, to one pod, its body passed on as it came.
+    load alone, to one pod, its body passed on as it came. ``stored_response``: the Responses API
+    answer the path acts on (``stored_response_of``; ``/cancel`` has no body): routed to the pod
+    that gave it (``previous_response_id``), and never refused for naming no model.
 
     Never refused for its shape. A strict pool (``strict_model``) still refuses what it exists
     to refuse: a body that names another model, or none it can read (a body that is not a JSON
@@ -447,7 +464,7 @@ def other_request(
         body = None
     # Too deep to encode again (as a model rewrite would): not a body we can read either.
     if not isinstance(body, dict) or _too_deep(raw, body):
-        if limits.served_model is not None:
+        if limits.served_model is not None and stored_response is None:
             raise BadRequest(
                 "this pool serves one model only (strict_model): a request to this path needs a "
                 "JSON object body with its 'model'"
@@ -456,7 +473,7 @@ def other_request(
     elif "kv_transfer_params" in body:  # the same rule as for every body: only the router sets them
         raise BadRequest("'kv_transfer_params' is set by the router, not by clients")
     named = body.get("model")
-    if limits.served_model is not None or (isinstance(named, str) and named):
+    if (isinstance(named, str) and named) or (limits.served_model is not None and stored_response is None):
         model, requested, rule = _model_of(body, limits, headers, rewrites, None, adapters)
     else:  # a lenient pool does not need the name: whatever its shape, the request goes on
         model, requested, rule = pool_model, None, ""
@@ -483,6 +500,7 @@ def other_request(
         requested_model=requested,
         rewrite_rule=rule,
         api=OTHER,
+        previous_response_id=stored_response,
     )
 
 
@@ -490,9 +508,10 @@ _NO_BLOCKS = np.empty(0, dtype=np.uint64)
 
 
 def headers_only_request(
-    model: str, headers: Mapping[str, str], subset: frozenset[str] | None
+    model: str, headers: Mapping[str, str], subset: frozenset[str] | None, path: str | None = None
 ) -> RouteRequest:
-    """A request without a body (``GET /v1/models``): any one pod answers it, no prompt to score."""
+    """A request without a body (``GET /v1/models``): any one pod answers it, no prompt to score;
+    one for a stored Responses API answer (``GET /v1/responses/{id}``), the pod that gave it."""
     return RouteRequest(
         model=model,
         prompt_tokens=1,
@@ -502,4 +521,5 @@ def headers_only_request(
         request_id=headers.get("x-request-id") or uuid.uuid4().hex,
         subset=subset,
         prefill_leg=False,
+        previous_response_id=stored_response_of(path),
     )

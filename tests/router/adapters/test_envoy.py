@@ -417,3 +417,17 @@ async def test_a_messages_request_runs_its_prefill_leg_through_the_decode_sideca
         _, _, prefill_body = engines.engines["p0"].requests_seen[-1]
         assert prefill_body["max_tokens"] == 1 and "min_tokens" not in prefill_body
         assert engines.engines["d0"].stats.remote_prefills_received == 1
+
+
+async def test_a_stored_response_is_retrieved_from_the_engine_that_stored_it(tmp_path: Path) -> None:
+    """Behind Envoy a ``GET /v1/responses/{id}`` has no body: it is routed on its path, to the
+    engine that gave the answer (only that one holds it; another answers 404)."""
+    async with gateway(tmp_path) as gw, aiohttp.ClientSession() as http:
+        assert len(gw.cluster.engines) > 1
+        async with http.post(f"{gw.url}/v1/responses", json=responses_body("Keep this?", 5)) as resp:
+            assert resp.status == 200
+            stored = (await resp.json())["id"]
+        for _ in range(8):
+            async with http.get(f"{gw.url}/v1/responses/{stored}") as resp:
+                assert resp.status == 200 and (await resp.json())["id"] == stored
+        await eventually(lambda: gw.app.parts.pool.outstanding == 0, what="reservations released")

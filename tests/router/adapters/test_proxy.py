@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import orjson
@@ -388,6 +389,18 @@ async def test_a_messages_stream_cut_mid_way_ends_with_an_anthropic_error_event(
         await eventually(lambda: app.parts.pool.outstanding == 0, what="reservation released")
 
 
+async def keep_busy(http: aiohttp.ClientSession, cluster: Any, app: Any, home: str) -> asyncio.Task:
+    """A long request sent to ``home`` directly, running once the router has seen it: from then
+    on load alone would route elsewhere."""
+    busy = f"http://{cluster.address(home)}/v1/completions"
+    long = asyncio.create_task(
+        http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 400})
+    )
+    slot = app.parts.pool.endpoints[home].slot
+    await eventually(lambda: app.parts.pool.running[slot] >= 1, what="the home pod seen busy")
+    return long
+
+
 async def test_a_response_s_follow_up_goes_back_to_the_engine_that_stored_it() -> None:
     """vLLM keeps a stored Responses answer in the memory of the engine that gave it: a request
     naming it as previous_response_id goes there, busy or not (in streams and in JSON)."""
@@ -401,13 +414,7 @@ async def test_a_response_s_follow_up_goes_back_to_the_engine_that_stored_it() -
             second_home = resp.headers["x-pd-router-decode"]
         ids = [rid for rid, _ in app.parts.pool.response_homes._homes.items()]
         assert len(ids) == 2 and second["id"] == ids[1]
-        # The home is kept busy from elsewhere: load alone would go to another pod.
-        busy = f"http://{cluster.address(home)}/v1/completions"
-        long = asyncio.create_task(
-            http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 400})
-        )
-        slot = app.parts.pool.endpoints[home].slot
-        await eventually(lambda: app.parts.pool.running[slot] >= 1, what="the home pod seen busy")
+        long = await keep_busy(http, cluster, app, home)
         for _ in range(3):
             # Only the new turn is sent (vLLM prepends what it stored): nothing for locality to find.
             follow = {"model": "sim-model", "input": "And then?", "previous_response_id": ids[0]}
@@ -423,3 +430,27 @@ async def test_a_response_s_follow_up_goes_back_to_the_engine_that_stored_it() -
             assert resp.headers["x-pd-router-decode"] == second_home
             await resp.read()
         long.cancel()
+
+
+async def test_a_stored_response_is_retrieved_and_cancelled_on_the_engine_that_stored_it() -> None:
+    """``GET /v1/responses/{id}`` (with its query, for a resumed stream), ``POST .../cancel`` (no
+    body, even in a strict pool) and ``DELETE`` reach the engine that holds the answer, even while
+    it is the busiest; an id no engine gave is answered by one of them (vLLM's own 404)."""
+    specs = [EngineSpec(f"e{i}", "prefill-decode", num_gpu_blocks=1024) for i in range(3)]
+    async with router_on_sim(specs) as (cluster, app, base), aiohttp.ClientSession() as http:
+        async with http.post(f"{base}/v1/responses", json=responses_body("Keep this?")) as resp:
+            stored = await resp.json()
+            home = resp.headers["x-pd-router-decode"]
+        long = await keep_busy(http, cluster, app, home)
+        for _ in range(4):
+            async with http.get(f"{base}/v1/responses/{stored['id']}?stream=false") as resp:
+                assert resp.status == 200 and resp.headers["x-pd-router-decode"] == home
+                assert (await resp.json())["id"] == stored["id"]
+        async with http.post(f"{base}/v1/responses/{stored['id']}/cancel") as resp:
+            assert resp.status == 200 and resp.headers["x-pd-router-decode"] == home
+        async with http.delete(f"{base}/v1/responses/{stored['id']}") as resp:
+            assert resp.headers["x-pd-router-decode"] == home  # the sim has no DELETE: its 405
+        async with http.get(f"{base}/v1/responses/resp_never_given") as resp:
+            assert resp.status == 404 and resp.headers["x-pd-router-decode"] in cluster.engines
+        long.cancel()
+        await eventually(lambda: app.parts.pool.outstanding <= 1, what="reservations released")

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from kvindex.hashing import estimate_tokens, text_block_keys
-from router.request.parse import api_of, parse_request
+from router.request.parse import api_of, headers_only_request, parse_request, stored_response_of
 from router.request.rejections import BadRequest, UnknownModel
 from router.request.types import RequestLimits, RouteRequest
 
@@ -232,3 +232,36 @@ def test_without_a_path_the_body_decides_between_completions_and_chat() -> None:
     assert parse_request(b'{"model": "m", "prompt": "hi"}', LIMITS).api == "completions"
     chat = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', LIMITS)
     assert chat.api == "chat" and chat.chat == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "stored"),
+    [
+        ("/v1/responses/resp_1", "resp_1"),
+        ("/v1/responses/resp_1/", "resp_1"),
+        ("/v1/responses/resp_1/cancel", "resp_1"),
+        ("/v1/responses/resp_1?stream=true&starting_after=4", "resp_1"),
+        ("/openai/v1/responses/resp_1/input_items", "resp_1"),
+        ("/v1/responses", None),
+        ("/v1/responses/", None),
+        ("/v1/responses/a/b/c", None),
+        ("/v1/completions", None),
+        (None, None),
+    ],
+)
+def test_a_path_on_a_stored_response_names_it(path: str | None, stored: str | None) -> None:
+    assert stored_response_of(path) == stored
+
+
+def test_a_request_on_a_stored_response_is_pinned_to_its_engine_without_a_body() -> None:
+    """A GET has no body; a cancel has none either and names no model, which a strict pool
+    would otherwise refuse: the id in the path is all the router needs."""
+    got = headers_only_request("m", {}, None, "/v1/responses/resp_7")
+    assert got.previous_response_id == "resp_7"
+    assert headers_only_request("m", {}, None, "/v1/models").previous_response_id is None
+    cancel = parse_request(b"", LIMITS, path="/v1/responses/resp_7/cancel", pool_model="m")
+    assert cancel.previous_response_id == "resp_7" and cancel.model == "m"
+    with pytest.raises(BadRequest):  # any other body-less request still needs its model named
+        parse_request(b"", LIMITS, path="/v1/embeddings", pool_model="m")
+    with pytest.raises(UnknownModel):  # and a stored-response request naming another one is refused
+        parse_request(b'{"model": "other"}', LIMITS, path="/v1/responses/resp_7/cancel", pool_model="m")
