@@ -305,3 +305,15 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+async def keep_busy(http: Any, cluster: Any, app: Any, home: str) -> asyncio.Task[Any]:
+    """A long request sent to engine ``home`` directly, running once ``app``'s pool has seen it:
+    from then on load alone would route elsewhere (cancel the task to end it)."""
+    busy = f"http://{cluster.address(home)}/v1/completions"
+    long = asyncio.create_task(
+        http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 400})
+    )
+    slot = app.parts.pool.endpoints[home].slot
+    await eventually(lambda: app.parts.pool.running[slot] >= 1, 5, "the home pod seen busy")
+    return long

@@ -44,7 +44,9 @@ from google.protobuf.message import DecodeError
 from router.adapters.health import HealthState
 from router.flow.flight import ROUTED, Flight, RequestFlow
 from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUBSET, PREFILLER, ROUTER_HEADERS
+from router.request.parse import headers_only_request, stored_response_of
 from router.request.rejections import BadRequest, BodyTooLarge, Rejection
+from router.request.types import RouteRequest
 from router.scheduling.picker import RouteDecision
 from router.server.config import ExtProcConfig
 from router.transport.h2.connection import Call, CallHandler
@@ -177,10 +179,7 @@ class ExtProcStream:
             if self.finished:
                 return []
             return self.reject(BadRequest("ext_proc: request_headers after the request had started"))
-        headers = {
-            h.key.lower(): h.raw_value.decode("utf-8", "replace") or h.value
-            for h in message.request_headers.headers.headers
-        }
+        headers = header_map(message.request_headers)
         self.flight = self.flow.start(headers, via="ext_proc")
         try:
             self.subset = _subset_hint(message.metadata_context)
@@ -407,6 +406,12 @@ class ExtProcCall:
     def _handle(self, message: pb.ProcessingRequest, *, prepared: bool = False) -> None:
         stream = self.stream
         flow = stream.flow
+        if not prepared and flow.prepares and (stored := self._on_stored_response(message)) is not None:
+            # A body-less request on a stored answer (GET /v1/responses/{id}): the pod that gave it
+            # may be in another replica's share of the homes, read before its headers are routed.
+            self.paused = deque()
+            self.task = asyncio.get_running_loop().create_task(self._look_up_then(message, stored))
+            return
         # Pause (a task per request) only for I/O before the pick, or when flow control holds it.
         if (
             not prepared
@@ -431,6 +436,19 @@ class ExtProcCall:
         except Rejection:
             return True
 
+    def _on_stored_response(self, message: pb.ProcessingRequest) -> RouteRequest | None:
+        """The request of a body-less headers message on a stored Responses answer, else None."""
+        if message.WhichOneof("request") != "request_headers" or not message.request_headers.end_of_stream:
+            return None
+        headers = header_map(message.request_headers)
+        if stored_response_of(headers.get(":path")) is None:
+            return None
+        return headers_only_request(self.stream.flow.model, headers, None, headers.get(":path"))
+
+    async def _look_up_then(self, message: pb.ProcessingRequest, request: RouteRequest) -> None:
+        await self.stream.flow.prepare(request)  # the shared response home lands in this replica's
+        self._resume(message, request.request_id)
+
     async def _prepare_then(self, message: pb.ProcessingRequest) -> None:
         flight = self.stream.flight
         flow = self.stream.flow
@@ -446,6 +464,10 @@ class ExtProcCall:
                 self.call.finish()
                 self._close()
                 return
+        self._resume(message, flight.request.request_id)
+
+    def _resume(self, message: pb.ProcessingRequest, request_id: str) -> None:
+        """Handle the message that paused the call, then what arrived meanwhile."""
         held, self.paused = self.paused or deque(), None
         try:
             if not self.closed:
@@ -453,7 +475,7 @@ class ExtProcCall:
             while held and not self.closed:
                 self._handle(held.popleft())
         except Exception:  # on the transport's own path its dispatcher does this; here we must
-            log.exception("ext_proc: routing request %s failed", flight.request.request_id)
+            log.exception("ext_proc: routing request %s failed", request_id)
             self.call.finish(INTERNAL, "internal error")
             self._close()
             return
@@ -468,6 +490,13 @@ class ExtProcCall:
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+
+
+def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy's request headers, lower-case names (``raw_value`` as Envoy sends it, else ``value``)."""
+    return {h.key.lower(): h.raw_value.decode("utf-8", "replace") or h.value for h in headers.headers.headers}
+
+
 def _warn_header_routing(mode: int, warned: set[int]) -> None:
     # Once per mode and listener: a configuration choice, not a per-request event.
     if mode not in warned:

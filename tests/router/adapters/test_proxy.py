@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from helpers import SHAPES_SYSTEM, anthropic_body, eventually, responses_body, router_on_sim, sse_events
+from helpers import (
+    SHAPES_SYSTEM,
+    anthropic_body,
+    eventually,
+    keep_busy,
+    responses_body,
+    router_on_sim,
+    sse_events,
+)
 
 from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS
 from simulator.engine import EngineSpec
@@ -387,18 +394,6 @@ async def test_a_messages_stream_cut_mid_way_ends_with_an_anthropic_error_event(
         name, data = last.split(b"\n", 1)
         assert name == b"event: error" and orjson.loads(data[6:])["error"]["type"] == "api_error"
         await eventually(lambda: app.parts.pool.outstanding == 0, what="reservation released")
-
-
-async def keep_busy(http: aiohttp.ClientSession, cluster: Any, app: Any, home: str) -> asyncio.Task:
-    """A long request sent to ``home`` directly, running once the router has seen it: from then
-    on load alone would route elsewhere."""
-    busy = f"http://{cluster.address(home)}/v1/completions"
-    long = asyncio.create_task(
-        http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 400})
-    )
-    slot = app.parts.pool.endpoints[home].slot
-    await eventually(lambda: app.parts.pool.running[slot] >= 1, what="the home pod seen busy")
-    return long
 
 
 async def test_a_response_s_follow_up_goes_back_to_the_engine_that_stored_it() -> None:

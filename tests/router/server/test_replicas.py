@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import numpy as np
 import pytest
-from helpers import eventually, router_for
+from helpers import eventually, keep_busy, router_for
 
 from loadtests.servers.redis import RedisServer
 from simulator.engine import EngineSpec, SimCluster, TimeModel
@@ -191,13 +191,7 @@ async def test_a_responses_follow_up_reaching_the_other_replica_goes_to_the_stor
                 answer_id = (await resp.json())["id"]
             shared = a.parts.pool.response_homes.shared
             await eventually(lambda: not shared.writes_pending, 5, "A's write done")
-            # Another client keeps the home pod busy: B's load alone would go elsewhere.
-            busy = f"http://{cluster.address(home)}/v1/completions"
-            long = asyncio.create_task(
-                http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 400})
-            )
-            slot = b.parts.pool.endpoints[home].slot
-            await eventually(lambda: b.parts.pool.running[slot] >= 1, 5, "B sees the home pod busy")
+            long = await keep_busy(http, cluster, b, home)  # B's load alone would go elsewhere
             follow = {"model": "sim-model", "input": "And then?", "previous_response_id": answer_id}
             async with http.post(f"{base_b}/v1/responses", json=follow) as resp:
                 assert resp.status == 200 and resp.headers["x-pd-router-decode"] == home
@@ -246,3 +240,49 @@ async def test_a_session_keeps_its_home_across_a_router_restart(redis: RedisServ
                 assert resp.headers["x-pd-router-decode"] != home  # without the session: load decides
             assert b.parts.pool.sessions.routes["home"] == 1
         long.cancel()
+
+
+async def test_a_stored_response_fetched_through_the_other_replica_s_ext_proc_goes_to_its_pod(
+    redis: RedisServer,
+) -> None:
+    """Behind Envoy a ``GET /v1/responses/{id}`` has no body: the replica that routes it reads the
+    answer's home from Redis before its headers are routed (the one that saw the answer wrote it)."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    specs = [
+        EngineSpec(f"e{i}", "prefill-decode", num_gpu_blocks=1024, time=TimeModel(speed=20)) for i in range(3)
+    ]
+    async with SimCluster(specs) as cluster, aiohttp.ClientSession() as http:
+        sections = {**_sections(cluster, redis), "extproc": {"enabled": True, "port": 0, "health_port": 0}}
+        async with router_for(sections) as (a, base_a), router_for(sections) as (b, _):
+            async with http.post(
+                f"{base_a}/v1/responses", json={"model": "sim-model", "input": "Hi?"}
+            ) as resp:
+                home = resp.headers["x-pd-router-decode"]
+                answer_id = (await resp.json())["id"]
+            shared = a.parts.pool.response_homes.shared
+            await eventually(lambda: not shared.writes_pending, 5, "A's write done")
+            long = await keep_busy(http, cluster, b, home)  # B's load alone would go elsewhere
+            header = base_pb2.HeaderValue
+            get = pb.ProcessingRequest(
+                request_headers=pb.HttpHeaders(
+                    headers=base_pb2.HeaderMap(
+                        headers=[
+                            header(key=":method", raw_value=b"GET"),
+                            header(key=":path", raw_value=f"/v1/responses/{answer_id}".encode()),
+                        ]
+                    ),
+                    end_of_stream=True,
+                )
+            )
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{b.extproc_port}") as channel:
+                (answer,) = [r async for r in pb_grpc.ExternalProcessorStub(channel).Process(iter([get]))]
+            routing = {
+                h.header.key: h.header.raw_value.decode() or h.header.value
+                for h in answer.request_headers.response.header_mutation.set_headers
+            }
+            assert routing["x-gateway-destination-endpoint"] == cluster.address(home)
+            long.cancel()
