@@ -27,7 +27,7 @@ from router.scheduling.costmodel.view import Candidates, RequestCtx
 from router.scheduling.extension import CandidateFilter
 from router.scheduling.slo import SloGuide
 from router.state.pool import Endpoint, Pool, Reservation
-from router.state.sessions import HOME, INVALID, MOVED, NEW
+from router.state.sessions import HOME, INVALID, MOVED, NEW, SessionTurn
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +178,11 @@ class Picker:
             self._links_version = version
         return self._links
 
-    def costs(self, request: RouteRequest, now: float | None = None) -> PairCosts:
-        """The cost matrix of every route this request could take now (also for debugging)."""
+    def costs(
+        self, request: RouteRequest, now: float | None = None, session: SessionTurn | None = None
+    ) -> PairCosts:
+        """The cost matrix of every route this request could take now (also for debugging);
+        ``session``: its session's home, when the caller looked it up already."""
         pool = self.pool
         cand = pool.candidates(pool.candidate_slots(now))
         for candidate_filter in self.filters:
@@ -204,11 +207,15 @@ class Picker:
             typical_prompt_tokens=pool.typical_prompt_tokens,
             typical_answer_tokens=pool.typical_answer_tokens,
         )
-        session = self._session_home(request)
-        if session is not None:
-            home_slots, expected_tokens = session
+        session = self._session_of(request) if session is None else session
+        if session is not None and session.home is not None:
+            endpoints = (pool.endpoints.get(endpoint_id) for endpoint_id in session.home.endpoints)
+            home_slots = [e.slot for e in endpoints if e is not None]
             cand.cached_blocks = cached_blocks_with_session(
-                cand.cached_blocks, np.isin(cand.slots, home_slots), expected_tokens, ctx.block_tokens
+                cand.cached_blocks,
+                np.isin(cand.slots, home_slots),
+                session.weight * session.home.prompt_tokens,
+                ctx.block_tokens,
             )
         return costs_over(derive(cand, ctx, self.cost_model), self.cost_model, self._layout(cand, request))
 
@@ -237,38 +244,32 @@ class Picker:
             self._kept_layout = (key, Layout.of(cand, is_prefill, is_decode, links, pairs_into))
         return self._kept_layout[1]
 
-    def _session_home(self, request: RouteRequest) -> tuple[np.ndarray, float] | None:
-        """The session's home pods (slots) and the prompt tokens credited there, if it has a home."""
+    def _session_of(self, request: RouteRequest) -> SessionTurn | None:
+        """The request's session and its home as known now (None: no session)."""
         sessions = self.pool.sessions
         session = sessions.key_of(request)
         if session is None:
             return None
         key, weight = session
-        home = sessions.home(key)
-        if home is None:
-            return None
-        endpoints = (self.pool.endpoints.get(endpoint_id) for endpoint_id in home.endpoints)
-        slots = np.array([e.slot for e in endpoints if e is not None], dtype=np.int64)
-        return slots, weight * home.prompt_tokens
+        return SessionTurn(key, weight, sessions.home(key))
 
-    def _session_routed(self, request: RouteRequest, p_slot: int | None, d_slot: int) -> None:
+    def _session_routed(
+        self, request: RouteRequest, session: SessionTurn | None, p_slot: int | None, d_slot: int
+    ) -> None:
         """Count what the pick did with the request's session, and make these pods its home."""
         sessions = self.pool.sessions
         if request.session_id_invalid:
             sessions.routes[INVALID] += 1
-        session = sessions.key_of(request)
         if session is None:
             return
-        home = self._session_home(request)
-        computes = d_slot if p_slot is None else p_slot
-        if home is None:
-            sessions.routes[NEW] += 1
-        else:
-            sessions.routes[HOME if computes in home[0].tolist() else MOVED] += 1
         by_slot = self.pool.by_slot
         slots = (d_slot,) if p_slot is None else (p_slot, d_slot)
         endpoints = tuple(e.id for e in (by_slot[slot] for slot in slots) if e is not None)
-        sessions.routed(session[0], endpoints, request.prompt_tokens)
+        if session.home is None:
+            sessions.routes[NEW] += 1
+        else:  # the pod that computes the prompt (the first of ``endpoints``) is a home pod
+            sessions.routes[HOME if endpoints and endpoints[0] in session.home.endpoints else MOVED] += 1
+        sessions.routed(session.key, endpoints, request.prompt_tokens)
 
     def _cached_blocks(self, request: RouteRequest, slots: np.ndarray) -> np.ndarray:
         cached = self.index.match(request.block_keys, slots)
@@ -285,7 +286,8 @@ class Picker:
     ) -> RouteDecision:
         """Choose and reserve; raises ``NoCapacity`` or ``Shed``. Never awaits. ``waited_s``: how
         long the request has been in the router (spent from its TTFT SLO, if it has one)."""
-        costs = self.costs(request, now)
+        session = self._session_of(request)
+        costs = self.costs(request, now, session)
         if not len(costs.decode):
             raise NoCapacity("no admitted endpoint with fresh metrics can decode", retry_after_s=1.0)
         max_wait = self.settings.max_wait_s
@@ -318,7 +320,7 @@ class Picker:
             computes = choice.prefill if choice.prefill >= 0 else int(costs.decode[choice.decode])
             if costs.view.wait_s[computes] > max_wait:
                 raise Saturated("every eligible pod's queue is over the wait bound", retry_after_s=1.0)
-        return self._commit(request, costs, choice, breakdown)
+        return self._commit(request, costs, choice, breakdown, session)
 
     def _check(self, choice: PairChoice, costs: PairCosts) -> None:
         name = self.pair_picker.name
@@ -335,7 +337,12 @@ class Picker:
             raise PickerContractError(f"pair picker {name!r} returned more than {n} fallbacks")
 
     def _commit(
-        self, request: RouteRequest, costs: PairCosts, choice: PairChoice, breakdown: dict[str, float]
+        self,
+        request: RouteRequest,
+        costs: PairCosts,
+        choice: PairChoice,
+        breakdown: dict[str, float],
+        session: SessionTurn | None = None,
     ) -> RouteDecision:
         by_slot = self.pool.by_slot
         slots = costs.view.cand.slots
@@ -355,7 +362,7 @@ class Picker:
             kv_tokens=float(costs.view.need_kv[d_pos]),
         )
         self.pool.observe_request(request.prompt_tokens, request.max_tokens)
-        self._session_routed(request, p_slot, d_slot)
+        self._session_routed(request, session, p_slot, d_slot)
         # The adapter is loaded where this goes (both pods of a pair run it) before a scrape says so.
         self.pool.lora.routed(request.model, (d_slot,) if p_slot is None else (p_slot, d_slot))
         # Optimistic: the prompt's blocks will be on P, and on D once transferred. Recording is

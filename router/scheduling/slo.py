@@ -76,29 +76,30 @@ class SloGuide:
             self.explored += 1
             return costs
         budget = None if target.ttft_s is None else target.ttft_s - waited_s
-        ok = slo.feasible(costs, budget, target.tpot_s)
+        own = None if budget is None else slo.own_ttft_s(costs)  # the TTFT objective's measure
+        ok = slo.feasible(costs, budget, target.tpot_s, own)
         if ok.any():
             # Only with flow control: its wait bound caps the queues relaxed traffic gathers in;
             # without it they grow to the relaxed budget and tight requests lose more than they gain
             # (docs/benchmarks.md, Per-request SLOs).
             if settings.fit == "reserve" and holds:
-                ok = slo.reserved(costs, ok, budget, self.tightest_ttft_s())
+                ok = slo.reserved(costs, ok, budget, self.tightest_ttft_s(), own)
             return replace(costs, cost=slo.restricted(costs, ok))
         if settings.admission == "off":
             return costs
-        message = _unmet(costs, budget, target.tpot_s)
+        message = _unmet(costs, own, budget, target.tpot_s)
         if settings.admission == "hold" and holds and (budget is None or budget > 0.0):
             raise SloWait(message, retry_after_s=1.0)
         rejection = SloShed if request.priority < 0 else SloUnattainable
         raise rejection(message, retry_after_s=1.0)
 
 
-def _unmet(costs: PairCosts, budget_s: float | None, tpot_s: float | None) -> str:
+def _unmet(costs: PairCosts, own: np.ndarray | None, budget_s: float | None, tpot_s: float | None) -> str:
     """Why no route meets the SLO, with the best predictions (formatted only on refusal)."""
     parts = []
     finite = np.isfinite(costs.cost)
-    if budget_s is not None and finite.any():
-        best = float(slo.own_ttft_s(costs)[finite].min())
+    if own is not None and budget_s is not None and finite.any():
+        best = float(own[finite].min())
         left = max(budget_s, 0.0) * 1000
         parts.append(f"best predicted TTFT {best * 1000:.0f} ms against {left:.0f} ms left")
     if tpot_s is not None and len(costs.decode):

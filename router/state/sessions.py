@@ -58,6 +58,16 @@ class SessionHome:
             return None
 
 
+@dataclass(frozen=True, slots=True)
+class SessionTurn:
+    """A request's session as the pick sees it: its key, the share of its home's prompt credited,
+    and its home (None: none known yet)."""
+
+    key: str
+    weight: float
+    home: SessionHome | None
+
+
 class SessionHomes:
     def __init__(
         self,

@@ -46,12 +46,8 @@ def load_term(name: str) -> CostTerm:
     if not callable(factory):
         raise ValueError(f"scorer module {module_name} has no term() function")
     term = factory()
-    if getattr(term, "name", None) != name or getattr(term, "side", None) not in (
-        "prefill",
-        "decode",
-        "both",
-    ):
+    if getattr(term, "name", None) != name or getattr(term, "side", None) not in _SIDES:
         raise ValueError(
-            f"{module_name}.term() must return a term named {name!r} with side prefill, decode or both"
+            f"{module_name}.term() must return a term named {name!r} with side {', '.join(_SIDES)}"
         )
     return term

@@ -32,11 +32,14 @@ STALL_TERM = "interference"
 RELAXED_FACTOR = 2.0
 
 
-def feasible(costs: PairCosts, ttft_budget_s: float | None, tpot_s: float | None) -> np.ndarray:
-    """``(1 + L, kd)`` bool: routes predicted to meet both objectives (None: unconstrained)."""
+def feasible(
+    costs: PairCosts, ttft_budget_s: float | None, tpot_s: float | None, own: np.ndarray | None = None
+) -> np.ndarray:
+    """``(1 + L, kd)`` bool: routes predicted to meet both objectives (None: unconstrained);
+    ``own``: ``own_ttft_s(costs)`` when the caller has it already."""
     ok = np.isfinite(costs.cost)
     if ttft_budget_s is not None:
-        ok &= own_ttft_s(costs) <= ttft_budget_s
+        ok &= (own_ttft_s(costs) if own is None else own) <= ttft_budget_s
     if tpot_s is not None:
         ok &= (costs.view.tpot_s[costs.decode] <= tpot_s)[None, :]
     return ok
@@ -58,13 +61,17 @@ def own_ttft_s(costs: PairCosts) -> np.ndarray:
 
 
 def reserved(
-    costs: PairCosts, ok: np.ndarray, ttft_budget_s: float | None, tightest_ttft_s: float | None
+    costs: PairCosts,
+    ok: np.ndarray,
+    ttft_budget_s: float | None,
+    tightest_ttft_s: float | None,
+    own: np.ndarray | None = None,
 ) -> np.ndarray:
     """``ok`` less the routes a relaxed request should leave to tight ones (see the module
     docstring); ``ok`` itself when the request is not relaxed or no slower route meets its SLO."""
     if ttft_budget_s is None or tightest_ttft_s is None or ttft_budget_s < RELAXED_FACTOR * tightest_ttft_s:
         return ok
-    slower = ok & (own_ttft_s(costs) > tightest_ttft_s)
+    slower = ok & ((own_ttft_s(costs) if own is None else own) > tightest_ttft_s)
     return slower if slower.any() else ok
 
 
