@@ -131,7 +131,9 @@ class FlowControl:
             raise cls(f"flow control queue full ({self.size} requests wait)", retry_after_s=1.0)
         now = self.clock()
         ttft_s = None if request.slo is None or not self.settings.deadlines else request.slo.ttft_s
-        deadline = math.inf if ttft_s is None else now + ttft_s
+        # From arrival, as the picker spends it: parsing and I/O before the hold already took a share.
+        spent = time.perf_counter() - flight.started
+        deadline = math.inf if ttft_s is None else now + max(0.0, ttft_s - spent)
         waiter = Waiter(flight, request.priority, flight.fairness_id(), now, deadline)
         self._push(waiter)
         self._wake.set()

@@ -6,6 +6,7 @@ one pick answers a request (refused, or held) until capacity may have freed."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -62,6 +63,7 @@ class FakeFlight:
         self.tenant = tenant
         self.request: RouteRequest | None = RouteRequest("m", 10, 10, None, {}, priority=priority)  # type: ignore[arg-type]
         self.decision: object = None
+        self.started = time.perf_counter()  # arrival, as Flight has it
 
     def pick(self) -> object:
         if self.decision is None:
@@ -135,6 +137,27 @@ async def test_within_a_tenant_held_requests_leave_earliest_deadline_first(deadl
         assert room.order == ["tight", "other-tenant", "middling", "relaxed", "none-1", "none-2"]
     else:  # slo.per_request: false: arrival order, as before SLOs
         assert room.order == ["none-1", "other-tenant", "relaxed", "tight", "none-2", "middling"]
+
+
+async def test_a_deadline_counts_from_arrival_not_from_when_the_hold_began() -> None:
+    """A request that spent most of its objective before the hold (parse, tokenizer, Redis) is
+    nearer its deadline than a tighter one that just arrived: it leaves first."""
+    room = Room()
+    control = FlowControl(FlowSettings(poll_s=0.01))
+    early = slo_flight(room, "arrived-long-ago", 1.0)
+    early.started -= 0.9  # 0.1 s of its 1 s objective left
+    fresh = slo_flight(room, "fresh-and-tight", 0.5)
+    tasks = []
+    for held, flight in enumerate((fresh, early), 1):
+        tasks.append(asyncio.create_task(admit(control, flight)))
+        await eventually(lambda held=held: control.size == held, what=f"{flight.name} held")
+    room.free = 1
+    control.dispatch()
+    await eventually(lambda: room.order == ["arrived-long-ago"], what="the nearer deadline bound")
+    room.free = 1
+    control.dispatch()
+    await asyncio.gather(*tasks)
+    assert room.order == ["arrived-long-ago", "fresh-and-tight"]
 
 
 async def test_a_held_request_is_refused_when_its_ttft_objective_runs_out() -> None:
