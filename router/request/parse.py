@@ -68,7 +68,7 @@ def stored_response_of(path: str | None) -> str | None:
         return None
     parts = path.split("?", 1)[0].rstrip("/").split("/")
     for at in (len(parts) - 1, len(parts) - 2):
-        if at >= 2 and parts[at - 2 : at] == ["v1", "responses"] and parts[at]:
+        if at >= 2 and parts[at - 2 : at] == ["v1", "responses"] and 0 < len(parts[at]) <= MAX_RESPONSE_ID:
             return parts[at]
     return None
 
@@ -432,10 +432,16 @@ def _session_key(value: object) -> str | None:
     return None
 
 
+MAX_RESPONSE_ID = 256  # an id the router keeps (and shares through Redis) as a key
+
+
 def _previous_response(body: dict[str, Any]) -> str | None:
     previous = body.get("previous_response_id")
-    if previous is not None and (not isinstance(previous, str) or not previous):
-        raise BadRequest(f"'previous_response_id' must be a non-empty string, got {_shown(previous)}")
+    if previous is not None and (not isinstance(previous, str) or not 0 < len(previous) <= MAX_RESPONSE_ID):
+        raise BadRequest(
+            f"'previous_response_id' must be a string of 1-{MAX_RESPONSE_ID} characters, "
+            f"got {_shown(previous)}"
+        )
     return previous
 
 

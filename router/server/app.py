@@ -252,9 +252,12 @@ class App:
 
     async def _read_adapters(self, endpoints: list[Endpoint], now: float) -> None:
         """The served LoRA adapters of engines that have LoRA on: at first, then every
-        ``MODELS_EVERY_S`` (adapters are loaded and unloaded at run time)."""
+        ``MODELS_EVERY_S`` (adapters are loaded and unloaded at run time). A failed read is tried
+        again after the same interval, not every scrape round (each would wait for its timeout)."""
         assert self._scraper is not None
         pool = self.parts.pool
+        for gone in self._models_read.keys() - pool.endpoints.keys():  # left the pool: bounded
+            del self._models_read[gone]
         due = [
             e
             for e in endpoints
@@ -264,11 +267,12 @@ class App:
         ]
         if not due:
             return
+        for endpoint in due:
+            self._models_read[endpoint.id] = now
         lists = await asyncio.gather(*(self._scraper.served_adapters(e.address) for e in due))
         for endpoint, adapters in zip(due, lists, strict=True):
             if adapters is not None and pool.endpoints.get(endpoint.id) is endpoint:
                 pool.lora.observe_served(endpoint.slot, adapters)
-                self._models_read[endpoint.id] = now
 
     async def _apply_speeds(self) -> None:
         speeds = self.parts.engine_speeds

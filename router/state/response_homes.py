@@ -114,7 +114,8 @@ class SharedHomes:
             return None
         if value is None:
             return None
-        return value.decode() if isinstance(value, bytes) else str(value)
+        # Not ours to trust: bytes that are not text read as no entry (the decoders refuse them).
+        return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.errors += 1

@@ -23,6 +23,7 @@ trouble never fails a request: the local entry (or none) is used, one warning is
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -53,9 +54,11 @@ class SessionHome:
         """An entry as ``encode`` wrote it; None for anything else (another version's, a stray key)."""
         try:
             at, tokens, endpoints = raw.split("|", 2)
-            return cls(tuple(e for e in endpoints.split(",") if e), int(tokens), float(at))
+            home = cls(tuple(e for e in endpoints.split(",") if e), int(tokens), float(at))
         except ValueError:
             return None
+        # A time that is not finite would win every comparison and never age out.
+        return home if math.isfinite(home.at) and home.prompt_tokens >= 0 else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,8 @@ def test_a_responses_body_is_its_instructions_and_input_as_chat() -> None:
         ("/v1/responses", {"input": ["text"]}, "'input\\[0\\]' must be an object"),
         ("/v1/responses", {"instructions": ["a"]}, "'instructions' must be a string"),
         ("/v1/responses", {"max_output_tokens": -1}, "'max_output_tokens' must be a positive integer"),
+        ("/v1/responses", {"previous_response_id": ""}, "'previous_response_id' must be a string of 1-256"),
+        ("/v1/responses", {"previous_response_id": "r" * 257}, "'previous_response_id' must be a string"),
     ],
 )
 def test_malformed_messages_and_responses_bodies_are_bad_requests(
@@ -245,6 +247,7 @@ def test_without_a_path_the_body_decides_between_completions_and_chat() -> None:
         ("/v1/responses", None),
         ("/v1/responses/", None),
         ("/v1/responses/a/b/c", None),
+        ("/v1/responses/" + "r" * 257, None),  # longer than any id the router keeps
         ("/v1/completions", None),
         (None, None),
     ],

@@ -46,6 +46,9 @@ def test_an_entry_reads_back_as_written_and_anything_else_is_no_entry() -> None:
     assert SessionHome.decode(home.encode()) == home
     assert SessionHome.decode("garbage") is None
     assert SessionHome.decode("1.0|x|e0") is None
+    assert SessionHome.decode("inf|10|e0") is None  # would win every comparison, never age out
+    assert SessionHome.decode("nan|10|e0") is None
+    assert SessionHome.decode("1.0|-5|e0") is None
 
 
 async def test_another_replica_keeps_the_session_home_and_redis_trouble_only_counts(
