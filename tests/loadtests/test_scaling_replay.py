@@ -159,8 +159,8 @@ def test_a_group_scaled_away_while_it_rolls_finishes_the_streams_it_had() -> Non
             await fleet.scale("decode", 1)
             assert first.draining_at is not None and first.engine.num_running > 0
             results = (await streams).results
-            await asyncio.sleep(0.5)  # the fleet's next look
-            assert first.stopped_at is not None  # gone once its streams ended
+            # Gone once its streams ended, at the fleet's next look.
+            await eventually(lambda: first.stopped_at is not None, 5, "the drained group stopped")
             roll.cancel()
             return results
 

@@ -300,16 +300,24 @@ async def test_messages_stream_through_a_pd_pair_and_its_tokens_are_counted() ->
 
 
 async def test_messages_json_answers_and_a_shared_system_prompt_goes_back_to_its_pod() -> None:
-    async with router_on_sim(SINGLE_SPECS) as (_cluster, app, base), aiohttp.ClientSession() as http:
-        chosen = set()
+    async with router_on_sim(SINGLE_SPECS) as (cluster, app, base), aiohttp.ClientSession() as http:
+        chosen = []
+        long = None
         for i in range(4):
             async with http.post(f"{base}/v1/messages", json=anthropic_body(f"question {i}")) as resp:
                 assert resp.status == 200
                 answer = await resp.json()
-                chosen.add(resp.headers["x-pd-router-decode"])
+                chosen.append(resp.headers["x-pd-router-decode"])
             assert answer["type"] == "message" and answer["content"][0]["type"] == "text"
             assert answer["usage"]["output_tokens"] == 6 and answer["usage"]["input_tokens"] > 300
-        assert len(chosen) == 1  # the system prompt's blocks were cached there
+            if long is None:  # the home is made the busiest pod: load alone would leave it
+                long = await keep_busy(http, cluster, app, chosen[0])
+        assert chosen == [chosen[0]] * 4  # the system prompt's blocks were cached there
+        other = anthropic_body("question", system=[{"type": "text", "text": "Another system prompt. " * 60}])
+        async with http.post(f"{base}/v1/messages", json=other) as resp:
+            assert resp.headers["x-pd-router-decode"] != chosen[0]  # nothing cached: load decides
+            await resp.read()
+        long.cancel()
         # Anthropic requires max_tokens: refused at the router, as vLLM would.
         body = anthropic_body("no limit")
         del body["max_tokens"]

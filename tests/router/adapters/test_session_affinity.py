@@ -5,14 +5,13 @@ otherwise; a request without the header is routed on load."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from gateway import gateway
-from helpers import eventually, router_on_sim
+from helpers import eventually, keep_busy, router_on_sim
 
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
@@ -49,13 +48,7 @@ async def a_session_stays_home_while_load_alone_would_move_it(
     assert headers.get("x-session-id") == "chat-42"  # a client header: forwarded as it came
     await eventually(lambda: app.parts.pool.sessions.home("h:chat-42") is not None, what="the home kept")
 
-    # Another client keeps the home pod busy: on load alone the next turn goes elsewhere.
-    busy = f"http://{cluster.address(home)}/v1/completions"
-    long = asyncio.create_task(
-        http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 300})
-    )
-    slot = app.parts.pool.endpoints[home].slot
-    await eventually(lambda: app.parts.pool.running[slot] >= 1, what="the home pod seen busy")
+    long = await keep_busy(http, cluster, app, home)  # on load alone the next turn goes elsewhere
 
     async def turn(headers: dict[str, str]) -> tuple[str, int]:
         seen = served(cluster)

@@ -24,6 +24,7 @@ from gateway import gateway
 from helpers import (
     SATURATING_FLOW_CONTROL,
     SINGLE_PODS,
+    eventually,
     long_completion,
     make_config,
     make_flow,
@@ -78,11 +79,7 @@ def ids(traceparent: str) -> tuple[int, int]:
 
 async def finished(exporter: InMemorySpanExporter, count: int) -> None:
     # The request span ends in the handler's ``finally``, a moment after the client has the answer.
-    for _ in range(200):
-        if len(exporter.get_finished_spans()) >= count:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{len(exporter.get_finished_spans())} spans, expected {count}")
+    await eventually(lambda: len(exporter.get_finished_spans()) >= count, 2, f"{count} spans finished")
 
 
 async def test_a_single_pod_request_is_one_span_with_the_decision_and_a_decode_leg(spans: Any) -> None:

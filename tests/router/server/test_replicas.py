@@ -226,13 +226,8 @@ async def test_a_session_keeps_its_home_across_a_router_restart(redis: RedisServ
             shared = a.parts.pool.sessions.shared
             await eventually(lambda: a.parts.pool.sessions.home("h:chat-7") is not None, 5, "A kept it")
             await eventually(lambda: not shared.writes_pending, 5, "A's write done")
-        busy = f"http://{cluster.address(home)}/v1/completions"
-        long = asyncio.create_task(
-            http.post(busy, json={"model": "sim-model", "prompt": "x " * 800, "max_tokens": 300})
-        )
         async with router_for(sections) as (b, base_b):
-            slot = b.parts.pool.endpoints[home].slot
-            await eventually(lambda: b.parts.pool.running[slot] >= 1, 5, "B sees the home pod busy")
+            long = await keep_busy(http, cluster, b, home)  # B's load alone would go elsewhere
             body = {"model": "sim-model", "messages": then, "max_tokens": 2}
             async with http.post(f"{base_b}/v1/chat/completions", json=body, headers=session) as resp:
                 assert resp.status == 200 and resp.headers["x-pd-router-decode"] == home
