@@ -425,10 +425,15 @@ def best_two_per_class(cost: np.ndarray, members: ClassMembers | None) -> tuple[
     if members is None:  # one link class: the common case, no sort needed
         if n == 1:
             return np.zeros(1, dtype=np.int64), np.full(1, -1)
-        two = np.argpartition(cost, 1)[:2]
-        if cost[two[1]] < cost[two[0]]:
-            two = two[::-1]
-        return two[:1], two[1:]
+        # Two argmins, not np.argpartition: its order among equal costs depends on the CPU (a
+        # SIMD selection where AVX-512 is there), and idle pods tie exactly.
+        first = int(cost.argmin())
+        rest = cost.copy()
+        rest[first] = np.inf
+        second = int(rest.argmin())
+        if second == first:  # every other item is +inf too: the lowest other position
+            second = 0 if first else 1
+        return np.array([first]), np.array([second])
     # Each class's row of costs, +inf past its members. argmin takes the first of equal minima,
     # as a stable sort does; two of them cost far less than sorting the rows.
     padded = np.concatenate((cost, _INF))[members.index]
