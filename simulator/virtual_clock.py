@@ -131,10 +131,11 @@ def _swap_defaults(replacements: dict[int, Callable[[], Any]]) -> None:
         code_fn = getattr(fn, "__func__", fn)  # classmethod / staticmethod
         if not hasattr(code_fn, "__code__"):
             return
-        defaults = code_fn.__defaults__
+        # getattr: a compiled function (numba's dispatcher) has a __code__ and no __kwdefaults__.
+        defaults = getattr(code_fn, "__defaults__", None)
         if defaults and any(id(d) in replacements for d in defaults):
             code_fn.__defaults__ = tuple(replacements.get(id(d), d) for d in defaults)
-        kw = code_fn.__kwdefaults__
+        kw = getattr(code_fn, "__kwdefaults__", None)
         if kw and any(id(d) in replacements for d in kw.values()):
             code_fn.__kwdefaults__ = {k: replacements.get(id(v), v) for k, v in kw.items()}
 

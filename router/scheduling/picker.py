@@ -19,6 +19,7 @@ import numpy as np
 from kvindex.base import PrefixIndex
 from router.request.rejections import BadRequest, NoCapacity, Saturated, Shed
 from router.request.types import RouteRequest
+from router.scheduling.costmodel.compiled import CompiledCosts, warm
 from router.scheduling.costmodel.link import LinkOverlay, LinkTable
 from router.scheduling.costmodel.matrix import CostModel, Layout, PairCosts, costs_over, derive
 from router.scheduling.costmodel.policies import PairChoice, PairPicker
@@ -129,6 +130,9 @@ class PickerSettings:
     max_wait_s: float | None = None
     fallbacks: int = 2  # per role, tried in order when an engine fails
     shed_ttft_factor: float = 2.0  # shed sheddable requests above this × the TTFT SLO
+    # The built-in terms and the matrix in compiled loops when numba (the ``fast`` extra) is
+    # installed: the same floats, a fraction of the time (``costmodel/compiled.py``).
+    compiled: bool = True
 
 
 class Picker:
@@ -166,6 +170,9 @@ class Picker:
         self._links: LinkTable | None = None
         self._links_version = (-1, -1)
         self._kept_layout: tuple[tuple[object, ...], Layout] | None = None  # (key, layout)
+        self._compiled: CompiledCosts | None = None
+        self._compiled_for: CostModel | None = None  # the cost model ``_compiled`` was made for
+        self._compiled_costs()  # compiles the loops now, not during the first request
         self.affinity_misses = 0  # picks that did not go to the best cache holder
 
     def _link_table(self) -> LinkTable:
@@ -217,7 +224,23 @@ class Picker:
                 session.weight * session.home.prompt_tokens,
                 ctx.block_tokens,
             )
-        return costs_over(derive(cand, ctx, self.cost_model), self.cost_model, self._layout(cand, request))
+        layout = self._layout(cand, request)
+        compiled = self._compiled_costs()
+        if compiled is not None:
+            costs = compiled.costs(cand, ctx, layout)
+            if costs is not None:
+                return costs
+        return costs_over(derive(cand, ctx, self.cost_model), self.cost_model, layout)
+
+    def _compiled_costs(self) -> CompiledCosts | None:
+        # The cost model may be replaced while serving (learned engine speeds re-price it).
+        cm = self.cost_model
+        if self._compiled_for is not cm:
+            self._compiled_for = cm
+            self._compiled = CompiledCosts.of(cm) if self.settings.compiled else None
+            if self._compiled is not None:
+                warm()
+        return self._compiled
 
     def _layout(self, cand: Candidates, request: RouteRequest) -> Layout:
         # The matrix's shape changes only when candidates come or go or change role, link or

@@ -35,7 +35,7 @@ from router.request.rewrite import ModelRewrites
 from router.request.types import SloTarget
 from router.scheduling.costmodel.link import LinkCosts, LinkOverlay
 from router.scheduling.costmodel.matrix import CostModel, WeightedTerm
-from router.scheduling.costmodel.policies import POLICIES
+from router.scheduling.costmodel.policies import POLICIES, JointArgmin, PairPicker
 from router.scheduling.costmodel.registry import load_term
 from router.scheduling.costmodel.view import EngineModel, Objectives
 from router.scheduling.extension import Producer
@@ -172,9 +172,10 @@ def picker_from(
         pool,
         index,
         cost_model_from(config),
-        POLICIES[config.picker.policy](seed),
+        joint_or_baseline(config, seed),
         PickerSettings(
             block_tokens=config.limits.block_tokens,
+            compiled=config.picker.compiled,
             fallbacks=config.picker.fallbacks,
             shed_ttft_factor=config.picker.shed_ttft_factor,
             max_wait_s=config.flow_control.max_wait_ms / 1000.0 if config.flow_control.enabled else None,
@@ -185,6 +186,13 @@ def picker_from(
         links=links,
         slo=slo_guide_from(config, seed),
     )
+
+
+def joint_or_baseline(config: PoolConfig, seed: int | None) -> PairPicker:
+    """``picker.policy``'s pair picker (the joint argmin compiled with ``picker.compiled``)."""
+    if config.picker.policy == "joint":
+        return JointArgmin(seed, compiled=config.picker.compiled)
+    return POLICIES[config.picker.policy](seed)
 
 
 def slo_guide_from(config: PoolConfig, seed: int | None = None) -> SloGuide | None:

@@ -288,6 +288,12 @@ class PickerConfig(_Strict):
     shed_ttft_factor: Positive = Field(
         2.0, description="shed sheddable requests when the best predicted TTFT exceeds this × SLO"
     )
+    compiled: bool = Field(
+        True,
+        description="compute the built-in cost terms, the cost matrix and the joint choice in "
+        "compiled loops when numba (the fast extra) is installed: the same decisions, a fraction of "
+        "the CPU; false: numpy only. Without numba, or with a custom cost term, numpy is used anyway",
+    )
 
 
 class LimitsConfig(_Strict):

@@ -31,6 +31,7 @@ import pytest
 
 from loadtests.bench.quality import PolicyRun, policy, pool_runs, render_prediction_errors, run_policy
 from loadtests.bench.scenarios import MIXES, SCENARIOS, config_data, matrix_scenario
+from router.scheduling.costmodel import compiled
 from router.server.config import ScrapeConfig, SLOConfig
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
@@ -358,3 +359,12 @@ def test_the_slos_users_set_route_every_request_as_the_measured_defaults(small: 
         run = run_policy(SCENARIOS["b"], policy("pd-router", overrides), requests=80)
         assert run.per_request() == small.per_request(), slo
     assert ScrapeConfig().interval_ms == config_data([], TimeModel(), {})["scrape"]["interval_ms"]
+
+
+def test_the_compiled_and_the_numpy_cost_model_route_every_request_alike(small: PolicyRun) -> None:
+    """With numba installed (the suite installs the fast extra) the defaults run the compiled loops;
+    ``picker.compiled=false`` runs numpy: the same requests go the same way, TTFT for TTFT."""
+    if not compiled.installed():
+        pytest.skip("numba (the fast extra) is not installed")
+    numpy_only = run_policy(SCENARIOS["b"], policy("pd-router", ("picker.compiled=false",)), requests=80)
+    assert numpy_only.per_request() == small.per_request()

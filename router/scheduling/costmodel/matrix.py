@@ -140,6 +140,47 @@ class PairCosts:
     ttft_slo_s: float
     decode_queue: bool = False  # pairs wait for what is left of D's queue (``CostModel``)
 
+    @classmethod
+    def of(
+        cls,
+        view: View,
+        cm: CostModel,
+        layout: Layout,
+        *,
+        cost: np.ndarray,
+        ttft_s: np.ndarray,
+        prefill_of: np.ndarray,
+        transfer_s: np.ndarray,
+        transfer_bytes: np.ndarray,
+        after_transfer_s: np.ndarray,
+        route_s: np.ndarray,
+        column_s: np.ndarray,
+        terms: dict[str, np.ndarray],
+    ) -> PairCosts:
+        """One pick's matrix and terms, with what its layout and cost model fix."""
+        return cls(
+            view=view,
+            cost=cost,
+            ttft_s=ttft_s,
+            prefill_of=prefill_of,
+            prefill=layout.prefill,
+            decode=layout.decode,
+            is_prefill_mask=layout.is_prefill,
+            pairable=layout.pairable,
+            prefill_class=layout.prefill_class,
+            class_of=layout.class_of,
+            transfer_s=transfer_s,
+            transfer_bytes=transfer_bytes,
+            after_transfer_s=after_transfer_s,
+            route_s=route_s,
+            column_s=column_s,
+            terms=terms,
+            prefill_side=cm.prefill_side,
+            link_weight=cm.link_weight,
+            ttft_slo_s=cm.objectives.ttft_slo_s,
+            decode_queue=cm.pair_waits_for_decode_queue,
+        )
+
     def ttft(self, prefill: int, col: int) -> float:
         """Predicted TTFT of prefill position ``prefill`` (-1: none) with decode column ``col``."""
         return self._ttft(prefill, col, self._transfer(prefill, col))
@@ -260,8 +301,9 @@ class Layout:
             prefill_class=prefill_class.astype(np.int64),
             class_of=class_of,
             members=members,
-            latency_s=links.latency_s[classes][:, d_links],
-            bytes_per_s=links.bytes_per_s[classes][:, d_links],
+            # Row-major, as the compiled loops take them (fancy indexing leaves these column-major).
+            latency_s=np.ascontiguousarray(links.latency_s[classes][:, d_links]),
+            bytes_per_s=np.ascontiguousarray(links.bytes_per_s[classes][:, d_links]),
         )
 
 
@@ -350,28 +392,19 @@ def costs_over(view: View, cm: CostModel, layout: Layout) -> PairCosts:
     ttft[1:] = pair_ttft
     prefill_of = np.full((rows, kd), -1)
     prefill_of[1:] = chosen
-    slo = cm.objectives.ttft_slo_s
-    return PairCosts(
-        view=view,
-        cost=(ttft + column[decode]) / slo,
+    return PairCosts.of(
+        view,
+        cm,
+        layout,
+        cost=(ttft + column[decode]) / cm.objectives.ttft_slo_s,
         ttft_s=ttft,
         prefill_of=prefill_of,
-        prefill=prefill,
-        decode=decode,
-        is_prefill_mask=layout.is_prefill,
-        pairable=layout.pairable,
-        prefill_class=layout.prefill_class,
-        class_of=layout.class_of,
         transfer_s=transfer,
         transfer_bytes=decode_bytes,
         after_transfer_s=after_transfer,
         route_s=route,
         column_s=column,
         terms=values,
-        prefill_side=cm.prefill_side,
-        link_weight=cm.link_weight,
-        ttft_slo_s=slo,
-        decode_queue=cm.pair_waits_for_decode_queue,
     )
 
 

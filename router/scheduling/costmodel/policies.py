@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from router.scheduling.costmodel import compiled as compiled_costs
 from router.scheduling.costmodel.matrix import PairCosts, smallest
 from router.scheduling.costmodel.terms import queue
 from router.scheduling.costmodel.view import fill_unknown
@@ -88,13 +89,31 @@ class JointArgmin:
 
     name = "joint"
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, *, compiled: bool = True) -> None:
+        """``compiled``: choose in ``compiled.joint_choice`` when numba is installed (the same
+        choice, a fraction of the calls)."""
         self._draws = Draws(np.random.default_rng(seed))
+        self._compiled = compiled and compiled_costs.installed()
 
     def choose(self, costs: PairCosts, fallbacks: int) -> PairChoice | None:
         rows, cols = costs.cost.shape
         if cols == 0:
             return None
+        if self._compiled:
+            prefill, col, prefill_fallbacks, decode_fallbacks = compiled_costs.joint_choice(
+                costs.cost,
+                self._draws.take(rows + cols),
+                _TIE_JITTER,
+                costs.prefill_of,
+                costs.route_s,
+                costs.prefill,
+                costs.prefill_class,
+                costs.transfer_s,
+                costs.decode,
+                costs.link_weight,
+                fallbacks,
+            )
+            return None if col < 0 else PairChoice(prefill, col, prefill_fallbacks, decode_fallbacks)
         # Jitter per row and per column (not per cell: cheap at any size) breaks exact ties only.
         jitter = self._draws.take(rows + cols) * _TIE_JITTER
         noisy = costs.cost * (1.0 + jitter[:rows, None] + jitter[None, rows:])
