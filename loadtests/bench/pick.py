@@ -77,7 +77,7 @@ def build(n: int, rng: np.random.Generator) -> tuple[Picker, list[np.ndarray], D
         )
         pool.apply_metrics(endpoint, metrics, now)
     pool.stale_after_s = 1e9
-    index = MemoryPrefixIndex(INDEX_BLOCKS // n)
+    index = MemoryPrefixIndex(INDEX_BLOCKS // n, whole_prompts=True)  # as compose.build makes it
     systems = [rng.integers(0, 2**63, size=SHARED_BLOCKS, dtype=np.uint64) for _ in range(8)]
     for slot in range(n):
         index.record(slot, rng.integers(0, 2**63, size=INDEX_BLOCKS // n - SHARED_BLOCKS, dtype=np.uint64))

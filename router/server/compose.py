@@ -333,7 +333,9 @@ def build(
         discovery = StaticDiscovery(config.endpoints)
     shared_redis = config.index.redis
     password = secrets.redis_password
-    local = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint)
+    # Fed whole prompts only (the picker's records and shrinks, the Redis mirror's prefixes), so
+    # its match may bisect; see kvindex.memory.
+    local = MemoryPrefixIndex(config.index.capacity_blocks_per_endpoint, whole_prompts=True)
     # Several replicas share what each routed where through Redis; pick() reads a local mirror.
     shared = (
         None
