@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,11 +41,11 @@ class PickerContractError(RuntimeError):
     """A filter or pair picker broke its contract: a bug in that extension, named here."""
 
 
-@dataclass(frozen=True, slots=True)
-class Prediction:
+class Prediction(NamedTuple):
     """What the cost model predicted for the chosen route, and the features it predicted from:
     what learning compares each answer with (``router/flow/flight.py``, ``router/signals/``). Seconds
-    and tokens."""
+    and tokens. (A named tuple: immutable, and made on every pick at a fraction of a frozen
+    dataclass's cost.)"""
 
     ttft_s: float
     tpot_s: float
@@ -64,17 +65,17 @@ class Prediction:
     def of(cls, b: dict[str, float]) -> Prediction:
         """The prediction in ``PairCosts.breakdown``'s entries."""
         return cls(
-            ttft_s=b["ttft_s"],
-            tpot_s=b["tpot_s"],
-            uncached_tokens=b["uncached_tokens"],
-            queued_tokens=b["queued_tokens"],
-            held_tokens=b["held_tokens"],
-            prefilling_there=b["prefilling_there"] > 0,
-            batch=b["batch"],
-            kv_tokens=b["kv_tokens"],
-            slowness_d=b["slowness_d"],
-            transfer_bytes=b["transfer_bytes"],
-            after_transfer_s=b["after_transfer_s"],
+            b["ttft_s"],
+            b["tpot_s"],
+            b["uncached_tokens"],
+            b["queued_tokens"],
+            b["held_tokens"],
+            b["prefilling_there"] > 0,
+            b["batch"],
+            b["kv_tokens"],
+            b["slowness_d"],
+            b["transfer_bytes"],
+            b["after_transfer_s"],
         )
 
 

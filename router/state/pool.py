@@ -228,7 +228,7 @@ class Pool:
         now = time.monotonic() if now is None else now
         ok = self.in_use & self.admitted & self.scraped & ~self.ejected
         ok &= (now - self.last_scrape_ok) <= self.stale_after_s
-        return np.flatnonzero(ok)
+        return ok.nonzero()[0]  # np.flatnonzero's Python wrapper costs a third of this method
 
     def slots_of(self, addresses: frozenset[str]) -> np.ndarray:
         """Slots of the endpoints at these addresses: an ``ip:port`` is that endpoint, a bare IP

@@ -100,6 +100,11 @@ def _derive_and_terms(
     reserved_kv_tokens: np.ndarray,
     can_decode: np.ndarray,
     adapter_state: np.ndarray,
+    prompt: float,
+    max_tokens: float,
+    block_tokens: float,
+    typical_prompt: float,
+    typical_answer: float,
     scalars: np.ndarray,
     codes: np.ndarray,
     sides: np.ndarray,
@@ -111,12 +116,10 @@ def _derive_and_terms(
     """Fills ``derived`` (8, k: the ``View`` quantities), ``terms`` (len(codes), k: the weighted
     terms) and ``sums`` (3, k: prefill side, decode side, both sides, each in the terms' order), and
     returns False when a sum is NaN (the numpy path then names the term)."""
-    prompt, max_tokens, block_tokens = scalars[0], scalars[1], scalars[2]
-    typical_prompt, typical_answer = scalars[3], scalars[4]
-    tps, step_base, per_seq, per_kv = scalars[5], scalars[6], scalars[7], scalars[8]
-    tpot_weight, kv_penalty_s, kv_soft = scalars[9], scalars[10], scalars[11]
-    max_skew, prefix_trust = scalars[12], scalars[13]
-    lora_load_s, lora_evict_s = scalars[14], scalars[15]
+    tps, step_base, per_seq, per_kv = scalars[0], scalars[1], scalars[2], scalars[3]
+    tpot_weight, kv_penalty_s, kv_soft = scalars[4], scalars[5], scalars[6]
+    max_skew, prefix_trust = scalars[7], scalars[8]
+    lora_load_s, lora_evict_s = scalars[9], scalars[10]
     k = cached_blocks.shape[0]
     cached, wait, uncached, prefill_s = derived[0], derived[1], derived[2], derived[3]
     batch, used, need, tpot = derived[4], derived[5], derived[6], derived[7]
@@ -250,6 +253,7 @@ def _matrix(
     class_rows: np.ndarray,
     latency_s: np.ndarray,
     bytes_per_s: np.ndarray,
+    prompt: float,
     scalars: np.ndarray,
     ttft: np.ndarray,
     prefill_of: np.ndarray,
@@ -259,8 +263,8 @@ def _matrix(
     after_transfer: np.ndarray,
 ) -> None:
     """``matrix.costs_over`` from the route and column sums: fills the outputs (the rest)."""
-    prompt, kv_bytes, step_and_leg, link_weight = scalars[0], scalars[1], scalars[2], scalars[3]
-    slo, local_ok, decode_queue, has_both = scalars[4], scalars[5], scalars[6], scalars[7]
+    kv_bytes, step_and_leg, link_weight = scalars[0], scalars[1], scalars[2]
+    slo, local_ok, decode_queue, has_both = scalars[3], scalars[4], scalars[5], scalars[6]
     cached, wait, prefill_s, tpot = derived[0], derived[1], derived[3], derived[7]
     kd = decode.shape[0]
     classes = latency_s.shape[0]
@@ -312,19 +316,32 @@ class CompiledCosts:
         self._has_both = any(w.term.side == "both" for w in cm.terms)
         self._one_class: tuple[Layout, np.ndarray] | None = None
         o, model = cm.objectives, cm.model
-        self._model_scalars = [
-            model.prefill_tokens_per_s,
-            model.decode_step_base_s,
-            model.decode_s_per_seq,
-            model.decode_s_per_kv_token,
-            o.tpot_weight,
-            o.kv_penalty_s,
-            o.kv_soft_threshold,
-            o.max_wait_skew_s,
-            o.prefix_trust,
-            model.lora_load_s,
-            model.lora_evict_s,
-        ]
+        self._matrix_scalars = np.array(
+            [
+                float(model.kv_bytes_per_token),
+                model.decode_step_base_s + model.pd_leg_overhead_s,
+                cm.link_weight,
+                o.ttft_slo_s,
+                float(cm.allow_local_prefill),
+                float(cm.pair_waits_for_decode_queue),
+                float(self._has_both),
+            ]
+        )
+        self._model_scalars = np.array(
+            [
+                model.prefill_tokens_per_s,
+                model.decode_step_base_s,
+                model.decode_s_per_seq,
+                model.decode_s_per_kv_token,
+                o.tpot_weight,
+                o.kv_penalty_s,
+                o.kv_soft_threshold,
+                o.max_wait_skew_s,
+                o.prefix_trust,
+                model.lora_load_s,
+                model.lora_evict_s,
+            ]
+        )
 
     @classmethod
     def of(cls, cm: CostModel) -> CompiledCosts | None:
@@ -356,17 +373,6 @@ class CompiledCosts:
         if k == 0:
             return None
         cm = self.cm
-        scalars = np.array(
-            [
-                ctx.prompt_tokens,
-                ctx.max_tokens,
-                ctx.block_tokens,
-                ctx.typical_prompt_tokens,
-                ctx.typical_answer_tokens,
-                *self._model_scalars,
-            ],
-            dtype=np.float64,
-        )
         derived = np.empty((8, k))
         terms = np.empty((len(self._codes), k))
         adapter = cand.adapter_state
@@ -384,7 +390,12 @@ class CompiledCosts:
             np.asarray(cand.reserved_kv_tokens, dtype=np.float64),
             np.asarray(cand.can_decode, dtype=np.bool_),
             _NO_ADAPTER if adapter is None else np.asarray(adapter, dtype=np.int8),
-            scalars,
+            float(ctx.prompt_tokens),
+            float(ctx.max_tokens),
+            float(ctx.block_tokens),
+            float(ctx.typical_prompt_tokens),
+            float(ctx.typical_answer_tokens),
+            self._model_scalars,
             self._codes,
             self._sides,
             self._weights,
@@ -401,7 +412,6 @@ class CompiledCosts:
         cost = np.empty((rows, kd))
         transfer = np.empty((rows - 1, kd))
         per_decode = np.empty((2, kd))
-        model = cm.model
         _matrix(
             route,
             column,
@@ -413,18 +423,8 @@ class CompiledCosts:
             self._class_rows(layout),
             layout.latency_s,
             layout.bytes_per_s,
-            np.array(
-                [
-                    ctx.prompt_tokens,
-                    float(model.kv_bytes_per_token),
-                    model.decode_step_base_s + model.pd_leg_overhead_s,
-                    cm.link_weight,
-                    cm.objectives.ttft_slo_s,
-                    float(cm.allow_local_prefill),
-                    float(cm.pair_waits_for_decode_queue),
-                    float(self._has_both),
-                ]
-            ),
+            float(ctx.prompt_tokens),
+            self._matrix_scalars,
             ttft,
             prefill_of,
             cost,
@@ -435,7 +435,7 @@ class CompiledCosts:
         view = View(
             cand=cand,
             ctx=ctx,
-            model=model,
+            model=cm.model,
             objectives=cm.objectives,
             cached=derived[0],
             wait_s=derived[1],
@@ -458,7 +458,7 @@ class CompiledCosts:
             after_transfer_s=per_decode[1],
             route_s=route,
             column_s=column,
-            terms=dict(zip(self._names, terms, strict=True)),
+            terms=dict(zip(self._names, terms)),  # noqa: B905 (one row per name, by construction)
         )
 
 
@@ -553,7 +553,8 @@ def warm() -> None:
     sums = np.empty((3, k))
     derived = np.empty((8, k))
     _derive_and_terms(
-        *([zeros] * 9), yes, _NO_ADAPTER, np.full(16, 0.5), codes, sides, np.ones(len(codes)),
+        *([zeros] * 9), yes, _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides,
+        np.ones(len(codes)),
         derived, np.empty((len(codes), k)), sums,
     )  # fmt: skip
     index = np.arange(k, dtype=np.int64)
@@ -561,7 +562,7 @@ def warm() -> None:
     chosen = np.zeros((2, k), dtype=np.int64)
     _matrix(
         sums[0], sums[1], sums[2], derived, index, index, ~yes, index[None, :], np.ones((1, k)),
-        np.ones((1, k)), np.ones(8), rows, chosen, np.empty((2, k)), np.empty((1, k)), zeros.copy(),
+        np.ones((1, k)), 1.0, np.ones(7), rows, chosen, np.empty((2, k)), np.empty((1, k)), zeros.copy(),
         zeros.copy(),
     )  # fmt: skip
     joint_choice(rows, np.zeros(4), 1e-9, chosen, sums[0], index, index, np.ones((1, k)), index, 1.0, 2)

@@ -3,8 +3,6 @@ TTFT/TPOT and the features they were predicted from, the ``breakdown`` dict stay
 
 from __future__ import annotations
 
-import dataclasses
-
 from helpers import SINGLE_PODS, Metrics, make_config, make_flow, make_pool
 
 from router.scheduling.picker import Prediction
@@ -22,7 +20,7 @@ def test_the_decision_carries_a_typed_prediction_of_what_the_breakdown_shows() -
         predicted = decision.prediction
         assert isinstance(predicted, Prediction) and predicted.prefilling_there is prefilling
         shown = decision.breakdown
-        for field in dataclasses.fields(Prediction):
-            assert getattr(predicted, field.name) == shown[field.name], field.name
+        for name in Prediction._fields:
+            assert getattr(predicted, name) == shown[name], name
         assert predicted.uncached_tokens == decision.reservation.prefill_tokens
         flight.close()
