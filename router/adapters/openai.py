@@ -55,6 +55,8 @@ class Proxy:
         self.exchange = exchange
         self.ready = ready
         self.debug_headers = debug_headers
+        if debug_headers:  # the reason header needs every decision's breakdown
+            flow.explain = True
         self.metrics_token = metrics_token
         self.max_body_bytes = flow.limits.max_body_bytes
 

@@ -115,6 +115,9 @@ class RequestFlow:
         self.objectives: Mapping[str, int] = objectives or {}
         self.tracer = tracer
         self.slo_objectives: Mapping[str, SloTarget] = slo_objectives or {}
+        # Every pick's decision carries its breakdown (an adapter that shows it sets this: the
+        # proxy's debug headers); a traced request gets one anyway.
+        self.explain = False
 
     @property
     def prepares(self) -> bool:
@@ -266,12 +269,14 @@ class Flight:
         request = self.request
         assert request is not None, "parse() or headers_only() first"
         self._calibrate(request)
-        picker = self.flow.picker
+        flow = self.flow
+        explain = flow.explain or (self.span is not None and self.span.is_recording())
         try:
             if request.slo is None:
-                self.decision = picker.pick(request)
+                self.decision = flow.picker.pick(request, explain=explain)
             else:  # time held by flow control comes out of its TTFT objective
-                self.decision = picker.pick(request, waited_s=time.perf_counter() - self.started)
+                waited = time.perf_counter() - self.started
+                self.decision = flow.picker.pick(request, waited_s=waited, explain=explain)
         except Saturated:
             raise
         except Rejection as rejection:

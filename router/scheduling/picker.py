@@ -13,7 +13,6 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
@@ -22,7 +21,7 @@ from router.request.rejections import BadRequest, NoCapacity, Saturated, Shed
 from router.request.types import RouteRequest
 from router.scheduling.costmodel.compiled import CompiledCosts, warm
 from router.scheduling.costmodel.link import LinkOverlay, LinkTable
-from router.scheduling.costmodel.matrix import CostModel, Layout, PairCosts, costs_over, derive
+from router.scheduling.costmodel.matrix import CostModel, Layout, PairCosts, Prediction, costs_over, derive
 from router.scheduling.costmodel.policies import PairChoice, PairPicker
 from router.scheduling.costmodel.session import cached_blocks_with_session
 from router.scheduling.costmodel.view import Candidates, RequestCtx
@@ -41,48 +40,11 @@ class PickerContractError(RuntimeError):
     """A filter or pair picker broke its contract: a bug in that extension, named here."""
 
 
-class Prediction(NamedTuple):
-    """What the cost model predicted for the chosen route, and the features it predicted from:
-    what learning compares each answer with (``router/flow/flight.py``, ``router/signals/``). Seconds
-    and tokens. (A named tuple: immutable, and made on every pick at a fraction of a frozen
-    dataclass's cost.)"""
-
-    ttft_s: float
-    tpot_s: float
-    uncached_tokens: float  # the prompt's tokens the computing pod must compute (reserved there)
-    queued_tokens: float  # prefill work queued ahead of it on that pod, at the pick
-    held_tokens: float  # the prompt's tokens the index said that pod held (before the trust cap)
-    # Prompts were still being computed on that pod: a low cached count in its answer may be one
-    # of them not done yet rather than an eviction.
-    prefilling_there: bool
-    batch: float  # the decode pod's batch, this request included
-    kv_tokens: float  # the decode pod's KV tokens in use, this request's included
-    slowness_d: float  # the decode pod's learned slowness factor (already in ``tpot_s``)
-    transfer_bytes: float  # a pair's KV bytes to the decode pod (0: no prefill leg)
-    after_transfer_s: float  # a pair's decode leg after the transfer (0: no prefill leg)
-
-    @classmethod
-    def of(cls, b: dict[str, float]) -> Prediction:
-        """The prediction in ``PairCosts.breakdown``'s entries."""
-        return cls(
-            b["ttft_s"],
-            b["tpot_s"],
-            b["uncached_tokens"],
-            b["queued_tokens"],
-            b["held_tokens"],
-            b["prefilling_there"] > 0,
-            b["batch"],
-            b["kv_tokens"],
-            b["slowness_d"],
-            b["transfer_bytes"],
-            b["after_transfer_s"],
-        )
-
-
 @dataclass(slots=True)
 class RouteDecision:
     """Where one request goes, why, and the reservation to release when it ends. ``prediction``
-    is what learning reads; ``breakdown`` (every term) is for debug headers, logs and the demo."""
+    is what learning reads; ``breakdown`` (every term) is for debug headers, traces, logs and the
+    demo, made only when the pick was asked to explain itself (empty otherwise)."""
 
     decode: Endpoint
     prefill: Endpoint | None
@@ -114,6 +76,8 @@ class RouteDecision:
     @property
     def reason(self) -> str:
         """Why this route, in words (debug headers, logs, the demo); formatted only when asked for."""
+        if not self.breakdown:
+            return f"{self.kind} to {self.decode.id} (the pick was not asked to explain itself)"
         return _reason(self.policy, self.decode, self.prefill, self.breakdown, self.prompt_tokens)
 
     @property
@@ -306,10 +270,13 @@ class Picker:
         return cached
 
     def pick(
-        self, request: RouteRequest, now: float | None = None, *, waited_s: float = 0.0
+        self, request: RouteRequest, now: float | None = None, *, waited_s: float = 0.0, explain: bool = True
     ) -> RouteDecision:
         """Choose and reserve; raises ``NoCapacity`` or ``Shed``. Never awaits. ``waited_s``: how
-        long the request has been in the router (spent from its TTFT SLO, if it has one)."""
+        long the request has been in the router (spent from its TTFT SLO, if it has one);
+        ``explain``: make the decision's ``breakdown`` (every term: a tenth of a pick's time), which
+        the service asks for only when something will read it (debug headers, a traced request;
+        debug logging always gets it)."""
         session = self._session_of(request)
         costs = self.costs(request, now, session)
         if not len(costs.decode):
@@ -331,8 +298,8 @@ class Picker:
             cls = NoCapacity if max_wait is None else Saturated
             raise cls("no decode endpoint has the KV capacity for this request", retry_after_s=1.0)
         self._check(choice, costs)
-        breakdown = costs.breakdown(choice.prefill, choice.decode)
-        ttft = breakdown["ttft_s"]
+        prediction = costs.prediction(choice.prefill, choice.decode)
+        ttft = prediction.ttft_s
         if (
             request.priority < 0
             and ttft > self.settings.shed_ttft_factor * self.cost_model.objectives.ttft_slo_s
@@ -344,7 +311,12 @@ class Picker:
             computes = choice.prefill if choice.prefill >= 0 else int(costs.decode[choice.decode])
             if costs.view.wait_s[computes] > max_wait:
                 raise Saturated("every eligible pod's queue is over the wait bound", retry_after_s=1.0)
-        return self._commit(request, costs, choice, breakdown, session)
+        breakdown = (
+            costs.breakdown(choice.prefill, choice.decode, prediction)
+            if explain or log.isEnabledFor(logging.DEBUG)
+            else {}
+        )
+        return self._commit(request, costs, choice, prediction, breakdown, session)
 
     def _check(self, choice: PairChoice, costs: PairCosts) -> None:
         name = self.pair_picker.name
@@ -365,6 +337,7 @@ class Picker:
         request: RouteRequest,
         costs: PairCosts,
         choice: PairChoice,
+        prediction: Prediction,
         breakdown: dict[str, float],
         session: SessionTurn | None = None,
     ) -> RouteDecision:
@@ -378,7 +351,6 @@ class Picker:
         cached = costs.view.cached
         if len(cached) and cached.max() > cached[d_pos if choice.prefill < 0 else choice.prefill]:
             self.affinity_misses += 1
-        prediction = Prediction.of(breakdown)
         reservation = self.pool.reserve(
             decode_slot=d_slot,
             prefill_slot=p_slot,

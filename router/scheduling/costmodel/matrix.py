@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -109,6 +110,27 @@ def derive(cand: Candidates, ctx: RequestCtx, cm: CostModel) -> View:
         need_kv=need,
         tpot_s=load.tpot_s(model, used + need, batch) * slow,
     )
+
+
+class Prediction(NamedTuple):
+    """What the cost model predicted for a chosen route, and the features it predicted from: what
+    learning compares each answer with (``router/flow/flight.py``, ``router/signals/``). Seconds and
+    tokens. (A named tuple: immutable, and made on every pick at a fraction of a frozen
+    dataclass's cost.)"""
+
+    ttft_s: float
+    tpot_s: float
+    uncached_tokens: float  # the prompt's tokens the computing pod must compute (reserved there)
+    queued_tokens: float  # prefill work queued ahead of it on that pod, at the pick
+    held_tokens: float  # the prompt's tokens the index said that pod held (before the trust cap)
+    # Prompts were still being computed on that pod: a low cached count in its answer may be one
+    # of them not done yet rather than an eviction (router/signals/calibration.py).
+    prefilling_there: bool
+    batch: float  # the decode pod's batch, this request included
+    kv_tokens: float  # the decode pod's KV tokens in use, this request's included
+    slowness_d: float  # the decode pod's learned slowness factor (already in ``tpot_s``)
+    transfer_bytes: float  # a pair's KV bytes to the decode pod (0: no prefill leg)
+    after_transfer_s: float  # a pair's decode leg after the transfer (0: no prefill leg)
 
 
 @dataclass(slots=True)
@@ -201,37 +223,42 @@ class PairCosts:
             return 0.0
         return float(self.transfer_s[self.class_of[prefill], col])
 
-    def breakdown(self, prefill: int, col: int) -> dict[str, float]:
-        """The terms behind one choice, for debug headers, logs and the demo's "why"."""
+    def prediction(self, prefill: int, col: int) -> Prediction:
+        """What is predicted for prefill position ``prefill`` (-1: none) with decode column ``col``."""
         d = int(self.decode[col])
         p = d if prefill < 0 else prefill
-        transfer = self._transfer(prefill, col)
-        ttft = self._ttft(prefill, col, transfer)
-        uncached = float(self.view.uncached[p])
         view = self.view
         cand = view.cand
-        slow_p = float(cand.slowness[p])
-        out = {
-            "cost": (ttft + float(self.column_s[d])) / self.ttft_slo_s,
-            "ttft_s": ttft,
-            "tpot_s": float(self.view.tpot_s[d]),
-            "transfer_s": transfer,
-            # What a pair's decode leg adds to the transfer: learning links reads both.
-            "transfer_bytes": 0.0 if prefill < 0 else float(self.transfer_bytes[col]),
-            "after_transfer_s": 0.0 if prefill < 0 else float(self.after_transfer_s[col]),
-            "cached_tokens": self.view.ctx.prompt_tokens - uncached,
-            "uncached_tokens": uncached,
+        pair = prefill >= 0
+        return Prediction(
+            ttft_s=self._ttft(prefill, col, self._transfer(prefill, col)),
+            tpot_s=float(view.tpot_s[d]),
+            uncached_tokens=float(view.uncached[p]),
             # What the performance model learns against (``router/signals/perf.py``).
-            "queued_tokens": float(view.wait_s[p]) / slow_p * view.model.prefill_tokens_per_s,
-            "batch": float(view.batch[d]) + 1.0,
-            "kv_tokens": float(view.used_kv[d]) + float(view.need_kv[d]),
-            "held_tokens": float(view.cached[p]),  # cached there, before the trust cap
-            # Prompts were still being computed there: a low cached count may be one of them
-            # not done yet, not an eviction (router/signals/calibration.py). NaN > 0 is False.
-            "prefilling_there": float(float(cand.queued_prefill_tokens[p]) > 0 or float(cand.waiting[p]) > 0),
-            "slowness_p": slow_p,
-            "slowness_d": float(cand.slowness[d]),
-        }
+            queued_tokens=float(view.wait_s[p]) / float(cand.slowness[p]) * view.model.prefill_tokens_per_s,
+            held_tokens=float(view.cached[p]),  # cached there, before the trust cap
+            # NaN > 0 is False: an unknown waiting count is no evidence of prefill in progress.
+            prefilling_there=float(cand.queued_prefill_tokens[p]) > 0 or float(cand.waiting[p]) > 0,
+            batch=float(view.batch[d]) + 1.0,
+            kv_tokens=float(view.used_kv[d]) + float(view.need_kv[d]),
+            slowness_d=float(cand.slowness[d]),
+            # What a pair's decode leg adds to the transfer: learning links reads both.
+            transfer_bytes=float(self.transfer_bytes[col]) if pair else 0.0,
+            after_transfer_s=float(self.after_transfer_s[col]) if pair else 0.0,
+        )
+
+    def breakdown(self, prefill: int, col: int, prediction: Prediction | None = None) -> dict[str, float]:
+        """The terms behind one choice, for debug headers, traces, logs and the demo's "why": the
+        ``prediction`` (made here when not given) and every term's seconds."""
+        made = self.prediction(prefill, col) if prediction is None else prediction
+        d = int(self.decode[col])
+        p = d if prefill < 0 else prefill
+        out = made._asdict()
+        out["prefilling_there"] = float(made.prefilling_there)
+        out["cost"] = (made.ttft_s + float(self.column_s[d])) / self.ttft_slo_s
+        out["transfer_s"] = self._transfer(prefill, col)
+        out["cached_tokens"] = self.view.ctx.prompt_tokens - made.uncached_tokens
+        out["slowness_p"] = float(self.view.cand.slowness[p])
         prefill_side = self.prefill_side
         for name, values in self.terms.items():
             out[name + "_s"] = float(values[p if name in prefill_side else d])

@@ -285,9 +285,9 @@ class ExtProcOnFlowControl:
         self.picks = 0
         pick = picker.pick
 
-        def counted(request: RouteRequest, now: float | None = None) -> Any:
+        def counted(request: RouteRequest, now: float | None = None, **options: Any) -> Any:
             self.picks += 1
-            return pick(request, now)
+            return pick(request, now, **options)
 
         picker.pick = counted  # type: ignore[method-assign]
         self.control = FlowControl(flow_settings_from(config))
