@@ -145,7 +145,7 @@ def _derive_and_terms(
         trust = prefix_trust if wait[i] <= least_wait + max_skew else 0.0
         uncached[i] = prompt - trust * cached[i]
         prefill_s[i] = uncached[i] / tps * slowness[i]
-        batch[i] = _maximum(running_known[i], inflight_requests[i])
+        batch[i] = _maximum(running_known[i], float(inflight_requests[i]))
         product = usage_known[i] * kv_capacity_tokens[i]
         used[i] = reserved_kv_tokens[i] if math.isnan(product) else max(product, reserved_kv_tokens[i])
         need[i] = (prompt + max_tokens) - cached[i]
@@ -303,6 +303,61 @@ def _matrix(
             cost[row, j] = (ttft[row, j] + column[d]) / slo
 
 
+@_jit
+def _costs(
+    cached_blocks: np.ndarray,
+    slowness: np.ndarray,
+    queued_prefill_tokens: np.ndarray,
+    waiting: np.ndarray,
+    running: np.ndarray,
+    inflight_requests: np.ndarray,
+    kv_usage: np.ndarray,
+    kv_capacity_tokens: np.ndarray,
+    reserved_kv_tokens: np.ndarray,
+    can_decode: np.ndarray,
+    adapter_state: np.ndarray,
+    prompt: float,
+    max_tokens: float,
+    block_tokens: float,
+    typical_prompt: float,
+    typical_answer: float,
+    scalars: np.ndarray,
+    codes: np.ndarray,
+    sides: np.ndarray,
+    weights: np.ndarray,
+    decode: np.ndarray,
+    prefill: np.ndarray,
+    no_pairs: np.ndarray,
+    class_rows: np.ndarray,
+    latency_s: np.ndarray,
+    bytes_per_s: np.ndarray,
+    matrix_scalars: np.ndarray,
+    derived: np.ndarray,
+    terms: np.ndarray,
+    sums: np.ndarray,
+    ttft: np.ndarray,
+    prefill_of: np.ndarray,
+    cost: np.ndarray,
+    transfer: np.ndarray,
+    per_decode: np.ndarray,
+) -> bool:
+    """Both steps in one call (one dispatch of the arguments instead of two): False, and no
+    matrix, when a sum is NaN."""
+    if not _derive_and_terms(
+        cached_blocks, slowness, queued_prefill_tokens, waiting, running, inflight_requests,
+        kv_usage, kv_capacity_tokens, reserved_kv_tokens, can_decode, adapter_state, prompt,
+        max_tokens, block_tokens, typical_prompt, typical_answer, scalars, codes, sides, weights,
+        derived, terms, sums,
+    ):  # fmt: skip
+        return False
+    _matrix(
+        sums[0], sums[1], sums[2], derived, decode, prefill, no_pairs, class_rows, latency_s,
+        bytes_per_s, prompt, matrix_scalars, ttft, prefill_of, cost, transfer, per_decode[0],
+        per_decode[1],
+    )  # fmt: skip
+    return True
+
+
 class CompiledCosts:
     """``costs_over(derive(...))`` for one cost model whose terms are all built-in (``of``)."""
 
@@ -375,21 +430,29 @@ class CompiledCosts:
         cm = self.cm
         derived = np.empty((8, k))
         terms = np.empty((len(self._codes), k))
-        adapter = cand.adapter_state
         sums = np.empty((3, k))
-        # One dtype per argument, so the loops compile once (an int32 count is exact in float64).
-        if not _derive_and_terms(
-            np.asarray(cand.cached_blocks, dtype=np.float64),
-            np.asarray(cand.slowness, dtype=np.float64),
-            np.asarray(cand.queued_prefill_tokens, dtype=np.float64),
-            np.asarray(cand.waiting, dtype=np.float64),
-            np.asarray(cand.running, dtype=np.float64),
-            np.asarray(cand.inflight_requests, dtype=np.float64),
-            np.asarray(cand.kv_usage, dtype=np.float64),
-            np.asarray(cand.kv_capacity_tokens, dtype=np.float64),
-            np.asarray(cand.reserved_kv_tokens, dtype=np.float64),
-            np.asarray(cand.can_decode, dtype=np.bool_),
-            _NO_ADAPTER if adapter is None else np.asarray(adapter, dtype=np.int8),
+        decode, prefill = layout.decode, layout.prefill
+        kd, rows = len(decode), 1 + len(layout.classes)
+        ttft = np.empty((rows, kd))
+        prefill_of = np.empty((rows, kd), dtype=np.int64)
+        cost = np.empty((rows, kd))
+        transfer = np.empty((rows - 1, kd))
+        per_decode = np.empty((2, kd))
+        adapter = cand.adapter_state
+        # The pool's arrays as they are (float64, int32 cached blocks, int64 in-flight counts,
+        # bool): ``warm`` compiles those, so a pick never waits for a compile.
+        if not _costs(
+            cand.cached_blocks,
+            cand.slowness,
+            cand.queued_prefill_tokens,
+            cand.waiting,
+            cand.running,
+            cand.inflight_requests,
+            cand.kv_usage,
+            cand.kv_capacity_tokens,
+            cand.reserved_kv_tokens,
+            cand.can_decode,
+            _NO_ADAPTER if adapter is None else adapter,
             float(ctx.prompt_tokens),
             float(ctx.max_tokens),
             float(ctx.block_tokens),
@@ -399,39 +462,24 @@ class CompiledCosts:
             self._codes,
             self._sides,
             self._weights,
-            derived,
-            terms,
-            sums,
-        ):
-            return None
-        route, column, both = sums[0], sums[1], sums[2]
-        decode, prefill = layout.decode, layout.prefill
-        kd, rows = len(decode), 1 + len(layout.classes)
-        ttft = np.empty((rows, kd))
-        prefill_of = np.empty((rows, kd), dtype=np.int64)
-        cost = np.empty((rows, kd))
-        transfer = np.empty((rows - 1, kd))
-        per_decode = np.empty((2, kd))
-        _matrix(
-            route,
-            column,
-            both,
-            derived,
             decode,
             prefill,
             layout.no_pairs,
             self._class_rows(layout),
             layout.latency_s,
             layout.bytes_per_s,
-            float(ctx.prompt_tokens),
             self._matrix_scalars,
+            derived,
+            terms,
+            sums,
             ttft,
             prefill_of,
             cost,
             transfer,
-            per_decode[0],
-            per_decode[1],
-        )
+            per_decode,
+        ):
+            return None
+        route, column = sums[0], sums[1]
         view = View(
             cand=cand,
             ctx=ctx,
@@ -550,19 +598,15 @@ def warm() -> None:
     k, zeros, yes = 2, np.zeros(2), np.ones(2, dtype=np.bool_)
     codes = np.arange(len(TERM_CODES), dtype=np.int64)
     sides = np.array([0, 0, 0, 1, 1, 1, 2], dtype=np.int64)
-    sums = np.empty((3, k))
-    derived = np.empty((8, k))
-    _derive_and_terms(
-        *([zeros] * 9), yes, _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides,
-        np.ones(len(codes)),
-        derived, np.empty((len(codes), k)), sums,
-    )  # fmt: skip
     index = np.arange(k, dtype=np.int64)
     rows = np.zeros((2, k))
     chosen = np.zeros((2, k), dtype=np.int64)
-    _matrix(
-        sums[0], sums[1], sums[2], derived, index, index, ~yes, index[None, :], np.ones((1, k)),
-        np.ones((1, k)), 1.0, np.ones(7), rows, chosen, np.empty((2, k)), np.empty((1, k)), zeros.copy(),
-        zeros.copy(),
+    sums = np.empty((3, k))
+    _costs(
+        np.zeros(k, dtype=np.int32), zeros, zeros, zeros, zeros, index, zeros, zeros, zeros, yes,
+        _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides, np.ones(len(codes)),
+        index, index, ~yes, index[None, :], np.ones((1, k)), np.ones((1, k)), np.ones(7),
+        np.empty((8, k)), np.empty((len(codes), k)), sums, rows, chosen, np.empty((2, k)),
+        np.empty((1, k)), np.empty((2, k)),
     )  # fmt: skip
     joint_choice(rows, np.zeros(4), 1e-9, chosen, sums[0], index, index, np.ones((1, k)), index, 1.0, 2)

@@ -195,7 +195,7 @@ from router.request.types import RouteRequest
 from router.scheduling.costmodel import compiled
 
 compiled.warm()
-kernels = (compiled._derive_and_terms, compiled._matrix, compiled.joint_choice)
+kernels = (compiled._costs, compiled.joint_choice)
 warmed = [list(kernel.signatures) for kernel in kernels]
 for endpoints in (2, 8, 64):  # one link class, and four
     picker, systems, _ = build(endpoints, np.random.default_rng(endpoints))
