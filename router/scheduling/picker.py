@@ -311,12 +311,12 @@ class Picker:
             computes = choice.prefill if choice.prefill >= 0 else int(costs.decode[choice.decode])
             if costs.view.wait_s[computes] > max_wait:
                 raise Saturated("every eligible pod's queue is over the wait bound", retry_after_s=1.0)
-        breakdown = (
-            costs.breakdown(choice.prefill, choice.decode, prediction)
-            if explain or log.isEnabledFor(logging.DEBUG)
-            else {}
-        )
-        return self._commit(request, costs, choice, prediction, breakdown, session)
+        logged = log.isEnabledFor(logging.DEBUG)
+        breakdown = costs.breakdown(choice.prefill, choice.decode, prediction) if explain or logged else {}
+        decision = self._commit(request, costs, choice, prediction, breakdown, session)
+        if logged:
+            log.debug("pick %s: %s %s", request.request_id, decision.reason, breakdown)
+        return decision
 
     def _check(self, choice: PairChoice, costs: PairCosts) -> None:
         name = self.pair_picker.name
@@ -348,8 +348,9 @@ class Picker:
         p_slot = None if choice.prefill < 0 else int(slots[choice.prefill])
         # A signal for autoscaling: the pod holding most of this prompt was passed over (its load
         # outweighed the cache), so the pool recomputes what it already has.
-        cached = costs.view.cached
-        if len(cached) and cached.max() > cached[d_pos if choice.prefill < 0 else choice.prefill]:
+        cached = costs.view.cached  # (np.maximum.reduce: .max()'s Python wrapper costs as much again)
+        computes = d_pos if choice.prefill < 0 else choice.prefill
+        if len(cached) and np.maximum.reduce(cached) > cached[computes]:
             self.affinity_misses += 1
         reservation = self.pool.reserve(
             decode_slot=d_slot,
@@ -385,8 +386,6 @@ class Picker:
             decode_fallback_slots=slots[costs.decode[choice.decode_fallbacks]],
             pool=self.pool,
         )
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("pick %s: %s %s", request.request_id, decision.reason, breakdown)
         return decision
 
     def shrink(self, endpoint: Endpoint, blocks: int) -> None:

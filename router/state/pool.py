@@ -226,7 +226,9 @@ class Pool:
     def candidate_slots(self, now: float | None = None) -> np.ndarray:
         """Slots that may take traffic: in use, admitted, freshly scraped, not ejected."""
         now = time.monotonic() if now is None else now
-        ok = self.in_use & self.admitted & self.scraped & ~self.ejected
+        ok = self.in_use & self.admitted
+        ok &= self.scraped
+        ok &= ~self.ejected
         ok &= (now - self.last_scrape_ok) <= self.stale_after_s
         return ok.nonzero()[0]  # np.flatnonzero's Python wrapper costs a third of this method
 
