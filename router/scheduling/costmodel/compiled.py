@@ -4,12 +4,13 @@ The same arithmetic as ``matrix.derive``, ``terms/*.py`` and ``matrix.costs_over
 operation in the same order, so every float is bitwise the same and decisions do not move
 (``tests/router/scheduling/costmodel/test_compiled.py`` holds both paths to that). It exists because
 a pick's arrays are small: the numpy path spends its time in about a hundred calls' fixed overhead,
-not in arithmetic, and two compiled calls replace them (``docs/benchmarks.md``, "pick() hot path").
+not in arithmetic, and one compiled call replaces them, a second one ``JointArgmin``'s choice
+(``docs/benchmarks.md``, "pick() hot path").
 
 Used by ``Picker`` when numba is installed, ``picker.compiled`` is on and every configured term is a
 built-in one; anything else (a custom term, a term returning NaN, which the numpy runner names) takes
-the numpy path. Between the two calls ``matrix.best_two_per_class`` still runs in numpy: its ties
-follow ``np.argpartition``, which the loops would otherwise have to mimic.
+the numpy path. Each step of a loop mirrors one numpy operation: ``np.maximum`` lets NaN win, argmin
+takes the first of equal minima, ``x / 0`` is inf (``error_model="numpy"``).
 """
 
 from __future__ import annotations
