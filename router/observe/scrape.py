@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from enum import StrEnum
 
 import aiohttp
-import orjson
 
+from router.http.models import served_models
 from router.request.types import EngineMetrics, LoraInfo
 from router.state.features import FEATURES
 
@@ -263,17 +263,8 @@ class Scraper:
         try:
             async with asyncio.timeout(self._timeout_s):
                 body = await self._fetch(address, "/v1/models")
-            data = orjson.loads(body)["data"]
-            if not isinstance(data, list):
-                return None
-            return tuple(
-                entry["id"]
-                for entry in data
-                if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry.get("parent")
-            )
-        except (ScrapeError, TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
-            return None
-        except (KeyError, TypeError):  # JSON, but not an OpenAI model list
+            return tuple(model for model, parent in served_models(body) if parent)
+        except (ScrapeError, TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
 
     async def scrape_all(self, addresses: Sequence[str]) -> list[EngineMetrics | ScrapeError]:

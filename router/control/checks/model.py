@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import orjson
-
 from router.control.checks.base import DefaultOn, GateFailed, ReadyCheck, serving
+from router.http.models import served_models
 
 if TYPE_CHECKING:
     from router.control.gate import Gate
@@ -24,9 +23,8 @@ async def model(gate: Gate, group: GroupSpec) -> str:
 
 def _model_ids(payload: bytes) -> set[str]:
     try:
-        data = orjson.loads(payload)["data"]
-        return {entry["id"] for entry in data if isinstance(entry, dict) and isinstance(entry.get("id"), str)}
-    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return {model for model, _ in served_models(payload)}
+    except ValueError:
         raise GateFailed("/v1/models answered something other than an OpenAI model list") from None
 
 
