@@ -203,6 +203,9 @@ class PickerCollector:
         yield routes
         if sessions.shared is not None:
             yield series.SESSION_SHARED_ERRORS.one_sample(float(sessions.shared.errors))
+        homes = self.picker.pool.response_homes
+        if homes.shared is not None:
+            yield series.RESPONSE_HOMES_SHARED_ERRORS.one_sample(float(homes.shared.errors))
 
 
 class FlowMetrics:

@@ -133,6 +133,11 @@ SESSION_SHARED_ERRORS = CounterSeries(
     "pd_router_session_shared_errors",
     "Redis reads and writes of session homes that failed (the local entry, if any, was used).",
 )
+RESPONSE_HOMES_SHARED_ERRORS = CounterSeries(
+    "pd_router_response_homes_shared_errors",
+    "Redis reads and writes of stored Responses answers' homes that failed (the local entry, if "
+    "any, was used).",
+)
 SLO_REQUESTS = CounterSeries(
     "pd_router_slo_requests",
     "Requests with an SLO (x-slo-* headers or their objective's), by InferenceObjective ('none': "

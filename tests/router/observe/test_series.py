@@ -32,6 +32,7 @@ def every_collector_with_a_sample() -> CollectorRegistry:
     pool.stale_after_s = 1e12
     picker = make_picker(config, pool)
     pool.sessions.shared = SimpleNamespace(errors=1)  # type: ignore[assignment]  # with index.redis
+    pool.response_homes.shared = SimpleNamespace(errors=1)  # type: ignore[assignment]
     metrics = RouterMetrics(pool, "pool")
     registry = metrics.registry
     registry.register(SignalsCollector(pool, "pool", lambda: picker.cost_model))
