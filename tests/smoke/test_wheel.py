@@ -42,8 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loadtests.servers.ports import free_port
 
@@ -349,6 +351,32 @@ def test_serve_answers_health_a_completion_and_the_debug_view(
     for group in view["groups"]:
         assert {"key", "state", "epoch", "last_failure"} <= group.keys()
     assert any(group["state"] == "admitted" for group in view["groups"])
+
+
+def test_serve_with_grpc_port_serves_the_endpoint_picker_and_its_health(
+    installed: Installed, sim_pool: SimPool
+) -> None:
+    """``pd-router serve --grpc-port`` as the README's endpoint-picker line runs it: the port answers
+    gRPC health for the ext_proc service (h2c here; TLS on the same port), SERVING once the pool's
+    groups are admitted."""
+    grpc_port, port, metrics_port = free_port(), free_port(), free_port()
+    args = ("serve", "--config", sim_pool.config, "--grpc-port", str(grpc_port))
+    args += ("--port", str(port), "--metrics-port", str(metrics_port))
+    service = "envoy.service.ext_proc.v3.ExternalProcessor"
+    with (
+        installed.started("serve --grpc-port", installed.pd_router, *args) as serve,
+        grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
+    ):
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def serving() -> bool | None:
+            try:
+                answer = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+            except grpc.RpcError:  # not listening yet
+                return None
+            return True if answer.status == health_pb2.HealthCheckResponse.SERVING else None
+
+        serve.until(serving, f"SERVING for {service} on --grpc-port")
 
 
 def modules_named_in_docs() -> list[str]:
