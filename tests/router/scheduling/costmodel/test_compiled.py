@@ -25,7 +25,7 @@ from router.scheduling.costmodel.policies import JointArgmin
 from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, load_term
 from router.scheduling.costmodel.view import Candidates, RequestCtx
 
-pytestmark = pytest.mark.skipif(not compiled.installed(), reason="numba (the fast extra) is not installed")
+needs_numba = pytest.mark.skipif(not compiled.installed(), reason="numba (the fast extra) is not installed")
 
 _FLOAT_FEATURES = (
     "running",
@@ -121,6 +121,7 @@ def _assert_same(fast: PairCosts, slow: PairCosts) -> None:
             assert a == b, field.name
 
 
+@needs_numba
 def test_the_compiled_costs_are_the_numpy_paths_float_for_float() -> None:
     rng = np.random.default_rng(7)
     for case in range(600):
@@ -140,6 +141,7 @@ def test_the_compiled_costs_are_the_numpy_paths_float_for_float() -> None:
         _assert_same(fast, costs_over(derive(cand, ctx, cm), cm, layout))
 
 
+@needs_numba
 def test_a_custom_term_takes_the_numpy_path() -> None:
     class Custom:
         name = "queue"  # a built-in's name, but not the built-in's code
@@ -154,6 +156,7 @@ def test_a_custom_term_takes_the_numpy_path() -> None:
     assert CompiledCosts.of(builtin) is not None
 
 
+@needs_numba
 def test_a_nan_sum_is_left_to_the_numpy_path_that_names_its_term() -> None:
     rng = np.random.default_rng(1)
     cand = _pool(rng, 6)
@@ -163,6 +166,7 @@ def test_a_nan_sum_is_left_to_the_numpy_path_that_names_its_term() -> None:
     assert CompiledCosts(cm).costs(cand, ctx, _layout(rng, cand, cm)) is None
 
 
+@needs_numba
 def test_the_compiled_joint_choice_is_the_numpy_ones_with_the_same_draws() -> None:
     rng = np.random.default_rng(11)
     numpy_picker, compiled_picker = JointArgmin(seed=3, compiled=False), JointArgmin(seed=3)
@@ -206,12 +210,45 @@ print("ok")
 """
 
 
+@needs_numba
 def test_picks_after_warm_compile_nothing_new() -> None:
     """A signature a pick needs and ``warm`` did not compile would be compiled during a request,
     seconds of one request's latency: a fresh process checks that picks use only warm's."""
     root = Path(__file__).resolve().parents[4]
     done = subprocess.run(
         [sys.executable, "-c", _PICKS_AFTER_WARM],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+_PICK_WITHOUT_NUMBA = """
+import sys
+sys.modules["numba"] = None  # as on an install without the fast extra
+import numpy as np
+from loadtests.bench.pick import build
+from router.request.types import RouteRequest
+from router.scheduling.costmodel import compiled
+
+assert not compiled.installed()
+picker, systems, _ = build(8, np.random.default_rng(0))
+assert picker._compiled is None
+request = RouteRequest(model="m", prompt_tokens=4096, max_tokens=256, block_keys=systems[0], body={})
+decision = picker.pick(request)
+assert decision.prediction.ttft_s > 0
+print("ok")
+"""
+
+
+def test_without_numba_the_picker_runs_on_numpy() -> None:
+    """The ``fast`` extra is optional: without numba the module imports and every pick is numpy's."""
+    root = Path(__file__).resolve().parents[4]
+    done = subprocess.run(
+        [sys.executable, "-c", _PICK_WITHOUT_NUMBA],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,
