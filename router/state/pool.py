@@ -246,13 +246,14 @@ class Pool:
 
     def candidates(self, slots: np.ndarray) -> Candidates:
         """Every candidate feature of these slots, gathered for the scorers."""
+        arrays = self._candidate_arrays
         if not self.others_held:
-            return Candidates(slots, **{name: values[slots] for name, values, _ in self._candidate_arrays})
-        return Candidates(
+            return Candidates.adopt(slots, {name: values[slots] for name, values, _ in arrays})
+        return Candidates.adopt(
             slots,
-            **{
+            {
                 name: values[slots] if others is None else values[slots] + others[slots]
-                for name, values, others in self._candidate_arrays
+                for name, values, others in arrays
             },
         )
 
