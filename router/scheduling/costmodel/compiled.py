@@ -89,7 +89,7 @@ def _maximum(a: float, b: float) -> float:
 
 
 @_jit
-def _derive_and_terms(
+def _costs(
     cached_blocks: np.ndarray,
     slowness: np.ndarray,
     queued_prefill_tokens: np.ndarray,
@@ -110,13 +110,26 @@ def _derive_and_terms(
     codes: np.ndarray,
     sides: np.ndarray,
     weights: np.ndarray,
+    decode: np.ndarray,
+    prefill: np.ndarray,
+    no_pairs: np.ndarray,
+    class_rows: np.ndarray,
+    latency_s: np.ndarray,
+    bytes_per_s: np.ndarray,
+    matrix_scalars: np.ndarray,
     derived: np.ndarray,
     terms: np.ndarray,
     sums: np.ndarray,
+    ttft: np.ndarray,
+    prefill_of: np.ndarray,
+    cost: np.ndarray,
+    transfer: np.ndarray,
+    per_decode: np.ndarray,
 ) -> bool:
-    """Fills ``derived`` (8, k: the ``View`` quantities), ``terms`` (len(codes), k: the weighted
-    terms) and ``sums`` (3, k: prefill side, decode side, both sides, each in the terms' order), and
-    returns False when a sum is NaN (the numpy path then names the term)."""
+    """``derive``, the terms and the matrix in one call: fills ``derived`` (8, k: the ``View``
+    quantities), ``terms`` (len(codes), k: the weighted terms), ``sums`` (3, k: prefill side, decode
+    side, both sides, each in the terms' order) and the matrix outputs (``_matrix``); returns False,
+    with no matrix, when a sum is NaN (the numpy path then names the term)."""
     tps, step_base, per_seq, per_kv = scalars[0], scalars[1], scalars[2], scalars[3]
     tpot_weight, kv_penalty_s, kv_soft = scalars[4], scalars[5], scalars[6]
     max_skew, prefix_trust = scalars[7], scalars[8]
@@ -214,6 +227,10 @@ def _derive_and_terms(
         both[i] = b
         if math.isnan(r) or math.isnan(c):
             return False
+    _matrix(
+        route, column, both, derived, decode, prefill, no_pairs, class_rows, latency_s, bytes_per_s,
+        prompt, matrix_scalars, ttft, prefill_of, cost, transfer, per_decode[0], per_decode[1],
+    )  # fmt: skip
     return True
 
 
@@ -302,61 +319,6 @@ def _matrix(
             ttft[1 + c, j] = pair
         for row in range(1 + classes):
             cost[row, j] = (ttft[row, j] + column[d]) / slo
-
-
-@_jit
-def _costs(
-    cached_blocks: np.ndarray,
-    slowness: np.ndarray,
-    queued_prefill_tokens: np.ndarray,
-    waiting: np.ndarray,
-    running: np.ndarray,
-    inflight_requests: np.ndarray,
-    kv_usage: np.ndarray,
-    kv_capacity_tokens: np.ndarray,
-    reserved_kv_tokens: np.ndarray,
-    can_decode: np.ndarray,
-    adapter_state: np.ndarray,
-    prompt: float,
-    max_tokens: float,
-    block_tokens: float,
-    typical_prompt: float,
-    typical_answer: float,
-    scalars: np.ndarray,
-    codes: np.ndarray,
-    sides: np.ndarray,
-    weights: np.ndarray,
-    decode: np.ndarray,
-    prefill: np.ndarray,
-    no_pairs: np.ndarray,
-    class_rows: np.ndarray,
-    latency_s: np.ndarray,
-    bytes_per_s: np.ndarray,
-    matrix_scalars: np.ndarray,
-    derived: np.ndarray,
-    terms: np.ndarray,
-    sums: np.ndarray,
-    ttft: np.ndarray,
-    prefill_of: np.ndarray,
-    cost: np.ndarray,
-    transfer: np.ndarray,
-    per_decode: np.ndarray,
-) -> bool:
-    """Both steps in one call (one dispatch of the arguments instead of two): False, and no
-    matrix, when a sum is NaN."""
-    if not _derive_and_terms(
-        cached_blocks, slowness, queued_prefill_tokens, waiting, running, inflight_requests,
-        kv_usage, kv_capacity_tokens, reserved_kv_tokens, can_decode, adapter_state, prompt,
-        max_tokens, block_tokens, typical_prompt, typical_answer, scalars, codes, sides, weights,
-        derived, terms, sums,
-    ):  # fmt: skip
-        return False
-    _matrix(
-        sums[0], sums[1], sums[2], derived, decode, prefill, no_pairs, class_rows, latency_s,
-        bytes_per_s, prompt, matrix_scalars, ttft, prefill_of, cost, transfer, per_decode[0],
-        per_decode[1],
-    )  # fmt: skip
-    return True
 
 
 class CompiledCosts:

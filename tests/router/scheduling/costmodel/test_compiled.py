@@ -214,16 +214,7 @@ print("ok")
 def test_picks_after_warm_compile_nothing_new() -> None:
     """A signature a pick needs and ``warm`` did not compile would be compiled during a request,
     seconds of one request's latency: a fresh process checks that picks use only warm's."""
-    root = Path(__file__).resolve().parents[4]
-    done = subprocess.run(
-        [sys.executable, "-c", _PICKS_AFTER_WARM],
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    _in_a_fresh_process(_PICKS_AFTER_WARM)
 
 
 _PICK_WITHOUT_NUMBA = """
@@ -246,9 +237,14 @@ print("ok")
 
 def test_without_numba_the_picker_runs_on_numpy() -> None:
     """The ``fast`` extra is optional: without numba the module imports and every pick is numpy's."""
+    _in_a_fresh_process(_PICK_WITHOUT_NUMBA)
+
+
+def _in_a_fresh_process(script: str) -> None:
+    """Run ``script`` in a new interpreter (nothing compiled or imported yet); it prints ``ok``."""
     root = Path(__file__).resolve().parents[4]
     done = subprocess.run(
-        [sys.executable, "-c", _PICK_WITHOUT_NUMBA],
+        [sys.executable, "-c", script],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,
