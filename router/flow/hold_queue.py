@@ -44,6 +44,7 @@ from router.request.rejections import (
     Shed,
     SloShed,
     SloUnattainable,
+    SloWait,
 )
 from router.request.types import RouteRequest
 
@@ -178,19 +179,28 @@ class FlowControl:
             self._wake.set()
 
     def dispatch(self) -> int:
-        """Bind waiting requests, best first, while the pool has room. Never awaits."""
+        """Bind waiting requests, best first, while the pool has room. Never awaits.
+
+        A waiter held for its own SLO (``SloWait``: no route meets it yet) is passed over, not a
+        reason to stop: the ones behind it may fit the pool as it is."""
         bound = 0
+        passed: set[int] = set()  # ids of waiters whose SLO no route meets this round
         while self.size:
-            waiter = self._head()
+            waiter = self._next(passed)
+            if waiter is None:
+                break
             try:
                 waiter.flight.pick()
+            except SloWait:
+                passed.add(id(waiter))
+                continue
             except Saturated:
                 break
             except Rejection as rejection:  # the pool changed under it (no pods): answer it
-                self._pop_head(waiter)
+                self._take(waiter)
                 waiter.future.set_exception(rejection)
                 continue
-            self._pop_head(waiter)
+            self._take(waiter)
             waiter.future.set_result(None)
             bound += 1
         return bound
@@ -233,16 +243,22 @@ class FlowControl:
         self.size += 1
         self.observer.queued(waiter, +1)
 
-    def _head(self) -> Waiter:
-        tenants = next(iter(self.queues.values()))
-        return next(iter(tenants.values()))[0]
+    def _next(self, passed: set[int]) -> Waiter | None:
+        """The best waiter not in ``passed``: highest priority, tenants in turn, each FIFO in order."""
+        for tenants in self.queues.values():
+            for fifo in tenants.values():
+                for waiter in fifo:
+                    if id(waiter) not in passed:
+                        return waiter
+        return None
 
-    def _pop_head(self, waiter: Waiter) -> None:
+    def _take(self, waiter: Waiter) -> None:
+        """Out of the queue, bound or answered; its tenant goes to the back (round robin)."""
         tenants = self.queues[waiter.priority]
         fifo = tenants.pop(waiter.tenant)
-        fifo.popleft()
+        fifo.remove(waiter)
         if fifo:
-            tenants[waiter.tenant] = fifo  # round-robin: this tenant goes to the back
+            tenants[waiter.tenant] = fifo
         self._forget(waiter, tenants)
 
     def _remove(self, waiter: Waiter) -> None:

@@ -75,6 +75,9 @@ class RouteRequest:
     # Per-request latency objectives (``x-slo-ttft-ms``/``x-slo-tpot-ms``, or the objective's);
     # None: routed on cost alone, exactly as before SLOs existed.
     slo: SloTarget | None = None
+    # The SLO step's exploration draw, made at the request's first pick (flow control picks a held
+    # request again; the draw and its objective's record are once per request).
+    slo_explored: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

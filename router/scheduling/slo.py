@@ -53,13 +53,13 @@ class SloGuide:
         self.settings = settings
         self._rng = np.random.default_rng(seed)
         self.explored = 0  # SLO requests routed by the plain cost on purpose
-        self._recent_ttft = np.full(RECENT, np.nan)  # recent TTFT objectives, a ring
+        self._recent_ttft = np.full(RECENT, np.inf)  # recent TTFT objectives, a ring
         self._at = 0
 
     def tightest_ttft_s(self) -> float | None:
         """The tightest TTFT objective among the recent SLO requests (None: none had one)."""
-        recent = self._recent_ttft
-        return None if np.isnan(recent).all() else float(np.nanmin(recent))
+        tightest = float(np.minimum.reduce(self._recent_ttft))
+        return None if tightest == np.inf else tightest
 
     def constrain(
         self, costs: PairCosts, request: RouteRequest, *, waited_s: float = 0.0, holds: bool = False
@@ -69,11 +69,13 @@ class SloGuide:
         target = request.slo
         assert target is not None
         settings = self.settings
-        if target.ttft_s is not None:
-            self._recent_ttft[self._at] = target.ttft_s
-            self._at = (self._at + 1) % RECENT
-        if settings.exploration > 0.0 and self._rng.random() < settings.exploration:
-            self.explored += 1
+        if request.slo_explored is None:  # its first pick: a held request is picked again
+            if target.ttft_s is not None:
+                self._recent_ttft[self._at] = target.ttft_s
+                self._at = (self._at + 1) % RECENT
+            request.slo_explored = settings.exploration > 0.0 and self._rng.random() < settings.exploration
+            self.explored += request.slo_explored
+        if request.slo_explored:
             return costs
         budget = None if target.ttft_s is None else target.ttft_s - waited_s
         own = None if budget is None else slo.own_ttft_s(costs)  # the TTFT objective's measure
@@ -88,7 +90,8 @@ class SloGuide:
         if settings.admission == "off":
             return costs
         message = _unmet(costs, own, budget, target.tpot_s)
-        if settings.admission == "hold" and holds and (budget is None or budget > 0.0):
+        # Held only against a TTFT deadline: a TPOT-only objective has nothing to wait until.
+        if settings.admission == "hold" and holds and budget is not None and budget > 0.0:
             raise SloWait(message, retry_after_s=1.0)
         rejection = SloShed if request.priority < 0 else SloUnattainable
         raise rejection(message, retry_after_s=1.0)

@@ -40,6 +40,7 @@ from router.request.rejections import (
     Shed,
     SloShed,
     SloUnattainable,
+    SloWait,
     answer,
 )
 from router.request.types import RouteRequest, SloTarget
@@ -112,6 +113,38 @@ def slo_flight(room: Room, name: str, ttft_s: float | None, tenant: str = "") ->
     assert flight.request is not None
     flight.request.slo = None if ttft_s is None else SloTarget(ttft_s, None, "")
     return flight
+
+
+class UnmetFlight(FakeFlight):
+    """Held for its own SLO: no route meets it while ``unmet`` (the picker's ``SloWait``)."""
+
+    unmet = True
+
+    def pick(self) -> object:
+        if self.unmet:
+            raise SloWait("no route meets its SLO yet")
+        return super().pick()
+
+
+async def test_a_request_held_for_its_own_slo_does_not_hold_up_the_ones_behind_it() -> None:
+    room = Room()
+    control = FlowControl(FlowSettings(poll_s=0.01))
+    unmet = UnmetFlight(room, "unmet")
+    assert unmet.request is not None
+    unmet.request.slo = SloTarget(5.0, None, "")  # its deadline first: the head of the queue
+    behind = [slo_flight(room, "plain", None), slo_flight(room, "other-tenant", None, tenant="b")]
+    tasks = []
+    for held, flight in enumerate((unmet, *behind), 1):
+        tasks.append(asyncio.create_task(admit(control, flight)))
+        await eventually(lambda held=held: control.size == held, what=f"{flight.name} held")
+    room.free = 2
+    assert control.dispatch() == 2  # the pool has room for the two behind it
+    await asyncio.gather(*tasks[1:])
+    assert room.order == ["plain", "other-tenant"] and control.size == 1
+    unmet.unmet, room.free = False, 1  # a route meets it now
+    assert control.dispatch() == 1
+    await tasks[0]
+    assert room.order[-1] == "unmet" and control.size == 0
 
 
 @pytest.mark.parametrize("deadlines", [True, False])

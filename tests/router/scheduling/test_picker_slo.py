@@ -147,3 +147,30 @@ def test_requests_without_an_slo_route_exactly_as_with_the_feature_off() -> None
         fresh_off.pick(slo_request(0.01), now=NOW).decode.id
         == fresh_on.pick(make_request(2000, max_tokens=64), now=NOW).decode.id
     )
+
+
+def test_a_held_request_picked_again_keeps_its_exploration_draw_and_counts_once() -> None:
+    """Flow control picks a held request again and again: its exploration is drawn once (else 2 %
+    a pick becomes a third of the held requests within a second) and its objective is recorded once."""
+    flow = {"enabled": True, "max_wait_ms": 60000}
+    for seed in range(8):
+        picker = picker_for(BUSY_DECODER, slo={"exploration": 0.5, "admission": "hold"}, flow_control=flow)
+        picker.slo = SloGuide(SloSettings(admission="hold", exploration=0.5), seed)
+        held = slo_request(0.01)
+        outcomes = set()
+        for _ in range(20):
+            try:
+                picker.pick(held, now=NOW).reservation.release()
+                outcomes.add("routed")
+            except SloWait:
+                outcomes.add("held")
+        assert len(outcomes) == 1, seed  # the same answer every time
+        assert picker.slo.explored == (outcomes == {"routed"})
+        assert np.isfinite(picker.slo._recent_ttft).sum() == 1
+
+
+def test_a_tpot_only_objective_is_refused_not_held_it_has_no_deadline() -> None:
+    flow = {"enabled": True, "max_wait_ms": 60000}
+    picker = picker_for(BUSY_DECODER, slo={"exploration": 0, "admission": "hold"}, flow_control=flow)
+    with pytest.raises(SloUnattainable):
+        picker.pick(slo_request(None, 1e-6), now=NOW)
