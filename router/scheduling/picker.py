@@ -186,7 +186,8 @@ class Picker:
             cand.cached_blocks = cached_blocks_with_session(
                 cand.cached_blocks,
                 np.isin(cand.slots, home_slots),
-                session.weight * session.home.prompt_tokens,
+                # Never more than this prompt (a home read from Redis is not ours to trust).
+                session.weight * min(session.home.prompt_tokens, request.prompt_tokens),
                 ctx.block_tokens,
             )
         layout = self._layout(cand, request)

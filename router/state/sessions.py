@@ -38,6 +38,8 @@ MOVED = "moved"  # it had a home, and the cost model sent it elsewhere (or the h
 NEW = "new"  # no home known: its first turn, or one forgotten
 INVALID = "invalid"  # an x-session-id that is not one (too long, not printable): ignored
 OUTCOMES = (HOME, MOVED, NEW, INVALID)
+# How far ahead of this replica's clock another replica's entry may be dated and still count.
+MAX_CLOCK_SKEW_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +132,9 @@ class SessionHomes:
             return
         raw = await self.shared.fetch(key)
         found = None if raw is None else SessionHome.decode(raw)
-        if found is None:
+        # An entry from the future (a replica's clock far ahead, or a forged one) would beat every
+        # newer turn and never age out here.
+        if found is None or found.at > self.clock() + MAX_CLOCK_SKEW_S:
             return
         local = self._homes.get(key)
         if local is None or found.at > local.at:

@@ -100,3 +100,13 @@ def test_user_is_a_weaker_hint_only_when_opted_in() -> None:
         picker.pool.sessions.remember("u:alice", ("e1",), 3200)
         decision = picker.pick(make_request(3400, user="alice"), now=NOW)
         assert decision.breakdown["cached_tokens"] == credited
+
+
+def test_a_home_longer_than_the_prompt_credits_at_most_the_prompt() -> None:
+    """A home read from Redis is not ours to trust: one claiming 10^11 tokens (past int32 blocks)
+    is credited as this prompt at most, not an overflow that fails every turn of the session."""
+    picker = picker_for(SINGLE_PODS)
+    picker.pool.sessions.remember("h:chat-1", ("e1",), 99_999_999_999)
+    decision = picker.pick(make_request(3200, list(range(1, 201)), session_id="chat-1"), now=NOW)
+    assert decision.decode.id == "e1"
+    assert decision.breakdown["cached_tokens"] == 3199  # the whole prompt but the last token

@@ -76,6 +76,10 @@ async def test_another_replica_keeps_the_session_home_and_redis_trouble_only_cou
     assert a.home("h:s1") == SessionHome(("e1",), 1000, 1002.0)
     await a.look_up("h:unknown")
     assert a.home("h:unknown") is None and a_shared.errors == 0
+    # An entry dated far ahead of this replica's clock would beat every newer turn: ignored.
+    await redis_client.set("t:session:h:future", SessionHome(("e0",), 10, clock.now + 3600).encode())
+    await a.look_up("h:future")
+    assert a.home("h:future") is None
 
     redis.kill()
     await b.look_up("h:s1")  # never raises: the local entry stays, one failure counted
