@@ -123,9 +123,9 @@ class Proxy:
         headers["X-Request-Id"] = route.request_id
         if route.api == OTHER and "Content-Type" in request.headers:  # not ours to re-encode: as sent
             headers["content-type"] = request.headers["Content-Type"]
-        leg = Leg(request.path, headers)
-        if request.method != "POST":  # a stored answer's GET: its query is the request (?stream=true)
-            leg = Leg(request.path_qs, headers, request.method)
+        # A stored answer's GET: its query is the request (?stream=true).
+        path = request.path if request.method == "POST" else request.path_qs
+        leg = Leg(path, headers, request.method)
         kv_params = await self._prefill(flight, leg) if decision.prefill is not None else None
         # Ask a streamed answer for its usage (what the engine counted and had cached); the
         # client gets that chunk only if it asked for it itself.

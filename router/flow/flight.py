@@ -271,12 +271,10 @@ class Flight:
         self._calibrate(request)
         flow = self.flow
         explain = flow.explain or (self.span is not None and self.span.is_recording())
+        # Time held by flow control comes out of an SLO request's TTFT objective.
+        waited = 0.0 if request.slo is None else time.perf_counter() - self.started
         try:
-            if request.slo is None:
-                self.decision = flow.picker.pick(request, explain=explain)
-            else:  # time held by flow control comes out of its TTFT objective
-                waited = time.perf_counter() - self.started
-                self.decision = flow.picker.pick(request, waited_s=waited, explain=explain)
+            self.decision = flow.picker.pick(request, waited_s=waited, explain=explain)
         except Saturated:
             raise
         except Rejection as rejection:

@@ -109,16 +109,25 @@ def priority_of(headers: Mapping[str, str], objectives: Mapping[str, int] | None
             return int(value)
         except ValueError:
             raise BadRequest(f"header {PRIORITY_HEADER} must be an integer, got {_shown(value)}") from None
+    objective = objective_of(headers)
+    if not objective:
+        return 0
+    if objectives and objective in objectives:
+        return objectives[objective]
+    try:
+        return int(objective)
+    except ValueError:
+        return -1 if objective.lower().endswith("sheddable") else 0
+
+
+def objective_of(headers: Mapping[str, str]) -> str:
+    """The InferenceObjective the request names: the first objective header that is not empty
+    ("" when none); its priority and its default SLOs both come from it."""
     for name in OBJECTIVE_HEADERS:
-        objective = headers.get(name)
-        if objective is not None:
-            if objectives and objective in objectives:
-                return objectives[objective]
-            try:
-                return int(objective)
-            except ValueError:
-                return -1 if objective.lower().endswith("sheddable") else 0
-    return 0
+        value = headers.get(name)
+        if value:
+            return value
+    return ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from router.request.parse import OBJECTIVE_HEADERS
+from router.request.parse import objective_of
 from router.request.rejections import BadRequest
 from router.request.types import SloTarget
 
@@ -21,15 +21,6 @@ TPOT_HEADER = "x-slo-tpot-ms"
 # Beyond an hour an objective is a mistake (seconds sent as milliseconds' multiple, a timestamp),
 # not a latency target: refused rather than read as "no objective".
 MAX_SLO_MS = 3_600_000.0
-
-
-def objective_of(headers: Mapping[str, str]) -> str:
-    """The InferenceObjective the request names ("" when none)."""
-    for name in OBJECTIVE_HEADERS:
-        value = headers.get(name)
-        if value:
-            return value
-    return ""
 
 
 def slo_of(headers: Mapping[str, str], defaults: Mapping[str, SloTarget] | None = None) -> SloTarget | None:

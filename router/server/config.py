@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from router.control.checks import CHECKS
+from router.request.slo import MAX_SLO_MS
 from router.request.types import RequestLimits
 from router.scheduling.costmodel.policies import POLICIES
 from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, MODEL_WEIGHTS, load_term
@@ -119,7 +120,7 @@ class EndpointConfig(_Strict):
 
 
 # An objective beyond an hour is a mistake, not a latency target (as the x-slo-* headers' limit).
-SloMs = Annotated[float, Field(gt=0, le=3_600_000)]
+SloMs = Annotated[float, Field(gt=0, le=MAX_SLO_MS)]
 
 
 class ObjectiveSLOConfig(_Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from router.request.parse import priority_of
 from router.request.rejections import BadRequest, answer
 from router.request.slo import slo_of
 from router.request.types import SloTarget
@@ -52,3 +53,11 @@ def test_invalid_values_are_a_400_naming_the_header(header: str, value: str, say
 
 def test_an_hour_exactly_is_accepted() -> None:
     assert slo_of({"x-slo-ttft-ms": "3600000"}) == SloTarget(3600.0, None, "")
+
+
+def test_priority_and_slo_defaults_come_from_the_same_objective_header() -> None:
+    """An empty first objective header is no objective: both read the next one (the priority
+    used to stop at the empty one and take the default while the SLO took the next)."""
+    headers = {"x-gateway-inference-objective": "", "x-llm-d-inference-objective": "batch"}
+    assert slo_of(headers, DEFAULTS) == DEFAULTS["batch"]
+    assert priority_of(headers, {"batch": -1}) == -1
