@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-from helpers import eventually, make_request
+from helpers import Clock, eventually, make_request
 from redis.asyncio import Redis
 
 from loadtests.servers.redis import RedisServer
 from router.state.response_homes import SharedHomes
 from router.state.sessions import SessionHome, SessionHomes
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_least_recently_used_session_is_forgotten_first_and_old_ones_expire() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import SINGLE_PODS, make_config, make_picker, make_pool
 from scorer_cases import LINKS, MODEL, objectives
 
 from router.scheduling.costmodel import compiled
@@ -203,6 +204,7 @@ kernels = (compiled._costs, compiled.joint_choice)
 warmed = [list(kernel.signatures) for kernel in kernels]
 for endpoints in (2, 8, 64):  # one link class, and four
     picker, systems, _ = build(endpoints, np.random.default_rng(endpoints))
+    assert picker._compiled is not None and picker.pair_picker._compiled  # the loops do pick
     for keys in (systems[0], systems[1][:5]):
         picker.pick(RouteRequest(model="m", prompt_tokens=4096, max_tokens=256, block_keys=keys, body={}))
 assert [list(kernel.signatures) for kernel in kernels] == warmed, "a pick compiled a new signature"
@@ -252,3 +254,13 @@ def _in_a_fresh_process(script: str) -> None:
         timeout=300,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@needs_numba
+def test_the_picker_compiled_setting_chooses_the_path() -> None:
+    """The default runs the loops; ``picker.compiled: false`` runs numpy for costs and choice."""
+    for compiled_on in (True, False):
+        config = make_config(SINGLE_PODS, picker={"compiled": compiled_on})
+        picker = make_picker(config, make_pool(config))
+        assert (picker._compiled is not None) is compiled_on
+        assert picker.pair_picker._compiled is compiled_on
