@@ -71,6 +71,7 @@ class Proxy:
         # A stored Responses API answer lives on the engine that gave it: to that pod.
         app.router.add_get("/v1/responses/{response_id}", self.stored_response)
         app.router.add_delete("/v1/responses/{response_id}", self.stored_response)
+        app.router.add_get("/v1/responses/{response_id}/input_items", self.stored_response)
         return app
 
     async def models(self, _: web.Request) -> web.Response:

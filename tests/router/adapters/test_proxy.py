@@ -451,6 +451,8 @@ async def test_a_stored_response_is_retrieved_and_cancelled_on_the_engine_that_s
                 assert (await resp.json())["id"] == stored["id"]
         async with http.post(f"{base}/v1/responses/{stored['id']}/cancel") as resp:
             assert resp.status == 200 and resp.headers["x-pd-router-decode"] == home
+        async with http.get(f"{base}/v1/responses/{stored['id']}/input_items") as resp:
+            assert resp.headers["x-pd-router-decode"] == home  # the sim lists no input items: its 404
         async with http.delete(f"{base}/v1/responses/{stored['id']}") as resp:
             assert resp.headers["x-pd-router-decode"] == home  # the sim has no DELETE: its 405
         async with http.get(f"{base}/v1/responses/resp_never_given") as resp:
