@@ -52,8 +52,9 @@ from router.signals.scaling import PoolSignals, ScalingSettings
 from router.signals.shared import SharedDemand
 from router.state.kv_sink import IndexEventSink, PoolSubscriptions
 from router.state.pool import Pool
-from router.state.response_homes import ResponseHomeLookup, SharedHomes
+from router.state.response_homes import ResponseHomeLookup
 from router.state.sessions import SessionHomeLookup, SessionHomes
+from router.state.shared_homes import SharedHomes
 from router.state.shared_load import SharedLoad
 
 if TYPE_CHECKING:  # kubernetes_asyncio is imported only when a cluster is followed

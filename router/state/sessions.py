@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.request.types import RouteRequest
-from router.state.response_homes import SharedHomes, keep_newest
+from router.state.shared_homes import SharedHomes, keep_newest
 
 # What a pick did with a session (``pd_router_session_routes_total{outcome}``).
 HOME = "home"  # the pod that computes the prompt is one of the session's home pods

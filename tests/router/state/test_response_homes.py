@@ -6,7 +6,8 @@ from helpers import eventually
 from redis.asyncio import Redis
 
 from loadtests.servers.redis import RedisServer
-from router.state.response_homes import ResponseHomes, SharedHomes
+from router.state.response_homes import ResponseHomes
+from router.state.shared_homes import SharedHomes
 
 
 def test_the_oldest_answers_are_forgotten_first() -> None:

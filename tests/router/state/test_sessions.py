@@ -6,8 +6,8 @@ from helpers import Clock, eventually, make_request
 from redis.asyncio import Redis
 
 from loadtests.servers.redis import RedisServer
-from router.state.response_homes import SharedHomes
 from router.state.sessions import SessionHome, SessionHomes
+from router.state.shared_homes import SharedHomes
 
 
 def test_the_least_recently_used_session_is_forgotten_first_and_old_ones_expire() -> None:
