@@ -442,6 +442,8 @@ class Flight:
         # Another API's answer (an embedding, a score) says nothing of prompt or decode speed.
         learns = self.request is None or self.request.api != OTHER
         if self.outcome == OK and self.decision is not None and not self.retargeted and learns:
+            if self.meter is not None and self.request is not None:
+                self.flow.picker.pool.observe_answer(self.request.max_tokens, self.meter.output_tokens)
             self._learn(self.decision)
         answer_id = None if self.meter is None else self.meter.response_id
         if answer_id is not None and self.outcome == OK and self.decision is not None:
@@ -497,8 +499,6 @@ class Flight:
         signals, meter = self.flow.signals, self.meter
         if signals is None:
             return
-        if meter is not None and self.request is not None:
-            signals.demand.answered(self.request.max_tokens, meter.output_tokens)
         perf, predicted, now = signals.perf, decision.prediction, time.monotonic()
         work = predicted.queued_tokens + predicted.uncached_tokens
         first = None if meter is None or not meter.streaming else meter.first_at

@@ -178,6 +178,7 @@ class Picker:
             else self.settings.block_tokens,
             typical_prompt_tokens=pool.typical_prompt_tokens,
             typical_answer_tokens=pool.typical_answer_tokens,
+            expected_answer_tokens=pool.expected_answer_tokens(request.max_tokens),
         )
         session = self._session_of(request) if session is None else session
         if session is not None and session.home is not None:

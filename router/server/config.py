@@ -250,17 +250,20 @@ class PickerConfig(_Strict):
     kv_soft_threshold: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.85,
         description="KV use (with the request) above this share of a decode pod's capacity starts to "
-        "cost, the prefill of kv_penalty_tokens at full",
+        "cost, the prefill of kv_penalty_tokens at full (with weights.kv above 0; it is 0 by default)",
     )
     kv_penalty_tokens: Positive = Field(
         10000.0,
         description="what a decode pod exactly full of KV costs, as the time to prefill this many "
-        "tokens (the cached prefixes the pressure evicts are recomputed when asked for again)",
+        "tokens (the cached prefixes the pressure evicts are recomputed when asked for again; with "
+        "weights.kv above 0)",
     )
     tpot_weight: Positive = Field(
         10.0,
-        description="seconds of TTFT one second of predicted time per output token costs (as if the "
-        "first this-many answer tokens were awaited); not taken from the SLOs, so how tight they are "
+        description="seconds of TTFT one second of predicted time per output token costs a "
+        "100-token answer; the load term scales it with a request's expected answer (max_tokens "
+        "times the share answers use, counted within 64..1024 tokens), a prefill's stall on running "
+        "decodes is priced at it per typical answer; not taken from the SLOs, so how tight they are "
         "set does not change the routing trade",
     )
     allow_local_prefill: bool = Field(
@@ -903,7 +906,8 @@ class PoolConfig(_Strict):
     weights: dict[str, NonNegative] = Field(
         default_factory=dict,
         description="multiplier per cost term (router/scheduling/costmodel/terms/<name>.py; 0 turns one "
-        "off), plus prefix (locality trust, 0..1) and link; unset ones are 1",
+        "off, a term's filter stays), plus prefix (locality trust, 0..1) and link; unset ones are 1, "
+        "except kv: 0 (only its filter: a request that cannot fit a pod's KV is never sent there)",
     )
     picker: PickerConfig = Field(PickerConfig(), description="how a pair is chosen")
     limits: LimitsConfig = Field(LimitsConfig(), description="request limits and size estimates")
@@ -950,7 +954,7 @@ class PoolConfig(_Strict):
         return weights
 
     def weight(self, name: str) -> float:
-        return self.weights.get(name, 1.0)
+        return self.weights.get(name, DEFAULT_WEIGHTS.get(name, 1.0))
 
     def term_weights(self) -> dict[str, float]:
         """Every cost term and its weight: the built-ins (default 1), then any others configured."""

@@ -317,14 +317,13 @@ def decode_capacity(
 class DemandMeter:
     """What the flow tells the signals: fed on the request path with plain additions."""
 
-    __slots__ = ("answered_share", "max_tokens", "prefill_tokens", "requests", "typical_uncached")
+    __slots__ = ("max_tokens", "prefill_tokens", "requests", "typical_uncached")
 
     def __init__(self) -> None:
         self.prefill_tokens = 0.0  # uncached prompt tokens routed, ever
         self.max_tokens = 0.0  # answer tokens asked for (max_tokens), ever
         self.requests = 0
         self.typical_uncached: float | None = None  # a moving average per request
-        self.answered_share = 1.0  # answer tokens produced over max_tokens, a moving average
 
     def arrived(self, uncached_tokens: float, max_tokens: int = 0) -> None:
         self.prefill_tokens += uncached_tokens
@@ -334,11 +333,6 @@ class DemandMeter:
         self.typical_uncached = (
             uncached_tokens if typical is None else typical + 0.02 * (uncached_tokens - typical)
         )
-
-    def answered(self, max_tokens: int, produced: int) -> None:
-        """A request ended having produced ``produced`` of its ``max_tokens``."""
-        if max_tokens > 0 and produced > 0:
-            self.answered_share += 0.05 * (min(produced / max_tokens, 1.0) - self.answered_share)
 
 
 class PoolSignals:
@@ -412,7 +406,7 @@ class PoolSignals:
                 per_request = pooled.prompt_tokens / pooled.requests
         self.arrivals.add(now, requests_per_s)
         growth = self.arrivals.growth(now, horizon)  # the cause of both roles' demand
-        decode = self._decode_state(now, answer_tokens_per_s * self.demand.answered_share)
+        decode = self._decode_state(now, answer_tokens_per_s * self.pool.answered_share)
         prefill = self._prefill_state(now, horizon, tokens_per_s, per_request)
         out = {}
         for role, (state, value) in {"prefill": prefill, "decode": decode}.items():

@@ -128,6 +128,9 @@ class Pool:
         self.typical_prompt_tokens = typical_prompt_tokens  # the start; moves towards what arrives
         self.typical_answer_tokens = typical_answer_tokens  # the same for max_tokens
         self._answers_seen = 0
+        # Answer tokens produced over max_tokens, a moving average: clients that ask for far more
+        # than they get (or send no max_tokens) make max_tokens a poor guess of an answer's length.
+        self.answered_share = 1.0
         # Called whenever a reservation gives something back (flow control binds held requests).
         self.on_free: Callable[[], None] = _nothing
         # Called whenever reservations change at all (other replicas are told: shared_load.py).
@@ -265,6 +268,15 @@ class Pool:
         self._answers_seen += 1
         weight = max(0.02, 1.0 / self._answers_seen)
         self.typical_answer_tokens += weight * (max_tokens - self.typical_answer_tokens)
+
+    def observe_answer(self, max_tokens: int, produced: int) -> None:
+        """A request ended having produced ``produced`` of its ``max_tokens``."""
+        if max_tokens > 0 and produced > 0:
+            self.answered_share += 0.05 * (min(produced / max_tokens, 1.0) - self.answered_share)
+
+    def expected_answer_tokens(self, max_tokens: int) -> float:
+        """How long an answer asked ``max_tokens`` is likely to be (``answered_share`` of it)."""
+        return max_tokens * self.answered_share
 
     def reserve(
         self, decode_slot: int, prefill_slot: int | None, prefill_tokens: float, kv_tokens: float

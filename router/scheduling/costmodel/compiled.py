@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from router.scheduling.costmodel.matrix import CostModel, Layout, PairCosts
+from router.scheduling.costmodel.terms.load import awaited_tokens
 from router.scheduling.costmodel.view import (
     ADAPTER_EVICTS,
     ADAPTER_NOT_SERVED,
@@ -106,6 +107,7 @@ def _costs(
     block_tokens: float,
     typical_prompt: float,
     typical_answer: float,
+    load_weight: float,
     scalars: np.ndarray,
     codes: np.ndarray,
     sides: np.ndarray,
@@ -187,7 +189,7 @@ def _costs(
             elif code == 2:  # interference
                 s = prefill_s[i] * batch[i] * per_stalled if can_decode[i] else 0.0
             elif code == 3:  # load
-                s = tpot[i] * tpot_weight
+                s = tpot[i] * load_weight
             elif code == 4:  # kv
                 s = max(0.0, frac[i] - kv_soft) / (1.0 - kv_soft)
                 s *= kv_penalty_s
@@ -421,6 +423,7 @@ class CompiledCosts:
             float(ctx.block_tokens),
             float(ctx.typical_prompt_tokens),
             float(ctx.typical_answer_tokens),
+            awaited_tokens(cm.objectives.tpot_weight, ctx.answer_tokens),
             self._model_scalars,
             self._codes,
             self._sides,
@@ -567,7 +570,7 @@ def warm() -> None:
     sums = np.empty((3, k))
     _costs(
         np.zeros(k, dtype=np.int32), zeros, zeros, zeros, zeros, index, zeros, zeros, zeros, yes,
-        _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides, np.ones(len(codes)),
+        _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides, np.ones(len(codes)),
         index, index, ~yes, index[None, :], np.ones((1, k)), np.ones((1, k)), np.ones(7),
         np.empty((8, k)), np.empty((len(codes), k)), sums, rows, chosen, np.empty((2, k)),
         np.empty((1, k)), np.empty((2, k)),

@@ -79,6 +79,14 @@ class RequestCtx(NamedTuple):
     block_tokens: float  # prompt tokens per cached block
     typical_prompt_tokens: float  # stand-in size for queued requests that did not come through us
     typical_answer_tokens: float = 256.0  # the pool's usual max_tokens: how long a running answer is
+    # How long this request's answer is likely to be (``Pool.expected_answer_tokens``); None: its
+    # max_tokens.
+    expected_answer_tokens: float | None = None
+
+    @property
+    def answer_tokens(self) -> float:
+        expected = self.expected_answer_tokens
+        return float(self.max_tokens) if expected is None else expected
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +113,9 @@ class Objectives:
 
     ttft_slo_s: float
     tpot_slo_s: float
-    tpot_weight: float = 10.0  # seconds of TTFT one second of predicted TPOT costs
+    # Seconds of TTFT one second of predicted TPOT costs a 100-token answer (``terms/load.py``
+    # scales it with the answer's length; a prefill's stall on running decodes is priced at it)
+    tpot_weight: float = 10.0
     kv_penalty_s: float = 0.5  # what a unit of KV pressure costs (a pod exactly full), seconds
     kv_soft_threshold: float = 0.85  # KV use above this fraction starts to cost
     max_wait_skew_s: float = 1.0  # locality credit only within this of the least queue wait

@@ -356,3 +356,26 @@ def test_the_pool_learns_how_long_answers_are_from_the_first_request_on() -> Non
     for _ in range(200):
         pool.observe_request(300, 1000)
     assert 900 < pool.typical_answer_tokens < 1000
+
+
+def _busy_or_queued(max_tokens: int, answered: tuple[int, int] | None = None) -> str:
+    """Which of two prefill-decode pods takes a 100-token prompt: one decoding a batch of 40 with no
+    queue, or one decoding nothing behind ~200 ms of queued prompts."""
+    endpoints = [{"address": "10.0.0.1:8000", "name": "busy"}, {"address": "10.0.0.2:8000", "name": "queued"}]
+    picker = picker_for(endpoints, {"busy": Metrics(running=40), "queued": Metrics(running=0)})
+    picker.pool.queued_prefill_tokens[picker.pool.endpoints["queued"].slot] = 4000
+    for _ in range(200 if answered else 0):
+        picker.pool.observe_answer(*answered)
+    return picker.pick(make_request(100, max_tokens=max_tokens), now=NOW).decode.id
+
+
+def test_tpot_is_priced_by_the_answer_it_will_be_paid_for() -> None:
+    # A short answer pays a slow batch's time per token a few times: the queue costs more. A long
+    # one pays it a thousand times: a pod free of decodes is worth the wait.
+    assert _busy_or_queued(max_tokens=32) == "busy"
+    assert _busy_or_queued(max_tokens=1000) == "queued"
+
+
+def test_an_answer_far_shorter_than_its_max_tokens_is_priced_as_answers_turn_out() -> None:
+    # Clients asking for 1,000 tokens and stopping at 30 (EOS) teach the pool the share they use.
+    assert _busy_or_queued(max_tokens=1000, answered=(1000, 30)) == "busy"

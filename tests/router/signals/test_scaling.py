@@ -314,7 +314,7 @@ def test_long_answers_count_for_decode_from_the_first_request_not_once_they_pile
     assert latest["decode"].desired > 2 and latest["prefill"].desired == 1
     # Answers that stop at a tenth of max_tokens (EOS) teach the share, and the need shrinks.
     for _ in range(200):
-        signals.demand.answered(2000, 200)
+        signals.pool.observe_answer(2000, 200)
     clock.now += 1.0
     assert signals.tick()["decode"].demand < 0.2 * 200.0
 

@@ -1,11 +1,22 @@
-"""Term ``load`` (decode side): the predicted time per output token with this request added.
+"""Term ``load`` (decode side): the predicted time per output token with this request added,
+priced by how many answer tokens it will be paid for.
 
 ``tpot = step_base + per_seq * (batch + 1) + per_kv_token * (used_kv + need)`` where
 ``batch = max(scraped running, our in-flight requests)`` (scrapes lag behind our own picks; other
-replicas only show in scrapes). Unknown ``running`` is the pool's worst known. The term is TPOT
-in seconds of TTFT: ``tpot * tpot_weight`` (``picker.tpot_weight``, 10 by default: as if the first
-ten answer tokens were awaited; not the SLOs' ratio, which would make the trade depend on how
-tight the targets are set).
+replicas only show in scrapes). Unknown ``running`` is the pool's worst known. The term is TPOT in
+seconds of TTFT: ``tpot * awaited_tokens``, ``picker.tpot_weight`` (10 by default) for a 100-token
+answer, in proportion to this request's expected answer (its ``max_tokens`` times the share of it
+answers really use, ``Pool.answered_share``), counted within [64, 1024] tokens.
+
+Why in proportion: a second of TPOT is paid once per answer token, so a 300-token answer pays it
+ten times as often as a 30-token one. One weight for every request was too much for short chat
+answers (the picker kept turns off pods with a queue of a few milliseconds for a TPOT a few
+percent lower) and too little for long ones: the same-run comparison is in docs/quality.md ("The
+decode terms priced by answer length"). The bounds keep it sane where max_tokens says little: below
+64 tokens a pod's TPOT still orders equal choices as before (shared-prefix traffic of 16-token
+answers lost at p99 with less), and a client asking for 32k tokens it never uses does not make TPOT
+outweigh everything else until the share has learned it.
+
 Consumes: ``running``, ``inflight_requests``, KV use (``router/scheduling/costmodel/terms/kv.py``).
 """
 
@@ -14,6 +25,17 @@ from __future__ import annotations
 import numpy as np
 
 from router.scheduling.costmodel.view import Candidates, EngineModel, Side, View, fill_unknown
+
+# The answer length ``tpot_weight`` is stated for, and the bounds of the length priced.
+REFERENCE_ANSWER_TOKENS = 100.0
+MIN_PRICED_ANSWER_TOKENS = 64.0
+MAX_PRICED_ANSWER_TOKENS = 1024.0
+
+
+def awaited_tokens(tpot_weight: float, answer_tokens: float) -> float:
+    """Seconds of TTFT one second of TPOT costs an answer of ``answer_tokens``."""
+    priced = min(max(answer_tokens, MIN_PRICED_ANSWER_TOKENS), MAX_PRICED_ANSWER_TOKENS)
+    return tpot_weight * priced / REFERENCE_ANSWER_TOKENS
 
 
 def batch_size(cand: Candidates) -> np.ndarray:
@@ -34,7 +56,7 @@ class DecodeLoad:
     side: Side = "decode"
 
     def seconds(self, view: View) -> np.ndarray:
-        return view.tpot_s * view.objectives.tpot_weight
+        return view.tpot_s * awaited_tokens(view.objectives.tpot_weight, view.ctx.answer_tokens)
 
 
 def term() -> DecodeLoad:

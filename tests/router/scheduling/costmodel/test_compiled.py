@@ -135,6 +135,8 @@ def test_the_compiled_costs_are_the_numpy_paths_float_for_float() -> None:
             block_tokens=float(rng.choice([16.0, 13.7])),
             typical_prompt_tokens=float(rng.choice([500.0, 2000.0])),
             typical_answer_tokens=float(rng.choice([0.5, 256.0])),
+            # None: max_tokens; the load term's weight follows it within its bounds
+            expected_answer_tokens=rng.choice([None, 10.0, 80.0, 300.0, 5000.0]),
         )
         layout = _layout(rng, cand, cm)
         fast = CompiledCosts(cm).costs(cand, ctx, layout)
