@@ -250,13 +250,13 @@ class PickerConfig(_Strict):
     kv_soft_threshold: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.85,
         description="KV use (with the request) above this share of a decode pod's capacity starts to "
-        "cost, the prefill of kv_penalty_tokens at full (with weights.kv above 0; it is 0 by default)",
+        "cost, the prefill of kv_penalty_tokens at full (decode-only pods: a pod that also computes "
+        "prompts keeps the prefix it holds instead)",
     )
     kv_penalty_tokens: Positive = Field(
         10000.0,
         description="what a decode pod exactly full of KV costs, as the time to prefill this many "
-        "tokens (the cached prefixes the pressure evicts are recomputed when asked for again; with "
-        "weights.kv above 0)",
+        "tokens (the cached prefixes the pressure evicts are recomputed when asked for again)",
     )
     tpot_weight: Positive = Field(
         10.0,
@@ -906,8 +906,7 @@ class PoolConfig(_Strict):
     weights: dict[str, NonNegative] = Field(
         default_factory=dict,
         description="multiplier per cost term (router/scheduling/costmodel/terms/<name>.py; 0 turns one "
-        "off, a term's filter stays), plus prefix (locality trust, 0..1) and link; unset ones are 1, "
-        "except kv: 0 (only its filter: a request that cannot fit a pod's KV is never sent there)",
+        "off, a term's filter stays), plus prefix (locality trust, 0..1) and link; unset ones are 1",
     )
     picker: PickerConfig = Field(PickerConfig(), description="how a pair is chosen")
     limits: LimitsConfig = Field(LimitsConfig(), description="request limits and size estimates")

@@ -101,6 +101,7 @@ def _costs(
     kv_capacity_tokens: np.ndarray,
     reserved_kv_tokens: np.ndarray,
     can_decode: np.ndarray,
+    can_prefill: np.ndarray,
     adapter_state: np.ndarray,
     prompt: float,
     max_tokens: float,
@@ -193,6 +194,8 @@ def _costs(
             elif code == 4:  # kv
                 s = max(0.0, frac[i] - kv_soft) / (1.0 - kv_soft)
                 s *= kv_penalty_s
+                if can_prefill[i]:
+                    s = 0.0
                 if need[i] > kv_capacity_tokens[i]:
                     s = np.inf
             elif code == 5:  # absorb
@@ -417,6 +420,7 @@ class CompiledCosts:
             cand.kv_capacity_tokens,
             cand.reserved_kv_tokens,
             cand.can_decode,
+            cand.can_prefill,
             _NO_ADAPTER if adapter is None else adapter,
             float(ctx.prompt_tokens),
             float(ctx.max_tokens),
@@ -569,7 +573,7 @@ def warm() -> None:
     chosen = np.zeros((2, k), dtype=np.int64)
     sums = np.empty((3, k))
     _costs(
-        np.zeros(k, dtype=np.int32), zeros, zeros, zeros, zeros, index, zeros, zeros, zeros, yes,
+        np.zeros(k, dtype=np.int32), zeros, zeros, zeros, zeros, index, zeros, zeros, zeros, yes, yes,
         _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides, np.ones(len(codes)),
         index, index, ~yes, index[None, :], np.ones((1, k)), np.ones((1, k)), np.ones(7),
         np.empty((8, k)), np.empty((len(codes), k)), sums, rows, chosen, np.empty((2, k)),

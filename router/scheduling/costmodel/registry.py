@@ -14,15 +14,13 @@ from router.scheduling.costmodel.view import CostTerm
 
 # Weights that tune the cost model itself rather than add a term.
 MODEL_WEIGHTS = frozenset({"prefix", "link"})
-# The built-in terms and their default weights, in the order they are summed. ``kv`` at 0 keeps
-# only its filter (a request that cannot fit a pod's KV is never sent there): its penalty for a
-# nearly full pod lost on every chat scenario of the routing benchmark (docs/quality.md).
+# The built-in terms and their default weights, in the order they are summed.
 DEFAULT_WEIGHTS = {
     "queue": 1.0,
     "prefill": 1.0,
     "interference": 1.0,
     "load": 1.0,
-    "kv": 0.0,
+    "kv": 1.0,
     "absorb": 1.0,
     "lora": 1.0,
 }

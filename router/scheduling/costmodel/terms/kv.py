@@ -12,7 +12,15 @@ not a refusal). Only a request that cannot fit in the pod's whole capacity is fi
 prefixes the pressure evicts are asked for again; in the engine's time, not the TTFT SLO's, so a
 relaxed SLO does not make a full pod look worse. Unknown usage is
 the pool's worst known usage; unknown capacity cannot be filtered and pays the worst known fraction.
-Consumes: ``kv_usage``, ``kv_capacity_tokens``, ``reserved_kv_tokens``.
+
+Only decode-only pods pay the penalty (the filter holds everywhere). Sending a request away from a
+nearly full decode pod costs a larger KV transfer; sending it away from a full pod that computes
+prompts (``prefill-decode``, or a prefill pod that may decode) gives up the prefix it holds, which
+is recomputed elsewhere and fills that pod's KV in turn: on the chat scenarios of the routing
+benchmark, where every pod is nearly full in a burst, the penalty there kept turns off the pods
+holding their prefixes and made the tails (docs/quality.md), while on split pools past capacity
+it keeps pairs off full decode pods.
+Consumes: ``kv_usage``, ``kv_capacity_tokens``, ``reserved_kv_tokens``, ``can_prefill``.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class KVPressure:
         o = view.objectives
         pen = penalty(view.cand, view.used_kv, view.need_kv, o.kv_soft_threshold)
         pen *= o.kv_penalty_s
+        pen[view.cand.can_prefill] = 0.0  # only decode-only pods pay it (the module docstring)
         pen[~fits(view.cand, view.need_kv)] = np.inf
         return pen
 

@@ -7,12 +7,10 @@ import types
 
 import numpy as np
 import pytest
-from helpers import SINGLE_PODS, Metrics, make_config, make_picker, make_pool, make_request
+from helpers import SINGLE_PODS, make_config, make_picker, make_pool, make_request
 
-from router.request.rejections import BadRequest
 from router.scheduling.costmodel.registry import DEFAULT_WEIGHTS, load_term
 from router.scheduling.costmodel.view import Side, View
-from router.scheduling.picker import Picker
 from router.server.config import ConfigError
 
 NOW = 100.0
@@ -63,20 +61,3 @@ def test_a_broken_scorer_module_is_a_configuration_error(monkeypatch: pytest.Mon
         make_config(SINGLE_PODS, weights={"no_factory": 1.0})
     with pytest.raises(ConfigError, match="weights: Bad-Name: 'Bad-Name' is not a scorer name"):
         make_config(SINGLE_PODS, weights={"Bad-Name": 1.0})
-
-
-def test_the_kv_penalty_is_off_by_default_and_its_filter_is_not() -> None:
-    # e0 is nearly full, e1 empty, and both could hold the request: only the penalty tells them apart.
-    endpoints = [{"address": "10.0.0.1:8000", "name": "e0"}, {"address": "10.0.0.2:8000", "name": "e1"}]
-    metrics = {"e0": Metrics(kv_usage=0.95, num_gpu_blocks=1000), "e1": Metrics(num_gpu_blocks=1000)}
-
-    def picker(**sections: object) -> Picker:
-        config = make_config(endpoints, **sections)
-        return make_picker(config, make_pool(config, metrics, NOW))
-
-    default = picker()
-    assert default.costs(make_request(2000), now=NOW).terms["kv"].tolist() == [0.0, 0.0]
-    with pytest.raises(BadRequest):  # no pod's whole KV (16,000 tokens) could ever hold it
-        default.pick(make_request(16_500), now=NOW)
-    on = picker(weights={"kv": 1.0}).costs(make_request(2000), now=NOW).terms["kv"]
-    assert on[0] > 0.0 == on[1]

@@ -1,7 +1,7 @@
 import math
 
 import numpy as np
-from scorer_cases import cands, ctx
+from scorer_cases import cands, ctx, view
 
 from router.scheduling.costmodel import prefix
 from router.scheduling.costmodel.terms import kv
@@ -42,3 +42,18 @@ def test_unknown_usage_is_the_pool_worst_and_unknown_capacity_is_not_filtered() 
     c = cands(3, kv_usage=[math.nan, 0.7, 0.2], kv_capacity_tokens=[10000, 10000, math.nan])
     assert kv.used_tokens(c)[0] == 7000
     assert kv.fits(c, need_of(c, ctx(100, 10)))[2]
+
+
+def test_only_decode_only_pods_pay_the_penalty_and_every_pod_filters() -> None:
+    # Four nearly full pods (the last too small for the request): two compute prompts, two only decode.
+    c = cands(
+        4,
+        kv_usage=[0.95, 0.95, 0.95, 0.0],
+        kv_capacity_tokens=[10000, 10000, 10000, 1000],
+        can_prefill=[True, False, True, False],
+        can_decode=[True, True, False, True],
+    )
+    seconds = kv.term().seconds(view(c, ctx(1000, 100)))
+    # Leaving the pod that holds its prefix recomputes it elsewhere; leaving a decode pod costs a transfer.
+    assert seconds[0] == seconds[2] == 0.0 < seconds[1]
+    assert seconds[3] == math.inf
