@@ -177,7 +177,9 @@ class Picker:
             if request.block_tokens and request.precise_keys is None
             else self.settings.block_tokens,
             typical_prompt_tokens=pool.typical_prompt_tokens,
-            typical_answer_tokens=pool.typical_answer_tokens,
+            # Answers run to the share of max_tokens they use: the running ones' length (the stall
+            # a prefill inflicts on them) as this request's (what its TPOT is paid for).
+            typical_answer_tokens=pool.expected_answer_tokens(pool.typical_answer_tokens),
             expected_answer_tokens=pool.expected_answer_tokens(request.max_tokens),
         )
         session = self._session_of(request) if session is None else session

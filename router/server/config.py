@@ -953,7 +953,7 @@ class PoolConfig(_Strict):
         return weights
 
     def weight(self, name: str) -> float:
-        return self.weights.get(name, DEFAULT_WEIGHTS.get(name, 1.0))
+        return self.weights.get(name, 1.0)
 
     def term_weights(self) -> dict[str, float]:
         """Every cost term and its weight: the built-ins (default 1), then any others configured."""

@@ -274,7 +274,7 @@ class Pool:
         if max_tokens > 0 and produced > 0:
             self.answered_share += 0.05 * (min(produced / max_tokens, 1.0) - self.answered_share)
 
-    def expected_answer_tokens(self, max_tokens: int) -> float:
+    def expected_answer_tokens(self, max_tokens: float) -> float:
         """How long an answer asked ``max_tokens`` is likely to be (``answered_share`` of it)."""
         return max_tokens * self.answered_share
 

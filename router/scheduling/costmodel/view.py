@@ -78,7 +78,8 @@ class RequestCtx(NamedTuple):
     max_tokens: int
     block_tokens: float  # prompt tokens per cached block
     typical_prompt_tokens: float  # stand-in size for queued requests that did not come through us
-    typical_answer_tokens: float = 256.0  # the pool's usual max_tokens: how long a running answer is
+    # How long a running answer is: the pool's usual max_tokens, times the share answers use
+    typical_answer_tokens: float = 256.0
     # How long this request's answer is likely to be (``Pool.expected_answer_tokens``); None: its
     # max_tokens.
     expected_answer_tokens: float | None = None

@@ -48,3 +48,5 @@ def test_an_answer_the_router_never_sees_teaches_nothing() -> None:
     flight.pick()
     flight.close()  # no answer: the client left
     assert f.picker.pool.answered_share == 1.0
+    streaming(f, tokens=2).close()  # the same flow does learn from an answer it saw
+    assert f.picker.pool.answered_share < 1.0

@@ -358,14 +358,12 @@ def test_the_pool_learns_how_long_answers_are_from_the_first_request_on() -> Non
     assert 900 < pool.typical_answer_tokens < 1000
 
 
-def _busy_or_queued(max_tokens: int, answered: tuple[int, int] | None = None) -> str:
+def _busy_or_queued(max_tokens: int) -> str:
     """Which of two prefill-decode pods takes a 100-token prompt: one decoding a batch of 40 with no
     queue, or one decoding nothing behind ~200 ms of queued prompts."""
     endpoints = [{"address": "10.0.0.1:8000", "name": "busy"}, {"address": "10.0.0.2:8000", "name": "queued"}]
     picker = picker_for(endpoints, {"busy": Metrics(running=40), "queued": Metrics(running=0)})
     picker.pool.queued_prefill_tokens[picker.pool.endpoints["queued"].slot] = 4000
-    for _ in range(200 if answered else 0):
-        picker.pool.observe_answer(*answered)
     return picker.pick(make_request(100, max_tokens=max_tokens), now=NOW).decode.id
 
 
@@ -377,5 +375,25 @@ def test_tpot_is_priced_by_the_answer_it_will_be_paid_for() -> None:
 
 
 def test_an_answer_far_shorter_than_its_max_tokens_is_priced_as_answers_turn_out() -> None:
-    # Clients asking for 1,000 tokens and stopping at 30 (EOS) teach the pool the share they use.
-    assert _busy_or_queued(max_tokens=1000, answered=(1000, 30)) == "busy"
+    # Clients asking for 1,000 tokens and stopping at 30 (EOS) teach the pool the share they use:
+    # the TPOT of a 1,000-token ask is then paid for 30 tokens (counted as the 64 of the floor).
+    def load_s(answered: tuple[int, int] | None) -> float:
+        picker = picker_for([{"address": "10.0.0.1:8000", "name": "busy"}], {"busy": Metrics(running=40)})
+        for _ in range(200 if answered else 0):
+            picker.pool.observe_answer(*answered)
+        return float(picker.costs(make_request(100, max_tokens=1000), now=NOW).terms["load"][0])
+
+    assert load_s((1000, 30)) / load_s(None) == pytest.approx(64 / 1000)
+
+
+def test_the_stall_on_running_answers_is_priced_by_their_learned_length_too() -> None:
+    # Answers a tenth as long as asked: each stalled decode loses ten times as much of its TPOT.
+    def stall(answered: tuple[int, int] | None) -> float:
+        endpoints = [{"address": "10.0.0.1:8000", "name": "busy"}]
+        picker = picker_for(endpoints, {"busy": Metrics(running=40)})
+        for _ in range(200 if answered else 0):
+            picker.pool.observe_answer(*answered)
+        return float(picker.costs(make_request(2000), now=NOW).terms["interference"][0])
+
+    asked, learned = stall(None), stall((1000, 100))
+    assert asked > 0 and learned / asked == pytest.approx(1 / 0.1, rel=0.05)

@@ -2,10 +2,11 @@
 
 On a pod that also decodes (``prefill-decode``, or the decode pod itself when there is no prefill
 leg) each of the ``batch`` running decodes waits once for as long as the prefill takes; over an
-answer of the pool's typical length that is ``prefill_s / typical_answer_tokens`` on its time per
-output token, priced at ``tpot_weight`` (in seconds of TTFT: the ``load`` term's price for a
-100-token answer; priced at each stalled answer's own length, as the ``load`` term prices its own
-request's, chat turns lost most of what that change won: docs/quality.md)::
+answer of the pool's typical length (its usual ``max_tokens`` times the share answers use) that is
+``prefill_s / typical_answer_tokens`` on its time per output token, priced at ``tpot_weight`` (in
+seconds of TTFT: the ``load`` term's price for a 100-token answer; priced at each stalled answer's
+own length, as the ``load`` term prices its own request's, chat turns lost most of what that change
+won: docs/quality.md)::
 
     stall = prefill_s * batch / typical_answer_tokens * tpot_weight
 

@@ -11,8 +11,8 @@ answers really use, ``Pool.answered_share``), counted within [64, 1024] tokens.
 Why in proportion: a second of TPOT is paid once per answer token, so a 300-token answer pays it
 ten times as often as a 30-token one. One weight for every request was too much for short chat
 answers (the picker kept turns off pods with a queue of a few milliseconds for a TPOT a few
-percent lower) and too little for long ones: the same-run comparison is in docs/quality.md ("The
-decode terms priced by answer length"). The bounds keep it sane where max_tokens says little: below
+percent lower) and too little for long ones: the same-run comparison is in docs/quality.md ("TPOT
+priced by the answer it will be paid for"). The bounds keep it sane where max_tokens says little: below
 64 tokens a pod's TPOT still orders equal choices as before (shared-prefix traffic of 16-token
 answers lost at p99 with less), and a client asking for 32k tokens it never uses does not make TPOT
 outweigh everything else until the share has learned it.
