@@ -16,6 +16,7 @@ Rejections raised on the way become responses through ``router.request.rejection
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -107,6 +108,8 @@ class RequestFlow:
         self.limits = limits
         self.model = model
         self.producers = tuple(producers)
+        self._fillers = tuple(p for p in self.producers if p.fills)
+        self._lookups = tuple(p for p in self.producers if not p.fills)
         self.signals = signals
         self.control = control
         self.speeds = speeds
@@ -176,12 +179,21 @@ class RequestFlow:
         return flight.decision
 
     async def prepare(self, request: RouteRequest) -> None:
-        """Run every producer; one that fails is logged and the pick goes on without it."""
-        for producer in self.producers:
-            try:
-                await producer.produce(request)
-            except Exception:
-                log.exception("producer %s failed for request %s", producer.name, request.request_id)
+        """Run every producer: those that fill the request first, in order, then the lookups all
+        at once; one that fails is logged and the pick goes on without it."""
+        for producer in self._fillers:
+            await self._produce(producer, request)
+        if len(self._lookups) == 1:
+            await self._produce(self._lookups[0], request)
+        elif self._lookups:
+            await asyncio.gather(*(self._produce(p, request) for p in self._lookups))
+
+    @staticmethod
+    async def _produce(producer: Producer, request: RouteRequest) -> None:
+        try:
+            await producer.produce(request)
+        except Exception:
+            log.exception("producer %s failed for request %s", producer.name, request.request_id)
 
 
 class Flight:

@@ -39,10 +39,14 @@ class Producer(Protocol):
 
     Contract: may await; bounds its own time (a producer that waits on a remote service has a
     timeout); never raises for a remote failure it can route without (the flow logs and goes on
-    if it does); never touches the pool's reservations. Examples: tokenizing the prompt into
-    vLLM's block hashes (precise mode), one Redis lookup refreshing the shared-index mirror.
+    if it does); never touches the pool's reservations. ``fills``: True when it writes fields of
+    the request that other producers read (those run first, one after another, in order); False
+    when it only reads the request and refreshes local state (those then run all at once, so a
+    request waits for the slowest lookup, not for their sum). Examples: tokenizing the prompt into
+    vLLM's block hashes (precise mode, fills), one Redis lookup refreshing the shared-index mirror.
     """
 
     name: str
+    fills: bool
 
     async def produce(self, request: RouteRequest) -> None: ...

@@ -30,6 +30,7 @@ class PreciseKeys:
     """
 
     name = "precise_keys"
+    fills = True
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class SharedLookup:
     prompt, in one round trip under the lookup timeout; on trouble the mirror answers alone."""
 
     name = "shared_lookup"
+    fills = False
 
     def __init__(self, shared: SharedPrefixIndex, pool: Pool) -> None:
         self.shared = shared
@@ -96,6 +98,7 @@ class FreshLoad:
     within ``timeout_s`` (past it, or while Redis is down, the pick uses the last exchange's)."""
 
     name = "shared_load"
+    fills = False
 
     def __init__(self, shared_load: SharedLoad, timeout_s: float) -> None:
         self.shared_load = shared_load

@@ -53,6 +53,7 @@ class ResponseHomeLookup:
     """Producer: a follow-up's stored answer, looked up among the other replicas' before the pick."""
 
     name = "response_home"
+    fills = False
 
     def __init__(self, homes: ResponseHomes) -> None:
         self.homes = homes

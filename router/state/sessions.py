@@ -151,6 +151,7 @@ class SessionHomeLookup:
     """Producer: the session's home as the other replicas (or this one before a restart) left it."""
 
     name = "session_home"
+    fills = False
 
     def __init__(self, homes: SessionHomes) -> None:
         self.homes = homes

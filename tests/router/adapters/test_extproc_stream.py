@@ -369,6 +369,7 @@ class GatedPrepare:
     """A producer that waits until the test opens it, and records what it saw."""
 
     name = "gated"
+    fills = True
 
     def __init__(self, fail: bool = False) -> None:
         self.gate = asyncio.Event()

@@ -115,6 +115,7 @@ def test_an_engine_reporting_one_prompt_token_does_not_move_the_ratio_for_the_ot
 async def test_precise_mode_and_exact_counts_are_never_rescaled(monkeypatch: pytest.MonkeyPatch) -> None:
     class PreciseKeys:  # what ``router.scheduling.producers.PreciseKeys`` gives a request: vLLM block keys
         name = "precise_keys"
+        fills = True
 
         async def produce(self, request: RouteRequest) -> None:
             request.precise_keys = np.arange(len(request.block_keys), dtype=np.uint64)
