@@ -123,6 +123,11 @@ class MemoryPrefixIndex:
         self._holes = 0
 
     @property
+    def whole_prompts(self) -> bool:
+        """Fed whole prompts only (see the module docstring): ``match`` may bisect."""
+        return self._whole_prompts
+
+    @property
     def capacity_blocks_per_slot(self) -> int:
         return self._capacity
 

@@ -34,10 +34,13 @@ Memory, measured on Redis 7.0.15 (jemalloc, ``used_memory`` delta over 102,400 b
 ``loadtests/bench_redis_index.py``): **~150 bytes per block held by one endpoint** (14-byte key,
 listpack HASH, dict and expiry entries), **+16 bytes per extra endpoint** on the same block.
 
-Lookup cost (same bench, 256-block prompt, 64 candidates, loopback, PING p50 ~0.1 ms): ~0.2 ms when
-nobody holds block 0, ~0.6 ms when 4 endpoints hold the whole prompt, 2-3.3 ms (p99 ~4.5 ms) when
-all 64 hold most of it. That worst case is Redis CPU (256 HGETALLs x 64 fields in Lua), i.e. one
-Redis serves a few hundred such lookups/s; ask with fewer candidates when that matters.
+Lookup cost (``python -m loadtests.bench.redis_index``: 256-block prompt, 64 candidates, loopback,
+PING p50 ~0.1 ms), p50 walking every block → bisecting: ~0.26 ms either way when nobody holds block
+0; 0.84 → 0.29 ms when 4 endpoints hold the whole prompt; 3.96 → 0.33 ms when all 64 do; 2.4 →
+1.7 ms when each of the 64 holds a prefix of a different length (the bisection hands over to the
+walk there). The walk's cost is Redis CPU (an HGETALL per block of the longest match); the
+bisection, for an index fed whole prompts (a mirror made with ``whole_prompts``, as the router's;
+the first ``stored`` or ``removed`` makes it walk for good), needs a few per distinct depth.
 
 Redis going away: every call is bounded by ``asyncio.timeout`` (``lookup_timeout_s`` for lookups,
 ``write_timeout_s`` for flushes), so the client's own retry/backoff can never stall a request. On a
@@ -84,10 +87,16 @@ _ADD = b"a"
 _DEL = b"d"
 _CLEAR = b"c"
 
-# ARGV: block-key prefix, gen-key prefix, blob of 8-byte big-endian block keys, "\n"-joined names.
-# Returns {depths, gens} as two comma-joined strings (two bulk replies parse far faster in
-# redis-py than 2 x 64 array elements): per name the longest consecutive prefix whose field equals
-# the name's current generation, and that generation ("" when the endpoint holds nothing).
+# ARGV: block-key prefix, gen-key prefix, blob of 8-byte big-endian block keys, "\n"-joined names,
+# "1" to bisect. Returns {depths, gens} as two comma-joined strings (two bulk replies parse far
+# faster in redis-py than 2 x 64 array elements): per name the longest consecutive prefix whose
+# field equals the name's current generation, and that generation ("" when it holds nothing).
+#
+# The walk probes block after block until no name is left: exact on any index, one HGETALL per
+# block of the longest match (256 for a shared 4k-token prompt). The bisection, for an index fed
+# whole prompts only (see ``SharedPrefixIndex``), relies on a name's holders only shrinking along
+# the prompt: it probes the first and last blocks and splits only intervals whose ends differ,
+# about (distinct depths) x log2(blocks) probes; past 8 pending intervals it hands over to the walk.
 _LOOKUP_LUA = """
 local bp, gp, blob = ARGV[1], ARGV[2], ARGV[3]
 local n = #blob / 8
@@ -104,29 +113,71 @@ for name in string.gmatch(ARGV[4], '[^\\n]+') do
     alive = alive + 1
   end
 end
-local i = 0
-while alive > 0 and i < n do
-  i = i + 1
+
+-- The names of ``among`` holding block i (1-based) under their current generation, and how many.
+local function holders(i, among)
   local fv = redis.call('HGETALL', bp .. string.sub(blob, 8 * i - 7, 8 * i))
-  local hit, seen = {}, 0
+  local got, c = {}, 0
   for f = 1, #fv, 2 do
     local name = fv[f]
-    if want[name] == fv[f + 1] then
-      hit[name] = true
-      seen = seen + 1
+    if among[name] and want[name] == fv[f + 1] then
+      got[name] = true
+      c = c + 1
     end
   end
-  if seen < alive then
-    for name in pairs(want) do
-      if not hit[name] then
-        depth[pos[name]] = i - 1
-        want[name] = nil
-        alive = alive - 1
+  return got, c
+end
+
+local function walk()
+  local left, count, i = {}, alive, 0
+  for name in pairs(want) do left[name] = true end
+  while count > 0 and i < n do
+    i = i + 1
+    local hit, seen = holders(i, left)
+    if seen < count then
+      for name in pairs(left) do
+        if not hit[name] then depth[pos[name]] = i - 1 end
+      end
+      left, count = hit, seen
+    end
+  end
+  for name in pairs(left) do depth[pos[name]] = n end
+end
+
+local function bisect()
+  local all = {}
+  for name in pairs(want) do all[name] = true end
+  local first, fc = holders(1, all)
+  if fc == 0 then return true end
+  local last, lc = first, fc
+  if n > 1 then last, lc = holders(n, first) end
+  for name in pairs(last) do depth[pos[name]] = n end
+  local todo = {}
+  if lc < fc then todo[1] = {1, first, fc, n, last, lc} end
+  while #todo > 0 do
+    local t = table.remove(todo)
+    local lo, lo_set, lo_c, hi, hi_set, hi_c = t[1], t[2], t[3], t[4], t[5], t[6]
+    while hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      local m, mc = holders(mid, lo_set)
+      if mc == lo_c then
+        lo = mid
+      else
+        if mc ~= hi_c then
+          if #todo == 8 then return false end
+          todo[#todo + 1] = {mid, m, mc, hi, hi_set, hi_c}
+        end
+        hi, hi_set, hi_c = mid, m, mc
       end
     end
+    for name in pairs(lo_set) do
+      if not hi_set[name] then depth[pos[name]] = lo end
+    end
   end
+  return true
 end
-for name in pairs(want) do depth[pos[name]] = n end
+
+if alive > 0 and n > 0 and not (ARGV[5] == '1' and bisect()) then walk() end
 return {table.concat(depth, ','), table.concat(gens, ',')}
 """
 
@@ -206,6 +257,9 @@ class SharedPrefixIndex:
         self._lookup_script: AsyncScript = client.register_script(_LOOKUP_LUA)
         self._apply_script: AsyncScript = client.register_script(_APPLY_LUA)
         self._local = local
+        # Redis may bisect a lookup while every write is a whole prompt's prefix (the mirror's own
+        # rule); the KV-event path (``stored`` chunk by chunk, ``removed``) makes it walk for good.
+        self._bisect = b"1" if local.whole_prompts else b"0"
         self._bp = f"{namespace}:b:".encode()
         self._gp = f"{namespace}:gen:".encode()
         self._ttl_ms = max(1, round(ttl_s * 1000))
@@ -272,11 +326,13 @@ class SharedPrefixIndex:
     # -- precise (KV-event) path ---------------------------------------------------------------
 
     def stored(self, slot: int, block_keys: np.ndarray) -> None:
-        """A ``BlockStored`` event: same as ``record``."""
+        """A ``BlockStored`` event: same as ``record``, but a chunk need not start at block 0."""
+        self._bisect = b"0"
         self.record(slot, block_keys)
 
     def removed(self, slot: int, block_keys: np.ndarray) -> None:
         """A ``BlockRemoved`` event: the engine evicted these blocks."""
+        self._bisect = b"0"
         self._local.remove(slot, block_keys)
         self._enqueue(self._slot_names(slot), _DEL, block_keys)
 
@@ -306,7 +362,9 @@ class SharedPrefixIndex:
         blob = np.ascontiguousarray(block_keys, dtype=">u8").tobytes()
         try:
             async with asyncio.timeout(self._lookup_timeout_s):
-                depths_csv, gens_csv = await self._lookup_script(args=[self._bp, self._gp, blob, joined])
+                depths_csv, gens_csv = await self._lookup_script(
+                    args=[self._bp, self._gp, blob, joined, self._bisect]
+                )
             depths = np.array(depths_csv.split(b","), dtype=np.int32)
             gens = gens_csv.split(b",")
         except _DOWN_ERRORS as exc:

@@ -74,12 +74,13 @@ def redis_server(port: int | None) -> Iterator[int]:
             proc.wait()
 
 
-def make_index(client: aioredis.Redis) -> SharedPrefixIndex:
+def make_index(client: aioredis.Redis, *, whole_prompts: bool = False) -> SharedPrefixIndex:
+    """``whole_prompts``: as the router builds it (its lookups may bisect); else they walk."""
     names = [f"ep{i}" for i in range(ENDPOINTS)]
     by_name = {n: i for i, n in enumerate(names)}
     return SharedPrefixIndex(
         client,
-        MemoryPrefixIndex(1_000_000, max_slots=ENDPOINTS),
+        MemoryPrefixIndex(1_000_000, max_slots=ENDPOINTS, whole_prompts=whole_prompts),
         slot_names=names.__getitem__,
         slot_of=by_name.get,
         max_pending=10_000_000,  # the warm-up enqueues everything before one flush
@@ -108,7 +109,8 @@ async def main(args: argparse.Namespace) -> None:
     with redis_server(args.port) as port:
         client = aioredis.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0))
         await client.flushdb()
-        writer, reader = make_index(client), make_index(client)
+        writer = make_index(client)
+        readers = {"walk": make_index(client), "bisect": make_index(client, whole_prompts=True)}
         rows: list[tuple[str, str]] = []
 
         # 1+2. ingestion of distinct blocks, one holder each, and memory per block.
@@ -159,21 +161,22 @@ async def main(args: argparse.Namespace) -> None:
         p50, p99 = await percentiles(client.ping, args.calls)
         rows.append(("PING round trip (floor)", f"p50 {p50:.0f} µs, p99 {p99:.0f} µs"))
         for case, keys in cases.items():
-            result = await reader.lookup(keys, cands)
-            p50, p99 = await percentiles(lambda keys=keys: reader.lookup(keys, cands), args.calls)
-            rows.append(
-                (
-                    f"lookup {case} (256 blocks x 64 cand., max depth {int(result.max())})",
-                    f"p50 {p50:.0f} µs, p99 {p99:.0f} µs",
-                )
-            )
+            walked, bisected = [await r.lookup(keys, cands) for r in readers.values()]
+            assert walked.tolist() == bisected.tolist(), case
+            rows.append((f"lookup {case} (256 blocks x 64 cand., max depth {int(walked.max())})", ""))
+            p50s = {}
+            for how, reader in readers.items():
+                p50, p99 = await percentiles(lambda r=reader, keys=keys: r.lookup(keys, cands), args.calls)
+                p50s[how] = p50
+                rows.append((f"  {how}", f"p50 {p50:.0f} µs, p99 {p99:.0f} µs"))
+            rows.append(("  bisect / walk, p50", f"{p50s['bisect'] / p50s['walk']:.2f}"))
             p50, p99 = await percentiles(
-                lambda keys=keys: asyncio.sleep(0, reader.match(keys, cands)), args.calls
+                lambda keys=keys, r=readers["bisect"]: asyncio.sleep(0, r.match(keys, cands)), args.calls
             )
             rows.append(
                 (f"  sync match {case} on the mirror afterwards", f"p50 {p50:.1f} µs, p99 {p99:.1f} µs")
             )
-        assert reader.fallback_lookups == 0 and reader.redis_errors == 0
+        assert all(r.fallback_lookups == 0 and r.redis_errors == 0 for r in readers.values())
         await client.aclose()
 
     width = max(len(name) for name, _ in rows)

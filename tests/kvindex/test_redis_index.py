@@ -52,13 +52,16 @@ def client_for(server: RedisServer) -> aioredis.Redis:
     )
 
 
-def make_index(client: aioredis.Redis, table: dict[str, int], **kwargs: float) -> SharedPrefixIndex:
+def make_index(
+    client: aioredis.Redis, table: dict[str, int], *, whole_prompts: bool = False, **kwargs: float
+) -> SharedPrefixIndex:
+    """``whole_prompts``: a mirror fed whole prompts only, as the router's (Redis may bisect)."""
     by_slot = {slot: name for name, slot in table.items()}
     options: dict[str, float] = {"flush_interval_s": 0.01, "probe_interval_s": 0.05, "lookup_timeout_s": 0.5}
     options.update(kwargs)
     return SharedPrefixIndex(
         client,
-        MemoryPrefixIndex(4096, max_slots=64),
+        MemoryPrefixIndex(4096, max_slots=64, whole_prompts=whole_prompts),
         slot_names=by_slot.__getitem__,
         slot_of=table.get,
         **options,  # type: ignore[arg-type]
@@ -464,3 +467,122 @@ def test_lookup_equals_a_naive_reference(
                 await c.aclose()
 
     asyncio.run(scenario())
+
+
+# -- the bisecting lookup (an index fed whole prompts, as the router's) ----------------------------
+
+# Block keys are chained (a key determines its prefix), so prompts are prefixes of a few documents:
+# B shares A's first 6 blocks, C shares nothing.
+DOCUMENTS = {
+    "A": list(range(1, 41)),
+    "B": list(range(1, 7)) + list(range(101, 135)),
+    "C": list(range(201, 241)),
+}
+_whole = st.one_of(
+    st.tuples(
+        st.just("record"),
+        st.integers(0, 1),
+        st.sampled_from(NAMES),
+        st.sampled_from(sorted(DOCUMENTS)),
+        st.integers(1, 40),
+    ),
+    st.tuples(st.just("cleared"), st.integers(0, 1), st.sampled_from(NAMES), st.just("A"), st.just(0)),
+    st.tuples(
+        st.just("lookup"),
+        st.integers(0, 1),
+        st.just(""),
+        st.sampled_from(sorted(DOCUMENTS)),
+        st.integers(1, 40),
+    ),
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_whole, max_size=20))
+def test_a_whole_prompt_index_bisects_to_the_walks_answer(
+    module_server: RedisServer, ops: list[tuple[str, int, str, str, int]]
+) -> None:
+    async def scenario() -> None:
+        raw = client_for(module_server)
+        await raw.flushdb()
+        clients = [client_for(module_server), client_for(module_server)]
+        tables = [A_SLOTS, B_SLOTS]
+        replicas = [make_index(c, t, whole_prompts=True) for c, t in zip(clients, tables, strict=True)]
+        held: dict[str, set[int]] = {name: set() for name in NAMES}
+        try:
+            for kind, r, name, document, length in ops:
+                index, table, prompt = replicas[r], tables[r], DOCUMENTS[document][:length]
+                if kind == "record":
+                    index.record(table[name], keys(*prompt))
+                    held[name].update(prompt)
+                    assert await index.flush()
+                elif kind == "cleared":
+                    index.cleared(table[name])
+                    held[name].clear()
+                    assert await index.flush()
+                else:
+                    got = await index.lookup(keys(*prompt), slots_of(table, *NAMES))
+                    assert got.tolist() == reference(held, prompt), (r, document, length)
+            assert all(index.redis_errors == 0 for index in replicas)
+        finally:
+            for c in [raw, *clients]:
+                await c.aclose()
+
+    asyncio.run(scenario())
+
+
+async def hgetalls(client: aioredis.Redis) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_hgetall", {}).get("calls", 0))
+
+
+async def test_a_whole_prompt_lookup_probes_a_few_blocks_not_every_one(server: RedisServer) -> None:
+    """256 blocks held whole by two endpoints and half by a third: the walk reads every block, the
+    bisection the two ends and about log2(256) in between per depth."""
+    client = client_for(server)
+    prompt = keys(*range(1, 257))
+    walking, bisecting = make_index(client, A_SLOTS), make_index(client, B_SLOTS, whole_prompts=True)
+    try:
+        walking.record(A_SLOTS["e0"], prompt)
+        walking.record(A_SLOTS["e1"], prompt)
+        walking.record(A_SLOTS["e2"], prompt[:128])
+        assert await walking.flush()
+        costs = []
+        for index, table in ((walking, A_SLOTS), (bisecting, B_SLOTS)):
+            before = await hgetalls(client)
+            got = await index.lookup(prompt, slots_of(table, *NAMES))
+            costs.append(await hgetalls(client) - before)
+            assert got.tolist() == [256, 256, 128, 0]
+        assert costs[0] == 256
+        assert costs[1] <= 12, costs
+    finally:
+        await client.aclose()
+
+
+async def test_many_distinct_depths_hand_over_to_the_walk(server: RedisServer) -> None:
+    client = client_for(server)
+    table = {f"d{i}": i for i in range(16)}
+    prompt = keys(*range(1, 65))
+    writer, reader = make_index(client, table), make_index(client, table, whole_prompts=True)
+    try:
+        for i, name in enumerate(table):
+            writer.record(table[name], prompt[: 4 * i + 1])  # 16 different depths
+        assert await writer.flush()
+        got = await reader.lookup(prompt, np.arange(16, dtype=np.int32))
+        assert got.tolist() == [4 * i + 1 for i in range(16)]
+    finally:
+        await client.aclose()
+
+
+async def test_removed_blocks_make_the_index_walk_for_good(server: RedisServer) -> None:
+    """A KV event removes a block from the middle: bisecting would see blocks 1 and 5 and say 5."""
+    client = client_for(server)
+    index = make_index(client, A_SLOTS, whole_prompts=True)
+    try:
+        index.record(A_SLOTS["e0"], keys(1, 2, 3, 4, 5))
+        index.removed(A_SLOTS["e0"], keys(3))
+        assert await index.flush()
+        got = await index.lookup(keys(1, 2, 3, 4, 5), slots_of(A_SLOTS, "e0"))
+        assert got.tolist() == [2]
+    finally:
+        await client.aclose()
