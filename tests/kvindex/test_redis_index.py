@@ -430,17 +430,19 @@ def reference(held: dict[str, set[int]], prompt: list[int]) -> list[int]:
     return out
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=st.lists(_op, max_size=25))
-def test_lookup_equals_a_naive_reference(
-    module_server: RedisServer, ops: list[tuple[str, int, str, list[int]]]
+def check_against_reference(
+    server: RedisServer, ops: list[tuple[str, int, str, list[int]]], *, whole_prompts: bool = False
 ) -> None:
+    """Two replicas apply ``ops`` in order; every lookup must answer what ``reference`` does."""
+
     async def scenario() -> None:
-        raw = client_for(module_server)
+        raw = client_for(server)
         await raw.flushdb()
-        clients = [client_for(module_server), client_for(module_server)]
+        clients = [client_for(server), client_for(server)]
         tables = [A_SLOTS, B_SLOTS]
-        replicas = [make_index(c, t) for c, t in zip(clients, tables, strict=True)]  # no task: explicit flush
+        replicas = [  # no task: explicit flush
+            make_index(c, t, whole_prompts=whole_prompts) for c, t in zip(clients, tables, strict=True)
+        ]
         held: dict[str, set[int]] = {name: set() for name in NAMES}
         try:
             for kind, r, name, blocks in ops:
@@ -467,6 +469,14 @@ def test_lookup_equals_a_naive_reference(
                 await c.aclose()
 
     asyncio.run(scenario())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, max_size=25))
+def test_lookup_equals_a_naive_reference(
+    module_server: RedisServer, ops: list[tuple[str, int, str, list[int]]]
+) -> None:
+    check_against_reference(module_server, ops)
 
 
 # -- the bisecting lookup (an index fed whole prompts, as the router's) ----------------------------
@@ -502,33 +512,8 @@ _whole = st.one_of(
 def test_a_whole_prompt_index_bisects_to_the_walks_answer(
     module_server: RedisServer, ops: list[tuple[str, int, str, str, int]]
 ) -> None:
-    async def scenario() -> None:
-        raw = client_for(module_server)
-        await raw.flushdb()
-        clients = [client_for(module_server), client_for(module_server)]
-        tables = [A_SLOTS, B_SLOTS]
-        replicas = [make_index(c, t, whole_prompts=True) for c, t in zip(clients, tables, strict=True)]
-        held: dict[str, set[int]] = {name: set() for name in NAMES}
-        try:
-            for kind, r, name, document, length in ops:
-                index, table, prompt = replicas[r], tables[r], DOCUMENTS[document][:length]
-                if kind == "record":
-                    index.record(table[name], keys(*prompt))
-                    held[name].update(prompt)
-                    assert await index.flush()
-                elif kind == "cleared":
-                    index.cleared(table[name])
-                    held[name].clear()
-                    assert await index.flush()
-                else:
-                    got = await index.lookup(keys(*prompt), slots_of(table, *NAMES))
-                    assert got.tolist() == reference(held, prompt), (r, document, length)
-            assert all(index.redis_errors == 0 for index in replicas)
-        finally:
-            for c in [raw, *clients]:
-                await c.aclose()
-
-    asyncio.run(scenario())
+    prompts = [(kind, r, name, DOCUMENTS[doc][:length]) for kind, r, name, doc, length in ops]
+    check_against_reference(module_server, prompts, whole_prompts=True)
 
 
 async def hgetalls(client: aioredis.Redis) -> int:
