@@ -266,3 +266,30 @@ def test_the_picker_compiled_setting_chooses_the_path() -> None:
         picker = make_picker(config, make_pool(config))
         assert (picker._compiled is not None) is compiled_on
         assert picker.pair_picker._compiled is compiled_on
+
+
+def _plus_one(x: float) -> float:
+    return x + 1.0
+
+
+@needs_numba
+def test_a_read_only_install_compiles_each_process_without_a_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numba refuses ``cache=True`` where it finds no writable cache directory (a read-only image
+    without ``NUMBA_CACHE_DIR``): the loops are then compiled in each process instead."""
+    assert compiled._numba is not None
+    real = compiled._numba.njit
+    asked: list[bool] = []
+
+    def njit(*args: object, **kwargs: object) -> object:
+        if args or kwargs.get("error_model") != "numpy":  # numba's own uses while it compiles
+            return real(*args, **kwargs)
+        asked.append(bool(kwargs.get("cache")))
+        if kwargs.get("cache"):
+            raise RuntimeError("cannot cache function '_plus_one': no locator available for file")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compiled._numba, "njit", njit)
+    fn = compiled._jit(_plus_one)
+    assert fn(1.0) == 2.0
+    assert asked == [True, False]
+    assert hasattr(fn, "signatures") and fn.signatures  # a numba dispatcher that compiled, not the Python
