@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -409,8 +409,7 @@ class ExtProcCall:
         if not prepared and flow.prepares and (stored := self._on_stored_response(message)) is not None:
             # A body-less request on a stored answer (GET /v1/responses/{id}): the pod that gave it
             # may be in another replica's share of the homes, read before its headers are routed.
-            self.paused = deque()
-            self.task = asyncio.get_running_loop().create_task(self._look_up_then(message, stored))
+            self._pause(self._look_up_then(message, stored))
             return
         # Pause (a task per request) only for I/O before the pick, or when flow control holds it.
         if (
@@ -419,14 +418,18 @@ class ExtProcCall:
             and stream.parse_if_complete(message)
             and (flow.prepares or not self._bind_now())
         ):
-            self.paused = deque()
-            self.task = asyncio.get_running_loop().create_task(self._prepare_then(message))
+            self._pause(self._prepare_then(message))
             return
         for response in stream.on_message(message):
             self.call.send(response.SerializeToString())
         if stream.finished:
             self.call.finish()  # a clean close: Envoy goes on without us
             self._close()
+
+    def _pause(self, work: Coroutine[Any, Any, None]) -> None:
+        """Hold what arrives while ``work`` runs (it ends in ``_resume``, or closes the call)."""
+        self.paused = deque()
+        self.task = asyncio.get_running_loop().create_task(work)
 
     def _bind_now(self) -> bool:
         """True unless flow control holds the request (a rejection is left for ``on_message``)."""
