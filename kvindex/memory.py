@@ -1,6 +1,6 @@
 """In-memory approximate prefix index: which endpoint slot holds which chained block keys.
 
-Layout (chosen by measurement, see ``loadtests/bench_kvindex.py``):
+Layout (chosen by measurement, see ``python -m loadtests.bench.kvindex``):
 
 * ``owners``: ``dict[block_key, int]`` whose value is a *bitmask of slots* (a Python int used as a
   bitset) holding that block. A lookup of one block answers for every candidate at once, so a

@@ -31,7 +31,7 @@ Cluster), ``<ns>`` = ``namespace``:
   >= 7.4 ``HPEXPIRE``). The precise path removes such fields explicitly (``removed``).
 
 Memory, measured on Redis 7.0.15 (jemalloc, ``used_memory`` delta over 102,400 blocks, see
-``loadtests/bench_redis_index.py``): **~150 bytes per block held by one endpoint** (14-byte key,
+``python -m loadtests.bench.redis_index``): **~150 bytes per block held by one endpoint** (14-byte key,
 listpack HASH, dict and expiry entries), **+16 bytes per extra endpoint** on the same block.
 
 Lookup cost (``python -m loadtests.bench.redis_index``: 256-block prompt, 64 candidates, loopback,

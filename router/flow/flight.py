@@ -108,6 +108,12 @@ class RequestFlow:
         self.limits = limits
         self.model = model
         self.producers = tuple(producers)
+        for producer in self.producers:
+            if not isinstance(getattr(producer, "fills", None), bool):
+                raise TypeError(
+                    f"producer {getattr(producer, 'name', producer)!r} needs a bool 'fills' "
+                    "(router.scheduling.extension.Producer: does it write request fields others read?)"
+                )
         self._fillers = tuple(p for p in self.producers if p.fills)
         self._lookups = tuple(p for p in self.producers if not p.fills)
         self.signals = signals
@@ -183,7 +189,7 @@ class RequestFlow:
         at once; one that fails is logged and the pick goes on without it."""
         for producer in self._fillers:
             await self._produce(producer, request)
-        if len(self._lookups) == 1:
+        if len(self._lookups) == 1:  # no task for gather to make: the usual single lookup
             await self._produce(self._lookups[0], request)
         elif self._lookups:
             await asyncio.gather(*(self._produce(p, request) for p in self._lookups))

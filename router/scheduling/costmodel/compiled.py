@@ -191,11 +191,8 @@ def _costs(
                 s = prefill_s[i] * batch[i] * per_stalled if can_decode[i] else 0.0
             elif code == 3:  # load
                 s = tpot[i] * load_weight
-            elif code == 4:  # kv
-                s = max(0.0, frac[i] - kv_soft) / (1.0 - kv_soft)
-                s *= kv_penalty_s
-                if can_prefill[i]:
-                    s = 0.0
+            elif code == 4:  # kv: the penalty on decode-only pods, the filter everywhere
+                s = 0.0 if can_prefill[i] else max(0.0, frac[i] - kv_soft) / (1.0 - kv_soft) * kv_penalty_s
                 if need[i] > kv_capacity_tokens[i]:
                     s = np.inf
             elif code == 5:  # absorb

@@ -83,3 +83,13 @@ async def test_a_failing_lookup_is_logged_and_the_others_finish(caplog: pytest.L
 
     assert sorted(order) == ["broken", "fine"]
     assert "producer broken failed" in caplog.text
+
+
+def test_a_producer_without_fills_is_refused_at_build_with_its_name() -> None:
+    class Old:  # written against the Protocol before ``fills``
+        name = "old_lookup"
+
+        async def produce(self, request: RouteRequest) -> None: ...
+
+    with pytest.raises(TypeError, match="'old_lookup' needs a bool 'fills'"):
+        flow_with((Old(),))  # type: ignore[arg-type]
