@@ -7,6 +7,15 @@ flushes in pipelined batches; ``await lookup(...)`` (called by the request adapt
 pick, where I/O is allowed) asks Redis in one round trip and copies what it learned into the
 mirror, so the following synchronous ``match`` sees other replicas' blocks.
 
+With ``push`` each flush is also published, as written (op by op, a prompt's keys in order), on the
+channel ``<ns>:w``, and every replica applies the others' to its mirror as they come. Once nothing
+Redis holds predates this replica's subscription (Redis held no block when it subscribed, or one
+``ttl_s`` has passed since: every older entry has expired or been written again, and so pushed),
+``lookup`` answers from the mirror without a round trip (``pushed``). A lost subscription or a
+Redis outage (pushes may have been missed) starts that wait again. Redis stays the shared store:
+new replicas and the outage resync read it. TTL expiry is not pushed: a mirror keeps a block until
+its own LRU, a clear or a removal drops it, as a single replica's index does.
+
 Endpoints are *slots* locally but slots differ between replicas, so Redis only ever sees stable
 endpoint NAMES (``slot_names``/``slot_of`` translate).
 
@@ -29,6 +38,10 @@ Cluster), ``<ns>`` = ``namespace``:
   Known approximation: the TTL is per block key, not per (block, endpoint): an endpoint's field on
   a block that *other* endpoints keep writing lives as long as the key (per-field TTL needs Redis
   >= 7.4 ``HPEXPIRE``). The precise path removes such fields explicitly (``removed``).
+
+* ``<ns>:w`` -> pub/sub channel (with ``push``): one message per flush, the sender's 4-byte id, the
+  bisect flag, then per op its kind (``a``/``d``/``c``), name length and key count (``>HI``), the
+  name and the big-endian keys.
 
 Memory, measured on Redis 7.0.15 (jemalloc, ``used_memory`` delta over 102,400 blocks, see
 ``python -m loadtests.bench.redis_index``): **~150 bytes per block held by one endpoint** (14-byte key,
@@ -58,6 +71,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import struct
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -242,6 +257,7 @@ class SharedPrefixIndex:
         write_timeout_s: float = 1.0,
         probe_interval_s: float = 0.5,
         batch_blocks: int = 1024,
+        push: bool = False,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
@@ -271,6 +287,15 @@ class SharedPrefixIndex:
         self._write_timeout_s = write_timeout_s
         self._probe_interval_s = probe_interval_s
         self._batch_blocks = batch_blocks
+        self._ttl_s = ttl_s
+        # Push: each flush is also published on ``<ns>:w`` and every replica applies the others'
+        # to its mirror, so once nothing in Redis predates the subscription a lookup needs no
+        # round trip (``pushed``).
+        self._push = push
+        self._channel = f"{namespace}:w".encode()
+        self._sender = secrets.token_bytes(4)
+        self._warm_at: float | None = None  # monotonic time from which the mirror has it all
+        self._listener: asyncio.Task[None] | None = None
 
         self._ops: deque[_Op] = deque()
         self._clears: dict[str, None] = {}  # names to INCR, applied before any queued op
@@ -291,6 +316,8 @@ class SharedPrefixIndex:
         self.dropped_writes = 0
         self.fallback_lookups = 0
         self.resyncs = 0
+        self.pushed_lookups = 0  # lookups the pushed mirror answered without a round trip
+        self.applied_pushes = 0  # other replicas' flushes applied to the mirror
 
     # -- PrefixIndex (synchronous, no I/O) ---------------------------------------------------
 
@@ -353,6 +380,9 @@ class SharedPrefixIndex:
         if k == 0 or block_keys.shape[0] == 0 or not self.healthy:
             if k and block_keys.shape[0]:
                 self.fallback_lookups += 1
+            return self._local.match(block_keys, slots)
+        if self.pushed:
+            self.pushed_lookups += 1
             return self._local.match(block_keys, slots)
         slot_list = slots.tolist()
         names = [self._slot_names(s) for s in slot_list]
@@ -425,9 +455,15 @@ class SharedPrefixIndex:
         except (*_DOWN_ERRORS, RedisError) as exc:
             self._went_down(exc)
         self._task = asyncio.create_task(self._run(), name="redis-prefix-index")
+        if self._push:
+            self._listener = asyncio.create_task(self._listen(), name="redis-prefix-index-push")
 
     async def close(self, timeout_s: float = 1.0) -> None:
         """Stop the background task and flush pending writes, best effort within ``timeout_s``."""
+        if self._listener is not None:
+            await stop_task(self._listener)
+            self._listener = None
+        self._warm_at = None
         if self._task is not None:
             await stop_task(self._task)
             self._task = None
@@ -532,6 +568,9 @@ class SharedPrefixIndex:
         self._pending_blocks = 0
         try:
             await self._apply(clears, ops)
+            if self._push:
+                async with asyncio.timeout(self._write_timeout_s):
+                    await self._client.publish(self._channel, self._encode(clears, ops))
         except asyncio.CancelledError:
             self._requeue(clears, ops, blocks)  # close() may still flush them
             raise
@@ -645,6 +684,7 @@ class SharedPrefixIndex:
         if not self.healthy:
             return
         self.healthy = False
+        self._warm_at = None  # pushes may be lost meanwhile: pull again until warm
         self._dropped_when_down = self.dropped_writes
         self._work.set()  # the background task may be idle-waiting for writes; it must probe
         log.warning(
@@ -711,3 +751,98 @@ class SharedPrefixIndex:
                 total += keys.shape[0]
         await self._apply([], ops)
         return total
+
+    # -- push: other replicas' flushes straight into the mirror -----------------------------------
+
+    @property
+    def pushed(self) -> bool:
+        """Whether the mirror holds everything Redis does (pushed since before anything Redis
+        still keeps was written), so a lookup can answer from it alone."""
+        return self.healthy and self._warm_at is not None and time.monotonic() >= self._warm_at
+
+    def _encode(self, clears: list[str], ops: Iterable[_Op]) -> bytes:
+        """One flush as published: sender, whether lookups may bisect, then per op its kind, name
+        and big-endian block keys, in the order they were made (the mirror's invariants need a
+        prompt's keys as recorded, not coalesced)."""
+        parts = [self._sender, self._bisect]
+        for name in clears:
+            raw = name.encode()
+            parts += (_CLEAR, struct.pack(">HI", len(raw), 0), raw)
+        for name, op, keys in ops:
+            raw = name.encode()
+            parts += (op, struct.pack(">HI", len(raw), keys.shape[0]), raw, keys.astype(">u8").tobytes())
+        return b"".join(parts)
+
+    def _receive(self, data: bytes) -> None:
+        """Apply another replica's published flush to the mirror (names this replica does not
+        know are skipped; their endpoints' blocks arrive again once they are in the pool)."""
+        if data[:4] == self._sender:
+            return
+        if data[4:5] == b"0":
+            self._bisect = b"0"
+        view, at, local = memoryview(data), 5, self._local
+        while at < len(data):
+            op = data[at : at + 1]
+            size, n = struct.unpack_from(">HI", data, at + 1)
+            at += 7
+            name = bytes(view[at : at + size]).decode()
+            at += size
+            keys = np.frombuffer(view[at : at + 8 * n], dtype=">u8").astype(np.uint64)
+            at += 8 * n
+            slot = self._slot_of(name)
+            if slot is None:
+                continue
+            if op == _CLEAR:
+                local.drop_slot(slot)
+                self._gens.pop(name, None)  # adopt the new generation without dropping again
+            elif op == _ADD:
+                local.record(slot, keys)
+                self._known_slots.add(slot)
+            else:
+                local.remove(slot, keys)
+        self.applied_pushes += 1
+
+    async def _holds_blocks(self) -> bool:
+        async for _ in self._client.scan_iter(match=self._bp + b"*", count=1000):
+            return True
+        return False
+
+    async def _listen(self) -> None:
+        """Follow ``<ns>:w`` for good: subscribe, decide from when the mirror is whole, apply."""
+        while True:
+            try:
+                async with self._client.pubsub() as pubsub:
+                    await pubsub.subscribe(self._channel)
+                    while (await pubsub.get_message(timeout=self._probe_interval_s)) is None:
+                        pass  # the subscription's confirmation: what is published from now arrives
+                    # Blocks written before that reach this mirror only through lookups: pull until
+                    # they have expired, unless Redis holds none.
+                    held = await self._holds_blocks()
+                    self._warm_at = time.monotonic() + (self._ttl_s if held else 0.0)
+                    log.info(
+                        "kv index: replicas push their writes; lookups %s",
+                        f"ask Redis for {self._ttl_s:g} s more (it holds older blocks)" if held else "local",
+                    )
+                    await self._follow(pubsub)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis gone: pushes may be lost, pull until warm again
+                if self._warm_at is not None:  # once per outage
+                    log.warning(
+                        "kv index push subscription lost (%s: %s); lookups ask Redis", type(exc).__name__, exc
+                    )
+                self._warm_at = None
+                self.redis_errors += 1
+                await asyncio.sleep(self._probe_interval_s)
+
+    async def _follow(self, pubsub: Any) -> None:
+        while True:
+            # A bounded wait: a client's socket timeout must not read a quiet channel as trouble.
+            message = await pubsub.get_message(timeout=self._probe_interval_s)
+            if message is None or message["type"] != "message":
+                continue
+            try:
+                self._receive(message["data"])
+            except (struct.error, ValueError, UnicodeDecodeError) as exc:
+                self.redis_errors += 1
+                log.warning("kv index: ignoring a malformed push on %s (%s)", self._channel, exc)

@@ -28,7 +28,7 @@ import itertools
 import json
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,7 +94,7 @@ async def _run(
     seed: int,
     tm: TimeModel,
     hop_s: float,
-    share_load_ms: float | None,
+    redis_settings: Mapping[str, Any],
     requests: int,
 ) -> Summary:
     workload = scn.workload(requests, scn.rate, seed)
@@ -110,10 +110,7 @@ async def _run(
         endpoints = [(n, cluster.address(n), e.spec.role, e.spec.link) for n, e in cluster.engines.items()]
         data = config_data(endpoints, tm, links, {"policy": "joint"})
         if setup.shared:
-            redis: dict[str, Any] = {"url": "redis://fake"}
-            if share_load_ms is not None:
-                redis["share_load_ms"] = share_load_ms
-            data.setdefault("index", {})["redis"] = redis
+            data.setdefault("index", {})["redis"] = {"url": "redis://fake", **redis_settings}
         with mock.patch.object(app_module, "upstream_session", lambda: session):
             async with contextlib.AsyncExitStack() as stack:
                 proxies = []
@@ -139,18 +136,18 @@ def run_setup(
     seed: int,
     *,
     hop_s: float = HOP_S,
-    share_load_ms: float | None = None,
+    redis_settings: Mapping[str, Any] | None = None,
     requests: int | None = None,
 ) -> Summary:
     """One setup on one scenario (``requests``: the scenario's own count by default) in a fresh
-    virtual loop; ``share_load_ms``: ``index.redis.share_load_ms`` of shared setups (None: its
-    default)."""
-    run = _run(scn, setup, seed, TimeModel(), hop_s, share_load_ms, requests or scn.requests)
+    virtual loop; ``redis_settings``: the shared setups' ``index.redis`` beyond its URL (such as
+    ``share_load_ms``; the defaults otherwise)."""
+    run = _run(scn, setup, seed, TimeModel(), hop_s, redis_settings or {}, requests or scn.requests)
     return run_virtual(run, seed=seed)
 
 
 async def _run_behind_envoy(
-    scn: Scenario, setup: Setup, seed: int, requests: int, workdir: Path, share_load_ms: float | None
+    scn: Scenario, setup: Setup, seed: int, requests: int, workdir: Path, redis_settings: Mapping[str, Any]
 ) -> Summary:
     tm = TimeModel()
     workload = scn.workload(requests, scn.rate, seed)
@@ -169,7 +166,7 @@ async def _run_behind_envoy(
                 **settings.get("index", {}),
                 "redis": {
                     "url": f"redis://127.0.0.1:{redis.port}/0",
-                    **({} if share_load_ms is None else {"share_load_ms": share_load_ms}),
+                    **redis_settings,
                 },
             }
         pickers = [
@@ -189,12 +186,14 @@ def run_setup_behind_envoy(
     setup: Setup,
     seed: int,
     *,
-    share_load_ms: float | None = None,
+    redis_settings: Mapping[str, Any] | None = None,
     requests: int | None = None,
 ) -> Summary:
     """One setup as processes behind a real Envoy, on the wall clock (see the module's docstring)."""
     with tempfile.TemporaryDirectory(prefix="replicas-") as workdir:
-        run = _run_behind_envoy(scn, setup, seed, requests or scn.requests, Path(workdir), share_load_ms)
+        run = _run_behind_envoy(
+            scn, setup, seed, requests or scn.requests, Path(workdir), redis_settings or {}
+        )
         return asyncio.run(run)
 
 
@@ -238,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--share-load-ms", type=float, help="index.redis.share_load_ms (default: its default)"
     )
+    parser.add_argument(
+        "--no-push", action="store_true", help="index.redis.push false: every pick asks Redis (as before)"
+    )
     parser.add_argument("--requests", type=int, help="requests per run (default: the scenario's)")
     parser.add_argument(
         "--envoy", action="store_true", help="processes behind a real Envoy on the wall clock instead"
@@ -246,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     counts = sorted({int(n) for n in args.replicas.split(",")} | {1})
     seeds = [int(s) for s in args.seeds.split(",")]
+    redis: dict[str, Any] = {} if args.share_load_ms is None else {"share_load_ms": args.share_load_ms}
+    if args.no_push:
+        redis["push"] = False
     rows = []
     for key in args.scenarios:
         scn = SCENARIOS[key]
@@ -253,14 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for setup in setups(counts):
             if args.envoy:
                 summaries = [
-                    run_setup_behind_envoy(
-                        scn, setup, seed, share_load_ms=args.share_load_ms, requests=args.requests
-                    )
+                    run_setup_behind_envoy(scn, setup, seed, redis_settings=redis, requests=args.requests)
                     for seed in seeds
                 ]
             else:
                 summaries = [
-                    run_setup(scn, setup, seed, share_load_ms=args.share_load_ms, requests=args.requests)
+                    run_setup(scn, setup, seed, redis_settings=redis, requests=args.requests)
                     for seed in seeds
                 ]
             result = row(scn, setup, summaries, one_p90)

@@ -328,6 +328,13 @@ SHARED_INDEX = {  # by the shared index's counter (kvindex.redis_index)
         "pd_router_shared_index_fallback_lookups", "Lookups answered from the local mirror."
     ),
     "resyncs": CounterSeries("pd_router_shared_index_resyncs", "Full mirror pushes after an outage."),
+    "pushed_lookups": CounterSeries(
+        "pd_router_shared_index_pushed_lookups",
+        "Lookups the mirror answered alone because the replicas push their writes (index.redis.push).",
+    ),
+    "applied_pushes": CounterSeries(
+        "pd_router_shared_index_applied_pushes", "Other replicas' index writes applied to the mirror."
+    ),
 }
 
 # -- The pool per stage (router/signals/saturation.py) ----------------------------------------------

@@ -79,7 +79,8 @@ class PreciseKeys:
 
 class SharedLookup:
     """Refreshes the local mirror of the Redis-shared index with other replicas' entries for this
-    prompt, in one round trip under the lookup timeout; on trouble the mirror answers alone."""
+    prompt, in one round trip under the lookup timeout; on trouble the mirror answers alone, and
+    while the replicas push their writes (``index.redis.push``) it has them already: no round trip."""
 
     name = "shared_lookup"
     fills = False
@@ -95,7 +96,8 @@ class SharedLookup:
 
 class FreshLoad:
     """The other replicas' in-flight reservations as of now rather than as of the last interval,
-    within ``timeout_s`` (past it, or while Redis is down, the pick uses the last exchange's)."""
+    within ``timeout_s`` (past it, or while Redis is down, the pick uses the last exchange's);
+    nothing to wait for while they are pushed (``index.redis.push``)."""
 
     name = "shared_load"
     fills = False

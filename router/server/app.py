@@ -101,6 +101,8 @@ class App:
             self._run(parts.flow_control.run(), "flow-control")
         if parts.shared_load is not None:
             self._run(parts.shared_load.run(), "shared-load")
+            if parts.shared_load.board.push:
+                self._run(parts.shared_load.follow(), "shared-load-push")
         if parts.precise_keys is not None:
             stack.callback(parts.precise_keys.close)
         if parts.shared is not None:

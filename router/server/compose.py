@@ -402,7 +402,9 @@ def build(
     if shared_redis is not None and shared_redis.share_load_ms > 0:
         clients.append(redis_client(shared_redis.url, password))
         interval_s = shared_redis.share_load_ms / 1000.0
-        shared_load = SharedLoad(clients[-1], shared_redis.namespace, pool, interval_s=interval_s)
+        shared_load = SharedLoad(
+            clients[-1], shared_redis.namespace, pool, interval_s=interval_s, push=shared_redis.push
+        )
         pool.on_load_change = shared_load.changed
         producers.append(FreshLoad(shared_load, shared_redis.lookup_timeout_ms / 1000.0))
     if shared_redis is not None:
@@ -524,6 +526,7 @@ def shared_index(cfg: RedisConfig, client: Any, local: MemoryPrefixIndex, pool: 
         lookup_timeout_s=cfg.lookup_timeout_ms / 1000.0,
         slot_names=lambda slot: pool.by_slot[slot].id,  # type: ignore[union-attr]
         slot_of=slot_of,
+        push=cfg.push,
     )
 
 

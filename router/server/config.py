@@ -389,6 +389,13 @@ class RedisConfig(_Strict):
         "(also when they change, at most every 5 ms, and before each pick), so each routes on what all "
         "have in flight; a replica silent for three intervals drops out (0: each sees only its own)",
     )
+    push: bool = Field(
+        True,
+        description="replicas also publish their index writes and reservations (Redis pub/sub) and "
+        "apply each other's as they come, so a pick waits for no Redis round trip; index lookups still "
+        "ask Redis for one ttl_s after a replica starts while Redis holds older blocks (false: every "
+        "pick asks Redis)",
+    )
 
 
 class IndexConfig(_Strict):

@@ -14,6 +14,10 @@ request rate the others' view lags by a round trip, not an interval. A replica t
 hash expires once nobody writes. Redis trouble never stops routing: the others' share is then zero
 (each replica sees its own, as without sharing), the outage is logged once and the failed exchanges
 are counted.
+
+With ``push`` each exchange is also published and every replica follows the others' as they come
+(``ReplicaBoard.listen``): the others' view is then as fresh as their writes, and ``refresh``
+before a pick has nothing to wait for.
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ class SharedLoad:
         # at 2 ms, four replicas on two cores routed worse than with no sharing at all.
         min_gap_s: float = 0.005,
         clock: Callable[[], float] = time.time,  # wall time: replicas compare each other's stamps
+        push: bool = False,
     ) -> None:
         self.pool = pool
+        self.clock = clock
         self.interval_s = interval_s
         # Three missed exchanges: the replica is gone (or cut off), its share no longer counts.
         self.board = ReplicaBoard(
@@ -57,7 +63,10 @@ class SharedLoad:
             stale_after_s=max(3 * interval_s, 0.5),
             timeout_s=timeout_s,
             clock=clock,
+            push=push,
         )
+        # The others' latest entries: replica id -> (stamp, reservations per endpoint id).
+        self._others: dict[str, tuple[float, dict[str, list[float]]]] = {}
         self.replicas = 1  # replicas whose reservations the pool's view includes (this one too)
         self.min_gap_s = min_gap_s
         self._changed = asyncio.Event()
@@ -85,7 +94,10 @@ class SharedLoad:
 
     async def refresh(self) -> None:
         """An exchange now, unless one is under way (then that one) or one started within
-        ``min_gap_s``: fresh enough for a pick, without one round trip per caller."""
+        ``min_gap_s``: fresh enough for a pick, without one round trip per caller. Nothing while
+        the others' exchanges are pushed here: the view is already theirs as of now."""
+        if self.board.subscribed and not self.board.down:
+            return
         if self._running is not None:
             await asyncio.shield(self._running)
         elif not self.board.down and time.monotonic() - self._last >= self.min_gap_s:
@@ -118,11 +130,37 @@ class SharedLoad:
     async def exchange(self) -> None:
         """Publish this replica's reservations, then add the others' up into the pool (none when
         Redis failed: the pick then sees this replica's own, as without sharing)."""
-        others = await self.board.exchange(self.own()) or []
+        others = await self.board.exchange(self.own())
+        if others is None:
+            self._others.clear()
+        else:
+            # What Redis holds is every replica's; a pushed entry newer than it stays.
+            read = self.board.read
+            self._others = {
+                replica: max(entry, self._others.get(replica, entry), key=lambda e: e[0])
+                for replica, entry in read.items()
+            }
+        self._add_up()
+
+    async def follow(self) -> None:
+        """Take the others' exchanges as they are published (with ``push``), for good."""
+        await self.board.listen(self._pushed)
+
+    def _pushed(self, replica: str, at: float, load: dict[str, list[float]]) -> None:
+        if at >= self._others.get(replica, (at, load))[0]:
+            self._others[replica] = (at, load)
+            self._add_up()
+
+    def _add_up(self) -> None:
+        """The fresh others' reservations, summed per endpoint into the pool's ``others_*``."""
         pool = self.pool
+        now = self.clock()
+        stale = [r for r, (at, _) in self._others.items() if now - at > self.board.stale_after_s]
+        for replica in stale:
+            del self._others[replica]
         sums = {name: np.zeros_like(getattr(pool, name)) for name in SHARED}
         held = False
-        for load in others:
+        for _, load in self._others.values():
             for endpoint_id, values in load.items():
                 endpoint = pool.endpoints.get(endpoint_id)
                 if endpoint is None:  # an endpoint this replica does not know (yet)
@@ -133,7 +171,7 @@ class SharedLoad:
         for name, total in sums.items():
             getattr(pool, f"others_{name}")[:] = total
         pool.others_held = held
-        self.replicas = 1 + len(others)
+        self.replicas = 1 + len(self._others)
 
 
 def _load(value: Any) -> dict[str, list[float]]:

@@ -571,3 +571,124 @@ async def test_removed_blocks_make_the_index_walk_for_good(server: RedisServer) 
         assert got.tolist() == [2]
     finally:
         await client.aclose()
+
+
+# -- push: replicas publish their flushes and apply each other's ------------------------------------
+
+
+async def lookup_scripts(client: aioredis.Redis) -> int:
+    """Lookup and apply scripts Redis has run (EVALSHA): a lookup that asks Redis adds one."""
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+@pytest.fixture
+async def pushed_pair(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> AsyncIterator[tuple[SharedPrefixIndex, SharedPrefixIndex]]:
+    a = make_index(clients[0], A_SLOTS, whole_prompts=True, push=True)
+    b = make_index(clients[1], B_SLOTS, whole_prompts=True, push=True)
+    await a.start()
+    await b.start()
+    await eventually(lambda: a.pushed and b.pushed, what="both subscribed to an empty Redis")
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def test_a_pushed_write_reaches_the_other_mirror_and_its_lookup_asks_redis_nothing(
+    pushed_pair: tuple[SharedPrefixIndex, SharedPrefixIndex], server: RedisServer
+) -> None:
+    a, b = pushed_pair
+    prompt = keys(31, 32, 33, 34)
+    candidates = slots_of(B_SLOTS, "e0", "e1", "e2")
+    a.record(A_SLOTS["e1"], prompt[:3])
+    await eventually(lambda: b.match(prompt, candidates).tolist() == [0, 3, 0], what="A's write in B")
+    observer = client_for(server)
+    before = await lookup_scripts(observer)
+    assert (await b.lookup(prompt, candidates)).tolist() == [0, 3, 0]
+    assert await lookup_scripts(observer) == before  # answered by the mirror: no round trip
+    assert b.pushed_lookups == 1 and b.applied_pushes >= 1
+    await observer.aclose()
+
+
+async def test_a_pushed_clear_and_removal_reach_the_other_mirror(
+    pushed_pair: tuple[SharedPrefixIndex, SharedPrefixIndex],
+) -> None:
+    a, b = pushed_pair
+    prompt = keys(41, 42, 43, 44)
+    candidates = slots_of(B_SLOTS, "e0", "e3")
+    a.record(A_SLOTS["e0"], prompt)
+    a.record(A_SLOTS["e3"], prompt)
+    await eventually(lambda: b.match(prompt, candidates).tolist() == [4, 4], what="both prompts in B")
+    a.cleared(A_SLOTS["e0"])
+    a.removed(A_SLOTS["e3"], prompt[2:3])
+    await eventually(
+        lambda: b.match(prompt, candidates).tolist() == [0, 2], what="the clear and removal in B"
+    )
+
+
+async def test_a_replica_started_while_redis_holds_blocks_asks_redis_until_they_expired(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    a = make_index(clients[0], A_SLOTS, whole_prompts=True, push=True, ttl_s=1.0)
+    await a.start()
+    prompt = keys(51, 52, 53)
+    a.record(A_SLOTS["e2"], prompt)
+    assert await a.flush()
+    b = make_index(clients[1], B_SLOTS, whole_prompts=True, push=True, ttl_s=1.0)
+    await b.start()
+    try:
+        candidates = slots_of(B_SLOTS, "e2")
+        assert not b.pushed  # Redis holds a block written before B subscribed
+        assert (await b.lookup(prompt, candidates)).tolist() == [3]  # so B still asks
+        assert b.pushed_lookups == 0
+        await eventually(lambda: b.pushed, timeout_s=5.0, what="one ttl after B subscribed")
+        a.record(A_SLOTS["e1"], prompt[:1])  # from now on A's writes come to B
+        await eventually(lambda: b.match(prompt, slots_of(B_SLOTS, "e1")).tolist() == [1])
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_malformed_push_is_ignored_and_the_next_one_applies(
+    pushed_pair: tuple[SharedPrefixIndex, SharedPrefixIndex],
+    server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    a, b = pushed_pair
+    other = client_for(server)
+    await other.publish("pdr:w", b"\x00\x00\x00\x01" + b"1" + b"a\x00\x09")  # a cut-off op
+    await eventually(lambda: any("malformed push" in r.getMessage() for r in caplog.records))
+    assert b.pushed
+    a.record(A_SLOTS["e0"], keys(61, 62))
+    await eventually(lambda: b.match(keys(61, 62), slots_of(B_SLOTS, "e0")).tolist() == [2])
+    await other.aclose()
+
+
+async def test_push_stops_while_redis_is_away_and_resumes_a_ttl_after_it_is_back(
+    clients: tuple[aioredis.Redis, aioredis.Redis], server: RedisServer
+) -> None:
+    a = make_index(clients[0], A_SLOTS, whole_prompts=True, push=True, ttl_s=1.0)
+    b = make_index(clients[1], B_SLOTS, whole_prompts=True, push=True, ttl_s=1.0)
+    await a.start()
+    await b.start()
+    try:
+        await eventually(lambda: a.pushed and b.pushed, what="both subscribed to an empty Redis")
+        server.kill()
+        a.record(A_SLOTS["e0"], keys(71, 72))
+        await eventually(lambda: not a.pushed, what="A's flush to fail")
+        await eventually(lambda: not b.pushed, what="B's subscription to drop")
+        server.restart()
+        # Pushes may have been lost meanwhile, and A's queued write lands: each asks Redis again
+        # until what it holds has expired.
+        await eventually(lambda: a.healthy and b._warm_at is not None, what="both back")
+        assert not b.pushed
+        assert (await b.lookup(keys(71, 72), slots_of(B_SLOTS, "e0"))).tolist() == [2]
+        await eventually(lambda: a.pushed and b.pushed, timeout_s=5.0, what="pushed one ttl later")
+        a.record(A_SLOTS["e1"], keys(81, 82))
+        await eventually(lambda: b.match(keys(81, 82), slots_of(B_SLOTS, "e1")).tolist() == [2])
+    finally:
+        await a.close()
+        await b.close()

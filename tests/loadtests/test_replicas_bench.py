@@ -16,8 +16,8 @@ REQUESTS = 300
 def test_replicas_that_share_their_load_route_nearly_as_one() -> None:
     scn = SCENARIOS["b"]
 
-    def p90(setup: Setup, share_load_ms: float | None = None) -> float:
-        summary = run_setup(scn, setup, 0, requests=REQUESTS, share_load_ms=share_load_ms)
+    def p90(setup: Setup, **redis: float) -> float:
+        summary = run_setup(scn, setup, 0, requests=REQUESTS, redis_settings=redis)
         return row(scn, setup, [summary], None)["ttft_p90_ms"]
 
     one, shared, index_only, blind = (

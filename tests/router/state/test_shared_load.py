@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
-from helpers import Clock
+from helpers import Clock, eventually
 from redis.asyncio import Redis
 
 from loadtests.servers.redis import RedisServer
@@ -176,3 +176,47 @@ async def test_a_caller_that_gives_up_does_not_stop_later_exchanges(redis_client
     await shared.refresh()
     await shared.refresh()
     assert calls == 3  # each later refresh ran an exchange of its own
+
+
+async def test_pushed_reservations_arrive_without_a_read_and_a_refresh_waits_for_none(
+    redis_client: Redis, redis: RedisServer
+) -> None:
+    pool_a, pool_b = replica_pool("e0", "e1"), replica_pool("e1", "e0")
+    a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0, push=True)
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0, push=True)
+    follower = asyncio.create_task(b.follow())
+    observer = Redis(host="127.0.0.1", port=redis.port)
+    try:
+        await eventually(lambda: b.board.subscribed, what="B subscribed")
+        pool_a.reserve(pool_a.endpoints["e1"].slot, None, prefill_tokens=900.0, kv_tokens=1000.0)
+        await a.exchange()  # A's write, as its loop makes it when its reservations change
+        await eventually(lambda: load_on(pool_b, "e1") == (900.0, 1000.0, 1), what="A's share in B")
+        assert b.replicas == 2
+        reads = (await observer.info("commandstats")).get("cmdstat_hgetall", {}).get("calls", 0)
+        await b.refresh()  # what runs before B's pick: nothing to wait for
+        assert (await observer.info("commandstats")).get("cmdstat_hgetall", {}).get("calls", 0) == reads
+        held = pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=50.0, kv_tokens=60.0)
+        await a.exchange()
+        await eventually(lambda: load_on(pool_b, "e0") == (50.0, 60.0, 1), what="A's next share")
+        held.release()
+        await a.exchange()
+        await eventually(lambda: load_on(pool_b, "e0") == (0.0, 0.0, 0), what="A's release")
+        assert load_on(pool_b, "e1") == (900.0, 1000.0, 1)
+    finally:
+        follower.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await follower
+        await observer.aclose()
+
+
+async def test_an_older_pushed_entry_never_replaces_a_newer_one(redis_client: Redis) -> None:
+    clock = Clock()
+    pool_b = replica_pool("e0")
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0, clock=clock, push=True)
+    b._pushed("a", clock.now, {"e0": [10.0, 20.0, 1.0]})
+    b._pushed("a", clock.now - 0.01, {"e0": [99.0, 99.0, 9.0]})  # overtaken on the way
+    assert load_on(pool_b, "e0") == (10.0, 20.0, 1)
+    clock.now += b.board.stale_after_s + 0.1  # A went silent: its share goes with B's next look
+    b._pushed("c", clock.now, {})
+    assert load_on(pool_b, "e0") == (0.0, 0.0, 0)
+    assert b.replicas == 2
