@@ -175,7 +175,8 @@ def check_contract(command: str) -> None:
             option = token.split("=", 1)[0]
             declared = re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text)
             assert declared, f"{command!r}: {shlex.join(program)} --help does not declare {option}"
-        elif "/" in token and (REPO / token.split("/")[0]).exists():
+        elif "/" in token and not token.startswith("/") and (REPO / token.split("/")[0]).exists():
+            # A repository path (an absolute one is the reader's, e.g. a checkout made beforehand)
             assert (REPO / token).exists(), f"{command!r}: {token} does not exist in the repository"
 
 

@@ -304,6 +304,18 @@ def _otlp_exporter() -> Any:
     return OTLPSpanExporter()
 
 
+def _missing_opentelemetry(exc: ImportError) -> str:
+    if "opentelemetry.proto" in str(exc):
+        # xds-protos (Envoy's messages, a dependency) ships an old copy of opentelemetry-proto's
+        # modules under the same paths: whichever of the two pip installs last wins.
+        return (
+            "tracing.enabled: opentelemetry-proto's modules were overwritten by an older copy (xds-protos, "
+            "the Envoy messages pd-router needs, ships one); reinstall them: pip install "
+            f"--force-reinstall --no-deps opentelemetry-proto ({exc})"
+        )
+    return f"tracing.enabled needs OpenTelemetry: pip install 'pd-router[tracing]' ({exc})"
+
+
 def tracer_for(
     ttft_slo_s: float,
     link_weight: float,
@@ -315,9 +327,7 @@ def tracer_for(
         owned = provider is None
         made = otlp_provider() if provider is None else provider
     except ImportError as exc:
-        raise ConfigError(
-            f"tracing.enabled needs OpenTelemetry: pip install 'pd-router[tracing]' ({exc})"
-        ) from None
+        raise ConfigError(_missing_opentelemetry(exc)) from None
     except ValueError as exc:  # an OTEL_* variable we cannot follow
         raise ConfigError(f"tracing: {exc}") from None
     log.info("tracing on: a span per request, exported as OTEL_* says")

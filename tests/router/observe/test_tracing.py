@@ -38,7 +38,9 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 from opentelemetry.trace import SpanKind, StatusCode
 
 from router.adapters.extproc import ExtProcSettings, ExtProcStream
+from router.observe import tracing
 from router.observe.tracing import RequestTracer
+from router.server.config import ConfigError
 from router.state.pool import Endpoint
 from simulator.engine import EngineSpec
 
@@ -552,3 +554,14 @@ def test_serve_refuses_an_otel_environment_it_cannot_follow(
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
     assert main(["serve", "--config", str(path)]) == 2
     assert "OTEL_TRACES_EXPORTER='zipkin'" in capsys.readouterr().err
+
+
+def test_opentelemetry_protos_overwritten_by_xds_protos_name_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    def clashing() -> None:
+        raise ImportError(
+            "cannot import name 'InstrumentationScope' from 'opentelemetry.proto.common.v1.common_pb2'"
+        )
+
+    monkeypatch.setattr(tracing, "otlp_provider", clashing)
+    with pytest.raises(ConfigError, match="--force-reinstall --no-deps opentelemetry-proto"):
+        tracing.tracer_for(1.0, 1.0, lambda: 1)
