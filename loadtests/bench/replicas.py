@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import aiohttp
 import fakeredis
 
 from loadtests.bench.quality import MS, VIRTUAL_OVERRIDES, RouterUnderTest, _drive
@@ -54,12 +55,17 @@ from router.http.exchange import TwoLegExchange
 from router.server import app as app_module
 from router.server.app import App
 from router.server.compose import build
-from router.server.config import LinksConfig, parse_config
+from router.server.config import LinksConfig, PoolConfig, parse_config
 from simulator.cluster import link_cost_from
 from simulator.engine import SimCluster, TimeModel
 from simulator.local_net import LocalSession
 from simulator.virtual_clock import run_virtual
 from simulator.workloads.client import Summary, percentile, run_workload
+
+# The engines' scrape interval of the replicas behind Envoy: the configuration's default, as in the
+# virtual runs (config_data). PickerProcess's own 50 ms multiplies the scrapes' CPU by the replicas,
+# on the machine the engines and Envoy share.
+SCRAPE_MS = PoolConfig.model_fields["scrape"].default.interval_ms
 
 
 class _FakeRedis(fakeredis.FakeAsyncRedis):
@@ -147,8 +153,14 @@ def run_setup(
 
 
 async def _run_behind_envoy(
-    scn: Scenario, setup: Setup, seed: int, requests: int, workdir: Path, redis_settings: Mapping[str, Any]
-) -> Summary:
+    scn: Scenario,
+    setup: Setup,
+    seed: int,
+    requests: int,
+    workdir: Path,
+    redis_settings: Mapping[str, Any],
+    scrape_ms: float,
+) -> tuple[Summary, float, int]:
     tm = TimeModel()
     workload = scn.workload(requests, scn.rate, seed)
     link_cost = link_cost_from(LinksConfig.model_validate(scn.links)) if scn.links else None
@@ -158,6 +170,7 @@ async def _run_behind_envoy(
         data = config_data(endpoints, tm, router_links(scn, tm.speed), {"policy": "joint"})
         # The replicas' own listeners and scraping (PickerProcess) over the scenario's pool and model.
         settings = {key: value for key, value in data.items() if key not in ("proxy", "scrape")}
+        settings["scrape"] = {"interval_ms": scrape_ms}
         if setup.shared:
             redis = RedisServer(workdir)
             redis.start()
@@ -178,7 +191,23 @@ async def _run_behind_envoy(
         first, *others = pickers
         config, listen, admin = in_front_of_picker("buffered", first.port, replicas=[p.port for p in others])
         await stack.enter_async_context(run_envoy(config, workdir, admin))
-        return await run_workload(f"http://127.0.0.1:{listen}", workload, name=setup.name)
+        summary = await run_workload(f"http://127.0.0.1:{listen}", workload, name=setup.name)
+        seconds, decisions = 0.0, 0
+        for picker in pickers:  # every replica's own time per decision (parse, producers, pick)
+            spent, count = await _pick_duration(picker.metrics_port)
+            seconds, decisions = seconds + spent, decisions + count
+        return summary, seconds, decisions
+
+
+async def _pick_duration(port: int) -> tuple[float, int]:
+    """``pd_router_pick_duration_seconds``' sum and count from a replica's metrics listener."""
+    async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/metrics") as r:
+        text = await r.text()
+    values = dict(
+        line.split()[:2] for line in text.splitlines() if line.startswith("pd_router_pick_duration")
+    )
+    total = float(values.get("pd_router_pick_duration_seconds_sum", 0.0))
+    return total, int(float(values.get("pd_router_pick_duration_seconds_count", 0)))
 
 
 def run_setup_behind_envoy(
@@ -188,11 +217,13 @@ def run_setup_behind_envoy(
     *,
     redis_settings: Mapping[str, Any] | None = None,
     requests: int | None = None,
-) -> Summary:
-    """One setup as processes behind a real Envoy, on the wall clock (see the module's docstring)."""
+    scrape_ms: float = SCRAPE_MS,
+) -> tuple[Summary, float, int]:
+    """One setup as processes behind a real Envoy, on the wall clock (see the module's docstring):
+    its summary, and the seconds its replicas spent deciding over how many decisions."""
     with tempfile.TemporaryDirectory(prefix="replicas-") as workdir:
         run = _run_behind_envoy(
-            scn, setup, seed, requests or scn.requests, Path(workdir), redis_settings or {}
+            scn, setup, seed, requests or scn.requests, Path(workdir), redis_settings or {}, scrape_ms
         )
         return asyncio.run(run)
 
@@ -217,11 +248,16 @@ def row(scn: Scenario, setup: Setup, summaries: list[Summary], one_p90: float | 
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"  {'scenario':<9}{'setup':<26}{'ok':>10}{'p50':>9}{'p90':>9}{'p99':>9}{'goodput':>9}{'p90/1':>8}")
+    print(
+        f"  {'scenario':<9}{'setup':<26}{'ok':>10}{'p50':>9}{'p90':>9}{'p99':>9}{'goodput':>9}{'p90/1':>8}"
+        f"{'decision ms':>13}"
+    )
     for r in rows:
+        decision = "" if r.get("decision_ms") is None else f"{r['decision_ms']:.2f}"
         print(
             f"  {r['scenario']:<9}{r['setup']:<26}{r['ok']:>10}{r['ttft_p50_ms']:>9.1f}"
             f"{r['ttft_p90_ms']:>9.1f}{r['ttft_p99_ms']:>9.1f}{r['goodput']:>8.1%}{r['p90_vs_one']:>8.2f}"
+            f"{decision:>13}"
         )
 
 
@@ -244,6 +280,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--envoy", action="store_true", help="processes behind a real Envoy on the wall clock instead"
     )
+    parser.add_argument(
+        "--scrape-ms",
+        type=float,
+        default=SCRAPE_MS,
+        help=f"--envoy: each replica's engine scrape interval (default {SCRAPE_MS:g}, the configuration's)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead")
     args = parser.parse_args(argv)
     counts = sorted({int(n) for n in args.replicas.split(",")} | {1})
@@ -256,17 +298,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         scn = SCENARIOS[key]
         one_p90 = None
         for setup in setups(counts):
+            decision_ms = None
             if args.envoy:
-                summaries = [
-                    run_setup_behind_envoy(scn, setup, seed, redis_settings=redis, requests=args.requests)
+                runs = [
+                    run_setup_behind_envoy(
+                        scn,
+                        setup,
+                        seed,
+                        redis_settings=redis,
+                        requests=args.requests,
+                        scrape_ms=args.scrape_ms,
+                    )
                     for seed in seeds
                 ]
+                summaries = [summary for summary, _, _ in runs]
+                decisions = sum(count for _, _, count in runs)
+                decision_ms = sum(spent for _, spent, _ in runs) / max(1, decisions) * MS
             else:
                 summaries = [
                     run_setup(scn, setup, seed, redis_settings=redis, requests=args.requests)
                     for seed in seeds
                 ]
             result = row(scn, setup, summaries, one_p90)
+            result["decision_ms"] = decision_ms
             if setup.replicas == 1:
                 one_p90 = result["ttft_p90_ms"]
                 result["p90_vs_one"] = 1.0
