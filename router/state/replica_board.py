@@ -54,8 +54,9 @@ class ReplicaBoard(Generic[T]):
         self.errors = 0
         self.down = False
 
-    async def exchange(self, own: Any) -> list[T] | None:
-        """Publish ``own`` (JSON-able); the other replicas' fresh values, or None when Redis failed."""
+    async def exchange(self, own: Any, *, read: bool = True) -> list[T] | None:
+        """Publish ``own`` (JSON-able); the other replicas' fresh values, or None when Redis failed.
+        ``read=False`` (their values come pushed): write only, and an empty list."""
         now = self.clock()
         entry = orjson.dumps({"at": now, self.name: own})
         try:
@@ -65,9 +66,10 @@ class ReplicaBoard(Generic[T]):
                     if self.push:
                         pipe.publish(self.key, self.replica.encode() + b" " + entry)
                     pipe.pexpire(self.key, max(1, int(self.stale_after_s * 3000)))
-                    pipe.hgetall(self.key)
+                    if read:
+                        pipe.hgetall(self.key)
                     *_, everyone = await pipe.execute()
-                others, gone = self._read(everyone, now)
+                others, gone = self._read(everyone, now) if read else ([], [])
                 if gone:
                     await self.client.hdel(self.key, *gone)
         except Exception as exc:  # Redis down, slow or answering garbage: this replica alone

@@ -220,3 +220,26 @@ async def test_an_older_pushed_entry_never_replaces_a_newer_one(redis_client: Re
     b._pushed("c", clock.now, {})
     assert load_on(pool_b, "e0") == (0.0, 0.0, 0)
     assert b.replicas == 2
+
+
+async def test_while_pushed_a_change_is_written_without_reading_the_others(
+    redis_client: Redis, redis: RedisServer
+) -> None:
+    pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
+    a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0, push=True)  # no heartbeat in the test
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0, push=True)
+    pool_a.on_load_change = a.changed
+    tasks = [asyncio.create_task(a.follow()), asyncio.create_task(b.follow())]
+    observer = Redis(host="127.0.0.1", port=redis.port)
+    try:
+        await eventually(lambda: a.pushed and b.pushed, what="both subscribed")
+        tasks.append(asyncio.create_task(a.run()))
+        reads = (await observer.info("commandstats")).get("cmdstat_hgetall", {}).get("calls", 0)
+        pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=70.0, kv_tokens=80.0)
+        await eventually(lambda: load_on(pool_b, "e0") == (70.0, 80.0, 1), what="A's change in B")
+        assert (await observer.info("commandstats")).get("cmdstat_hgetall", {}).get("calls", 0) == reads
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await observer.aclose()
