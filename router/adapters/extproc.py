@@ -416,7 +416,7 @@ class ExtProcCall:
             not prepared
             and (flow.prepares or flow.control is not None)
             and stream.parse_if_complete(message)
-            and (flow.prepares or not self._bind_now())
+            and ((flow.prepares and flow.wants(self._parsed())) or not self._bind_now())
         ):
             self._pause(self._prepare_then(message))
             return
@@ -430,6 +430,10 @@ class ExtProcCall:
         """Hold what arrives while ``work`` runs (it ends in ``_resume``, or closes the call)."""
         self.paused = deque()
         self.task = asyncio.get_running_loop().create_task(work)
+
+    def _parsed(self) -> RouteRequest:
+        assert self.stream.flight is not None and self.stream.flight.request is not None
+        return self.stream.flight.request
 
     def _bind_now(self) -> bool:
         """True unless flow control holds the request (a rejection is left for ``on_message``)."""

@@ -114,6 +114,11 @@ class RequestFlow:
                     f"producer {getattr(producer, 'name', producer)!r} needs a bool 'fills' "
                     "(router.scheduling.extension.Producer: does it write request fields others read?)"
                 )
+            if not callable(getattr(producer, "wanted", None)):
+                raise TypeError(
+                    f"producer {getattr(producer, 'name', producer)!r} needs 'wanted(request)' "
+                    "(router.scheduling.extension.Producer: has it anything to do for this request?)"
+                )
         self._fillers = tuple(p for p in self.producers if p.fills)
         self._lookups = tuple(p for p in self.producers if not p.fills)
         self.signals = signals
@@ -130,8 +135,12 @@ class RequestFlow:
 
     @property
     def prepares(self) -> bool:
-        """True when a pick needs I/O first (an adapter that cannot await may then pause)."""
+        """True when a pick may need I/O first (an adapter that cannot await may then pause)."""
         return bool(self.producers)
+
+    def wants(self, request: RouteRequest) -> bool:
+        """Whether this request's pick needs I/O first: some producer has something to do."""
+        return any(p.wanted(request) for p in self.producers)
 
     def bind_now(self, flight: Flight) -> bool:
         """Pick (never awaits) unless flow control must hold the request: then False, ``admit``."""
@@ -178,7 +187,7 @@ class RequestFlow:
         None: a request without one (``Flight.headers_only``)."""
         # body -> RouteRequest: limits, model, rewrite
         request = flight.headers_only(path=path) if body is None else flight.parse(body, path=path)
-        if self.prepares:
+        if self.prepares and self.wants(request):
             await self.prepare(request)  # I/O before the pick: the tokenizer, the shared index
         await self.admit(flight)  # pick now (sync, reserves), or held until a pod has room
         assert flight.decision is not None
@@ -188,11 +197,13 @@ class RequestFlow:
         """Run every producer: those that fill the request first, in order, then the lookups all
         at once; one that fails is logged and the pick goes on without it."""
         for producer in self._fillers:
-            await self._produce(producer, request)
-        if len(self._lookups) == 1:  # no task for gather to make: the usual single lookup
-            await self._produce(self._lookups[0], request)
-        elif self._lookups:
-            await asyncio.gather(*(self._produce(p, request) for p in self._lookups))
+            if producer.wanted(request):
+                await self._produce(producer, request)
+        lookups = [p for p in self._lookups if p.wanted(request)]
+        if len(lookups) == 1:  # no task for gather to make: the usual single lookup
+            await self._produce(lookups[0], request)
+        elif lookups:
+            await asyncio.gather(*(self._produce(p, request) for p in lookups))
 
     @staticmethod
     async def _produce(producer: Producer, request: RouteRequest) -> None:

@@ -42,11 +42,16 @@ class Producer(Protocol):
     if it does); never touches the pool's reservations. ``fills``: True when it writes fields of
     the request that other producers read (those run first, one after another, in order); False
     when it only reads the request and refreshes local state (those then run all at once, so a
-    request waits for the slowest lookup, not for their sum). Examples: tokenizing the prompt into
-    vLLM's block hashes (precise mode, fills), one Redis lookup refreshing the shared-index mirror.
+    request waits for the slowest lookup, not for their sum). ``wanted``: whether it has anything
+    to do for this request (synchronous, cheap): a request no producer wants is picked without
+    awaiting, and ext_proc answers it without pausing its stream. Examples: tokenizing the prompt
+    into vLLM's block hashes (precise mode, fills, always wanted), one Redis lookup refreshing the
+    shared-index mirror (not wanted while the replicas push their writes into it).
     """
 
     name: str
     fills: bool
+
+    def wanted(self, request: RouteRequest) -> bool: ...
 
     async def produce(self, request: RouteRequest) -> None: ...

@@ -42,6 +42,9 @@ class PreciseKeys:
         self.chat_template = chat_template
         self.chat_tokenizer = chat_tokenizer
 
+    def wanted(self, request: RouteRequest) -> bool:
+        return True  # every request's prompt is tokenized (token ids are taken as they are)
+
     async def produce(self, request: RouteRequest) -> None:
         if request.prompt_ids is not None:
             # Counted exactly at the parse (a batch: every prompt); a batch routes on shared ids.
@@ -89,6 +92,9 @@ class SharedLookup:
         self.shared = shared
         self.pool = pool
 
+    def wanted(self, request: RouteRequest) -> bool:
+        return len(request.block_keys) > 0 and not self.shared.pushed
+
     async def produce(self, request: RouteRequest) -> None:
         if len(request.block_keys):
             await self.shared.lookup(request.block_keys, self.pool.candidate_slots())
@@ -105,6 +111,9 @@ class FreshLoad:
     def __init__(self, shared_load: SharedLoad, timeout_s: float) -> None:
         self.shared_load = shared_load
         self.timeout_s = timeout_s
+
+    def wanted(self, request: RouteRequest) -> bool:
+        return not self.shared_load.pushed
 
     async def produce(self, request: RouteRequest) -> None:
         with contextlib.suppress(TimeoutError):

@@ -58,6 +58,9 @@ class ResponseHomeLookup:
     def __init__(self, homes: ResponseHomes) -> None:
         self.homes = homes
 
+    def wanted(self, request: RouteRequest) -> bool:
+        return request.previous_response_id is not None
+
     async def produce(self, request: RouteRequest) -> None:
         if request.previous_response_id is not None:
             await self.homes.look_up(request.previous_response_id)

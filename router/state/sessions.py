@@ -156,6 +156,9 @@ class SessionHomeLookup:
     def __init__(self, homes: SessionHomes) -> None:
         self.homes = homes
 
+    def wanted(self, request: RouteRequest) -> bool:
+        return self.homes.key_of(request) is not None
+
     async def produce(self, request: RouteRequest) -> None:
         session = self.homes.key_of(request)
         if session is not None:

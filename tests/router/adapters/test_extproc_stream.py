@@ -16,6 +16,7 @@ from helpers import SINGLE_PODS, Metrics, eventually, make_config, make_flow, ma
 
 from router.adapters.extproc import MAX_CHUNK, ExtProcCall, ExtProcSettings, ExtProcStream
 from router.http.headers import ROUTER_HEADERS as OWNED_HEADERS
+from router.request.types import RouteRequest
 from router.transport.h2.frames import INTERNAL, INVALID_ARGUMENT
 
 Mode = processing_mode_pb2.ProcessingMode
@@ -371,10 +372,14 @@ class GatedPrepare:
     name = "gated"
     fills = True
 
-    def __init__(self, fail: bool = False) -> None:
+    def wanted(self, request: RouteRequest) -> bool:
+        return self.wants
+
+    def __init__(self, fail: bool = False, wants: bool = True) -> None:
         self.gate = asyncio.Event()
         self.seen: list[str] = []
         self.fail = fail
+        self.wants = wants
 
     async def produce(self, route) -> None:
         self.seen.append(route.request_id)
@@ -410,6 +415,16 @@ async def test_call_waits_for_prepare_then_routes_and_finishes_at_half_close() -
     assert set_headers(call.sent[0])["x-gateway-destination-endpoint"].startswith("10.0.1.")
     assert streamed(call.sent)[0] == BODY
     assert call.status == (0, "") and pool.outstanding == 0  # released at the end of the call
+
+
+def test_a_request_no_producer_wants_is_answered_at_once_without_pausing() -> None:
+    prepare = GatedPrepare(wants=False)  # a lookup whose state is pushed to it: nothing to ask
+    handler, call, pool = make_call(prepare)
+    handler.on_message(headers().SerializeToString())
+    handler.on_message(body(BODY, eos=True).SerializeToString())
+    assert handler.task is None and prepare.seen == []  # no task, the gate never asked
+    assert set_headers(call.sent[0])["x-gateway-destination-endpoint"].startswith("10.0.1.")
+    assert pool.outstanding == 1
 
 
 async def test_call_cancelled_during_prepare_routes_nothing_and_charges_nothing() -> None:

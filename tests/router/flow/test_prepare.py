@@ -23,6 +23,9 @@ class Keys:
     name = "keys"
     fills = True
 
+    def wanted(self, request: RouteRequest) -> bool:
+        return True
+
     def __init__(self, order: list[str]) -> None:
         self.order = order
 
@@ -37,6 +40,10 @@ class Lookup:
     first would wait for the second forever."""
 
     fills = False
+
+    def wanted(self, request: RouteRequest) -> bool:
+
+        return True
 
     def __init__(self, name: str, barrier: asyncio.Barrier, order: list[str], fail: bool = False) -> None:
         self.name = name
@@ -93,3 +100,28 @@ def test_a_producer_without_fills_is_refused_at_build_with_its_name() -> None:
 
     with pytest.raises(TypeError, match="'old_lookup' needs a bool 'fills'"):
         flow_with((Old(),))  # type: ignore[arg-type]
+
+
+def test_a_producer_without_wanted_is_refused_at_build_with_its_name() -> None:
+    class Old:  # written against the Protocol before ``wanted``
+        name = "old_lookup"
+        fills = False
+
+        async def produce(self, request: RouteRequest) -> None: ...
+
+    with pytest.raises(TypeError, match="'old_lookup' needs 'wanted"):
+        flow_with((Old(),))  # type: ignore[arg-type]
+
+
+async def test_only_the_producers_that_want_the_request_run() -> None:
+    order: list[str] = []
+    idle = Lookup("pushed", asyncio.Barrier(1), order)
+    idle.wanted = lambda request: False  # type: ignore[method-assign]
+    busy = Lookup("session", asyncio.Barrier(1), order)
+    flow = flow_with((idle, busy))
+    request = flow.start({}).parse(BODY)
+    assert flow.wants(request)
+    await asyncio.wait_for(flow.prepare(request), timeout=5.0)
+    assert order == ["session"] and idle.saw_keys is None
+    busy.wanted = lambda request: False  # type: ignore[method-assign]
+    assert not flow.wants(request)  # nothing to await: an adapter picks at once

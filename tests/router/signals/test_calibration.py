@@ -117,6 +117,9 @@ async def test_precise_mode_and_exact_counts_are_never_rescaled(monkeypatch: pyt
         name = "precise_keys"
         fills = True
 
+        def wanted(self, request: RouteRequest) -> bool:
+            return True
+
         async def produce(self, request: RouteRequest) -> None:
             request.precise_keys = np.arange(len(request.block_keys), dtype=np.uint64)
 
