@@ -274,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--share-load-ms", type=float, help="index.redis.share_load_ms (default: its default)"
     )
     parser.add_argument(
-        "--no-push", action="store_true", help="index.redis.push false: every pick asks Redis (as before)"
+        "--push", action="store_true", help="index.redis.push: the replicas push their writes to each other"
     )
     parser.add_argument("--requests", type=int, help="requests per run (default: the scenario's)")
     parser.add_argument(
@@ -291,8 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = sorted({int(n) for n in args.replicas.split(",")} | {1})
     seeds = [int(s) for s in args.seeds.split(",")]
     redis: dict[str, Any] = {} if args.share_load_ms is None else {"share_load_ms": args.share_load_ms}
-    if args.no_push:
-        redis["push"] = False
+    if args.push:
+        redis["push"] = True
     rows = []
     for key in args.scenarios:
         scn = SCENARIOS[key]

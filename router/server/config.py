@@ -390,11 +390,12 @@ class RedisConfig(_Strict):
         "have in flight; a replica silent for three intervals drops out (0: each sees only its own)",
     )
     push: bool = Field(
-        True,
+        False,
         description="replicas also publish their index writes and reservations (Redis pub/sub) and "
-        "apply each other's as they come, so a pick waits for no Redis round trip; index lookups still "
-        "ask Redis for one ttl_s after a replica starts while Redis holds older blocks (false: every "
-        "pick asks Redis)",
+        "apply each other's as they come, so a pick waits for no Redis round trip (index lookups still "
+        "ask Redis for one ttl_s after a replica starts while Redis holds older blocks); each replica "
+        "then does every other's share of that work: off until it routes better everywhere measured "
+        "(docs/deployment.md)",
     )
 
 
