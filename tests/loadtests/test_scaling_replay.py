@@ -47,6 +47,10 @@ pytestmark = pytest.mark.integration
 # Over HTTP in wall-clock time: a replica is Ready 1.5 s after it was asked for.
 FAST = Settings(speed=20.0, ready_s=30.0, virtual=False)
 
+# Upper bounds, not expectations: each poll returns as soon as its state is reached, and on a slow
+# machine busy with other work, wall-clock engines and routers take seconds for what is instant here.
+DEADLINE_S = 30.0
+
 
 def admitted(app: App, name: str) -> bool:
     endpoint = app.parts.pool.endpoints.get(name)
@@ -75,13 +79,15 @@ async def test_a_new_replica_takes_traffic_only_after_its_ready_time_and_the_gat
         await fleet.scale("decode", 2)
         new = next(r for r in fleet.active("decode") if not r.ready)
         assert fleet.count("decode") == 2
-        await eventually(lambda: new.name in app.parts.pool.endpoints, 2, "the new replica discovered")
+        await eventually(
+            lambda: new.name in app.parts.pool.endpoints, DEADLINE_S, "the new replica discovered"
+        )
         results = await complete(base, 6, 4)  # while it is starting: all served by the old one
         assert all(r.ok for r in results)
         assert not admitted(app, new.name) and served(new.engine) == 0
         assert app.control is not None and app.control.groups[new.name].state.value == "discovered"
 
-        await eventually(lambda: admitted(app, new.name), 5, "the new replica admitted")
+        await eventually(lambda: admitted(app, new.name), DEADLINE_S, "the new replica admitted")
         assert loop.time() - new.created_at >= FAST.wall(FAST.ready_s)
         checks = app.control.groups[new.name].checks
         assert [c.name for c in checks] == ["ranks", "revision", "kv_capacity"] and all(c.ok for c in checks)
@@ -90,7 +96,7 @@ async def test_a_new_replica_takes_traffic_only_after_its_ready_time_and_the_gat
             await complete(base, 4, 2)
             return served(new.engine) > 0
 
-        await eventually(gets_traffic, 5, "requests routed to the new replica")
+        await eventually(gets_traffic, DEADLINE_S, "requests routed to the new replica")
 
 
 async def test_a_removed_replica_drains_its_streams_and_stops_once_idle() -> None:
@@ -98,11 +104,11 @@ async def test_a_removed_replica_drains_its_streams_and_stops_once_idle() -> Non
         base = f"http://127.0.0.1:{app.proxy_port}"
         victim: Replica = max(fleet.active("decode"), key=lambda r: r.created_at)  # newest goes first
         streams = asyncio.create_task(complete(base, 8, 120))
-        await eventually(lambda: victim.engine.num_running > 0, 5, "streams running on the victim")
+        await eventually(lambda: victim.engine.num_running > 0, DEADLINE_S, "streams running on the victim")
 
         await fleet.scale("decode", 1)
         assert victim.draining_at is not None and fleet.count("decode") == 1
-        await eventually(lambda: not admitted(app, victim.name), 2, "the victim revoked")
+        await eventually(lambda: not admitted(app, victim.name), DEADLINE_S, "the victim revoked")
         assert victim.stopped_at is None and victim.engine.alive  # its streams are still running
         before = served(victim.engine)
         assert all(r.ok for r in await complete(base, 4, 2))  # new requests avoid the draining replica
@@ -110,9 +116,11 @@ async def test_a_removed_replica_drains_its_streams_and_stops_once_idle() -> Non
 
         results = await streams
         assert [r.ok for r in results] == [True] * 8, [r.completion_tokens for r in results]
-        await eventually(lambda: victim.stopped_at is not None, 5, "the drained replica stopped")
+        await eventually(lambda: victim.stopped_at is not None, DEADLINE_S, "the drained replica stopped")
         assert not victim.engine.alive and victim.engine.stats.requests_served > 0
-        await eventually(lambda: victim.name not in app.parts.pool.endpoints, 5, "the victim left the pool")
+        await eventually(
+            lambda: victim.name not in app.parts.pool.endpoints, DEADLINE_S, "the victim left the pool"
+        )
 
 
 async def test_a_rolling_upgrade_takes_one_multi_rank_group_away_at_a_time_and_cuts_nothing() -> None:
@@ -124,15 +132,17 @@ async def test_a_rolling_upgrade_takes_one_multi_rank_group_away_at_a_time_and_c
         assert workers == {f"{first.name}-rank1", f"{second.name}-rank1"}
         streams = asyncio.create_task(complete(base, 6, 120))
         roll = asyncio.create_task(fleet.roll("decode", "r2"))
-        await eventually(lambda: not admitted(app, first.name), 2, "the first group's old epoch revoked")
+        await eventually(
+            lambda: not admitted(app, first.name), DEADLINE_S, "the first group's old epoch revoked"
+        )
         assert admitted(app, second.name)  # one group away at a time
         assert all(r.ok for r in await complete(base, 4, 2))  # served by the other group meanwhile
-        await eventually(lambda: admitted(app, first.name), 10, "the first group back under r2")
+        await eventually(lambda: admitted(app, first.name), DEADLINE_S, "the first group back under r2")
         group = app.control.groups[first.name]
         assert {m.revision for m in group.spec.members} == {"r2"} and len(group.spec.members) == 2
-        await eventually(lambda: not admitted(app, second.name), 5, "then the second group")
+        await eventually(lambda: not admitted(app, second.name), DEADLINE_S, "then the second group")
         await roll  # every rank Ready under r2; then the router's gate admits the last group
-        await eventually(lambda: admitted(app, second.name), 10, "the second group back under r2")
+        await eventually(lambda: admitted(app, second.name), DEADLINE_S, "the second group back under r2")
         assert fleet.count("decode") == 2  # an upgrade is not a scale
         assert [r.ok for r in await streams] == [True] * 6
 
@@ -160,7 +170,7 @@ def test_a_group_scaled_away_while_it_rolls_finishes_the_streams_it_had() -> Non
             assert first.draining_at is not None and first.engine.num_running > 0
             results = (await streams).results
             # Gone once its streams ended, at the fleet's next look.
-            await eventually(lambda: first.stopped_at is not None, 5, "the drained group stopped")
+            await eventually(lambda: first.stopped_at is not None, DEADLINE_S, "the drained group stopped")
             roll.cancel()
             return results
 
