@@ -85,7 +85,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvindex.aio import stop_task
+from kvindex.aio import follow_channel, stop_task
 from kvindex.memory import MemoryPrefixIndex
 
 log = logging.getLogger(__name__)
@@ -774,21 +774,16 @@ class SharedPrefixIndex:
         return b"".join(parts)
 
     def _receive(self, data: bytes) -> None:
-        """Apply another replica's published flush to the mirror (names this replica does not
-        know are skipped; their endpoints' blocks arrive again once they are in the pool)."""
+        """Apply another replica's published flush to the mirror, whole or not at all (a malformed
+        one raises ``ValueError`` before anything is applied). Names this replica does not know are
+        skipped: their endpoints' blocks arrive again once they are in the pool."""
         if data[:4] == self._sender:
             return
+        ops = self._decode(data)
         if data[4:5] == b"0":
             self._bisect = b"0"
-        view, at, local = memoryview(data), 5, self._local
-        while at < len(data):
-            op = data[at : at + 1]
-            size, n = struct.unpack_from(">HI", data, at + 1)
-            at += 7
-            name = bytes(view[at : at + size]).decode()
-            at += size
-            keys = np.frombuffer(view[at : at + 8 * n], dtype=">u8").astype(np.uint64)
-            at += 8 * n
+        local = self._local
+        for op, name, keys in ops:
             slot = self._slot_of(name)
             if slot is None:
                 continue
@@ -802,47 +797,64 @@ class SharedPrefixIndex:
                 local.remove(slot, keys)
         self.applied_pushes += 1
 
+    @staticmethod
+    def _decode(data: bytes) -> list[tuple[bytes, str, np.ndarray]]:
+        """``_encode``'s ops back; ``ValueError`` for anything else."""
+        if len(data) < 5 or data[4:5] not in (b"0", b"1"):
+            raise ValueError("no header")
+        ops, at, end = [], 5, len(data)
+        while at < end:
+            op = data[at : at + 1]
+            if op not in (_ADD, _DEL, _CLEAR) or at + 7 > end:
+                raise ValueError(f"bad op at byte {at}")
+            size, n = struct.unpack_from(">HI", data, at + 1)
+            keys_at = at + 7 + size
+            at = keys_at + 8 * n
+            if at > end:
+                raise ValueError("cut off")
+            name = data[keys_at - size : keys_at].decode()  # UnicodeDecodeError is a ValueError
+            ops.append(
+                (op, name, np.frombuffer(data, dtype=">u8", count=n, offset=keys_at).astype(np.uint64))
+            )
+        return ops
+
     async def _holds_blocks(self) -> bool:
         async for _ in self._client.scan_iter(match=self._bp + b"*", count=1000):
             return True
         return False
 
     async def _listen(self) -> None:
-        """Follow ``<ns>:w`` for good: subscribe, decide from when the mirror is whole, apply."""
-        while True:
-            try:
-                async with self._client.pubsub() as pubsub:
-                    await pubsub.subscribe(self._channel)
-                    while (await pubsub.get_message(timeout=self._probe_interval_s)) is None:
-                        pass  # the subscription's confirmation: what is published from now arrives
-                    # Blocks written before that reach this mirror only through lookups: pull until
-                    # they have expired, unless Redis holds none.
-                    held = await self._holds_blocks()
-                    self._warm_at = time.monotonic() + (self._ttl_s if held else 0.0)
-                    log.info(
-                        "kv index: replicas push their writes; lookups %s",
-                        f"ask Redis for {self._ttl_s:g} s more (it holds older blocks)" if held else "local",
-                    )
-                    await self._follow(pubsub)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis gone: pushes may be lost, pull until warm again
-                if self._warm_at is not None:  # once per outage
-                    log.warning(
-                        "kv index push subscription lost (%s: %s); lookups ask Redis", type(exc).__name__, exc
-                    )
-                self._warm_at = None
-                self.redis_errors += 1
-                await asyncio.sleep(self._probe_interval_s)
+        """Follow ``<ns>:w`` for good, applying the other replicas' flushes."""
+        await follow_channel(
+            self._client,
+            self._channel,
+            self._delivered,
+            subscribed=self._subscribed,
+            lost=self._push_lost,
+            retry_s=self._probe_interval_s,
+        )
 
-    async def _follow(self, pubsub: Any) -> None:
-        while True:
-            # A bounded wait: a client's socket timeout must not read a quiet channel as trouble.
-            message = await pubsub.get_message(timeout=self._probe_interval_s)
-            if message is None or message["type"] != "message":
-                continue
-            try:
-                self._receive(message["data"])
-            except (struct.error, ValueError, UnicodeDecodeError) as exc:
-                self.redis_errors += 1
-                log.warning("kv index: ignoring a malformed push on %s (%s)", self._channel, exc)
+    async def _subscribed(self) -> None:
+        # Blocks written before the subscription reach this mirror only through lookups: ask Redis
+        # until they have expired, unless it holds none.
+        held = await self._holds_blocks()
+        self._warm_at = time.monotonic() + (self._ttl_s if held else 0.0)
+        log.info(
+            "kv index: replicas push their writes; lookups %s",
+            f"ask Redis for {self._ttl_s:g} s more (it holds older blocks)" if held else "local",
+        )
+
+    def _push_lost(self, exc: Exception) -> None:
+        if self._warm_at is not None:  # once per outage
+            log.warning(
+                "kv index push subscription lost (%s: %s); lookups ask Redis", type(exc).__name__, exc
+            )
+        self._warm_at = None  # pushes may be lost meanwhile: ask Redis until warm again
+        self.redis_errors += 1
+
+    def _delivered(self, data: bytes) -> None:
+        try:
+            self._receive(data)
+        except ValueError as exc:
+            self.redis_errors += 1
+            log.warning("kv index: ignoring a malformed push on %s (%s)", self._channel, exc)

@@ -47,6 +47,7 @@ from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUB
 from router.request.parse import headers_only_request, stored_response_of
 from router.request.rejections import BadRequest, BodyTooLarge, Rejection
 from router.request.types import RouteRequest
+from router.scheduling.extension import Producer
 from router.scheduling.picker import RouteDecision
 from router.server.config import ExtProcConfig
 from router.transport.h2.connection import Call, CallHandler
@@ -406,20 +407,23 @@ class ExtProcCall:
     def _handle(self, message: pb.ProcessingRequest, *, prepared: bool = False) -> None:
         stream = self.stream
         flow = stream.flow
-        if not prepared and flow.prepares and (stored := self._on_stored_response(message)) is not None:
-            # A body-less request on a stored answer (GET /v1/responses/{id}): the pod that gave it
-            # may be in another replica's share of the homes, read before its headers are routed.
-            self._pause(self._look_up_then(message, stored))
-            return
-        # Pause (a task per request) only for I/O before the pick, or when flow control holds it.
         if (
             not prepared
-            and (flow.prepares or flow.control is not None)
-            and stream.parse_if_complete(message)
-            and ((flow.prepares and flow.wants(self._parsed())) or not self._bind_now())
+            and flow.prepares
+            and (stored := self._on_stored_response(message)) is not None
+            and (wanted := flow.wanted(stored))
         ):
-            self._pause(self._prepare_then(message))
+            # A body-less request on a stored answer (GET /v1/responses/{id}): the pod that gave it
+            # may be in another replica's share of the homes, read before its headers are routed.
+            self._pause(self._look_up_then(message, stored, wanted))
             return
+        # Pause (a task per request) only for I/O a producer wants before the pick, or when flow
+        # control holds the request.
+        if not prepared and (flow.prepares or flow.control is not None) and stream.parse_if_complete(message):
+            wanted = flow.wanted(self._parsed()) if flow.prepares else ()
+            if wanted or not self._bind_now():
+                self._pause(self._prepare_then(message, wanted))
+                return
         for response in stream.on_message(message):
             self.call.send(response.SerializeToString())
         if stream.finished:
@@ -452,16 +456,18 @@ class ExtProcCall:
             return None
         return headers_only_request(self.stream.flow.model, headers, None, headers.get(":path"))
 
-    async def _look_up_then(self, message: pb.ProcessingRequest, request: RouteRequest) -> None:
-        await self.stream.flow.prepare(request)  # the shared response home lands in this replica's
+    async def _look_up_then(
+        self, message: pb.ProcessingRequest, request: RouteRequest, wanted: tuple[Producer, ...]
+    ) -> None:
+        await self.stream.flow.prepare(request, wanted)  # the shared response home lands in this replica's
         self._resume(message, request.request_id)
 
-    async def _prepare_then(self, message: pb.ProcessingRequest) -> None:
+    async def _prepare_then(self, message: pb.ProcessingRequest, wanted: tuple[Producer, ...]) -> None:
         flight = self.stream.flight
         flow = self.stream.flow
         assert flight is not None and flight.request is not None
-        if flow.prepares:
-            await flow.prepare(flight.request)
+        if wanted:
+            await flow.prepare(flight.request, wanted)
         if flow.control is not None and flight.decision is None:
             try:
                 await flow.admit(flight)

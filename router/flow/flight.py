@@ -119,8 +119,6 @@ class RequestFlow:
                     f"producer {getattr(producer, 'name', producer)!r} needs 'wanted(request)' "
                     "(router.scheduling.extension.Producer: has it anything to do for this request?)"
                 )
-        self._fillers = tuple(p for p in self.producers if p.fills)
-        self._lookups = tuple(p for p in self.producers if not p.fills)
         self.signals = signals
         self.control = control
         self.speeds = speeds
@@ -138,9 +136,9 @@ class RequestFlow:
         """True when a pick may need I/O first (an adapter that cannot await may then pause)."""
         return bool(self.producers)
 
-    def wants(self, request: RouteRequest) -> bool:
-        """Whether this request's pick needs I/O first: some producer has something to do."""
-        return any(p.wanted(request) for p in self.producers)
+    def wanted(self, request: RouteRequest) -> tuple[Producer, ...]:
+        """The producers with something to do for this request (none: pick without awaiting)."""
+        return tuple(p for p in self.producers if p.wanted(request))
 
     def bind_now(self, flight: Flight) -> bool:
         """Pick (never awaits) unless flow control must hold the request: then False, ``admit``."""
@@ -187,19 +185,21 @@ class RequestFlow:
         None: a request without one (``Flight.headers_only``)."""
         # body -> RouteRequest: limits, model, rewrite
         request = flight.headers_only(path=path) if body is None else flight.parse(body, path=path)
-        if self.prepares and self.wants(request):
-            await self.prepare(request)  # I/O before the pick: the tokenizer, the shared index
+        if self.prepares and (wanted := self.wanted(request)):
+            await self.prepare(request, wanted)  # I/O before the pick: the tokenizer, the shared index
         await self.admit(flight)  # pick now (sync, reserves), or held until a pod has room
         assert flight.decision is not None
         return flight.decision
 
-    async def prepare(self, request: RouteRequest) -> None:
-        """Run every producer: those that fill the request first, in order, then the lookups all
-        at once; one that fails is logged and the pick goes on without it."""
-        for producer in self._fillers:
-            if producer.wanted(request):
+    async def prepare(self, request: RouteRequest, wanted: Sequence[Producer] | None = None) -> None:
+        """Run the producers ``wanted`` (those of ``wanted(request)`` if not given): those that
+        fill the request first, in order, then the lookups all at once; one that fails is logged
+        and the pick goes on without it."""
+        producers = self.wanted(request) if wanted is None else wanted
+        for producer in producers:
+            if producer.fills:
                 await self._produce(producer, request)
-        lookups = [p for p in self._lookups if p.wanted(request)]
+        lookups = [p for p in producers if not p.fills]
         if len(lookups) == 1:  # no task for gather to make: the usual single lookup
             await self._produce(lookups[0], request)
         elif lookups:

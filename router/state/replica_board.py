@@ -22,6 +22,8 @@ from typing import Any, Generic, TypeVar
 
 import orjson
 
+from kvindex.aio import follow_channel
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -87,28 +89,24 @@ class ReplicaBoard(Generic[T]):
         """Hand every other replica's published entry (its id, stamp and value) to ``deliver`` as
         it comes, for good (resubscribing after Redis trouble; ``subscribed`` meanwhile False)."""
         me = self.replica.encode()
-        while True:
-            try:
-                async with self.client.pubsub() as pubsub:
-                    await pubsub.subscribe(self.key)
-                    while (await pubsub.get_message(timeout=retry_s)) is None:
-                        pass  # the confirmation: from now on every exchange reaches this replica
-                    self.subscribed = True
-                    while True:
-                        # Bounded: a client's socket timeout must not read a quiet channel as trouble.
-                        message = await pubsub.get_message(timeout=retry_s)
-                        if message is not None and message["type"] == "message":
-                            sender, _, raw = message["data"].partition(b" ")
-                            if sender != me and (got := self._fresh(raw, self.clock())) is not None:
-                                deliver(sender.decode(), *got)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.errors += 1
-                if self.subscribed:
-                    log.warning("%s: subscription lost (%s); reading on each exchange", self.key, exc)
-                self.subscribed = False
-                await asyncio.sleep(retry_s)
+
+        def published(data: bytes) -> None:
+            sender, _, raw = data.partition(b" ")
+            if sender != me and (got := self._fresh(raw, self.clock())) is not None:
+                deliver(sender.decode(), *got)
+
+        async def subscribed() -> None:
+            self.subscribed = True
+
+        def lost(exc: Exception) -> None:
+            self.errors += 1
+            if self.subscribed:
+                log.warning("%s: subscription lost (%s); reading on each exchange", self.key, exc)
+            self.subscribed = False
+
+        await follow_channel(
+            self.client, self.key.encode(), published, subscribed=subscribed, lost=lost, retry_s=retry_s
+        )
 
     def _fresh(self, raw: bytes, now: float) -> tuple[float, T] | None:
         """A published entry's stamp and value, None when stale or unreadable."""

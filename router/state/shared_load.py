@@ -52,7 +52,6 @@ class SharedLoad:
         push: bool = False,
     ) -> None:
         self.pool = pool
-        self.clock = clock
         self.interval_s = interval_s
         # Three missed exchanges: the replica is gone (or cut off), its share no longer counts.
         self.board = ReplicaBoard(
@@ -165,7 +164,7 @@ class SharedLoad:
     def _add_up(self) -> None:
         """The fresh others' reservations, summed per endpoint into the pool's ``others_*``."""
         pool = self.pool
-        now = self.clock()
+        now = self.board.clock()
         stale = [r for r, (at, _) in self._others.items() if now - at > self.board.stale_after_s]
         for replica in stale:
             del self._others[replica]

@@ -692,3 +692,16 @@ async def test_push_stops_while_redis_is_away_and_resumes_a_ttl_after_it_is_back
     finally:
         await a.close()
         await b.close()
+
+
+def test_a_malformed_push_applies_nothing_of_itself() -> None:
+    sender = make_index(aioredis.Redis(), A_SLOTS, whole_prompts=True, push=True)
+    receiver = make_index(aioredis.Redis(), B_SLOTS, whole_prompts=True, push=True)
+    good = sender._encode([], [("e0", b"a", keys(1, 2)), ("e1", b"a", keys(1, 2, 3))])
+    candidates = slots_of(B_SLOTS, "e0", "e1")
+    for bad in (good[:-3], good[:5] + b"x" + good[6:], good[:4]):  # cut off; unknown op; no header
+        with pytest.raises(ValueError):
+            receiver._receive(bad)
+        assert receiver.match(keys(1, 2, 3), candidates).tolist() == [0, 0]  # not even e0's op
+    receiver._receive(good)
+    assert receiver.match(keys(1, 2, 3), candidates).tolist() == [2, 3]

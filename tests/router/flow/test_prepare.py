@@ -120,8 +120,8 @@ async def test_only_the_producers_that_want_the_request_run() -> None:
     busy = Lookup("session", asyncio.Barrier(1), order)
     flow = flow_with((idle, busy))
     request = flow.start({}).parse(BODY)
-    assert flow.wants(request)
+    assert flow.wanted(request) == (busy,)
     await asyncio.wait_for(flow.prepare(request), timeout=5.0)
     assert order == ["session"] and idle.saw_keys is None
     busy.wanted = lambda request: False  # type: ignore[method-assign]
-    assert not flow.wants(request)  # nothing to await: an adapter picks at once
+    assert flow.wanted(request) == ()  # nothing to await: an adapter picks at once
