@@ -79,18 +79,32 @@ class _FakeRedis(fakeredis.FakeAsyncRedis):
 class Setup:
     replicas: int
     shared: bool  # through one Redis: prefix index and reservations; else each on its own
+    push: bool = False  # shared: ``index.redis.push`` (the others' writes pushed, not asked for)
 
     @property
     def name(self) -> str:
         if self.replicas == 1:
             return "1 replica"
-        return f"{self.replicas} replicas, " + ("shared" if self.shared else "independent")
+        if not self.shared:
+            return f"{self.replicas} replicas, independent"
+        return f"{self.replicas} replicas, " + ("pushed" if self.push else "shared")
+
+    def redis(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The shared setups' ``index.redis`` beyond its URL: ``settings`` and this setup's push."""
+        return {**settings, "push": True} if self.push else dict(settings)
 
 
-def setups(counts: Sequence[int]) -> list[Setup]:
+def setups(counts: Sequence[int], push: Sequence[bool] = (False,), independent: bool = True) -> list[Setup]:
+    """One replica, then per count N > 1 the shared setups (asked and/or pushed, as ``push``
+    lists) and, with ``independent``, N replicas sharing nothing."""
     out = []
     for n in counts:
-        out += [Setup(1, False)] if n == 1 else [Setup(n, True), Setup(n, False)]
+        if n == 1:
+            out.append(Setup(1, False))
+            continue
+        out += [Setup(n, True, p) for p in push]
+        if independent:
+            out.append(Setup(n, False))
     return out
 
 
@@ -116,7 +130,7 @@ async def _run(
         endpoints = [(n, cluster.address(n), e.spec.role, e.spec.link) for n, e in cluster.engines.items()]
         data = config_data(endpoints, tm, links, {"policy": "joint"})
         if setup.shared:
-            data.setdefault("index", {})["redis"] = {"url": "redis://fake", **redis_settings}
+            data.setdefault("index", {})["redis"] = {"url": "redis://fake", **setup.redis(redis_settings)}
         with mock.patch.object(app_module, "upstream_session", lambda: session):
             async with contextlib.AsyncExitStack() as stack:
                 proxies = []
@@ -179,7 +193,7 @@ async def _run_behind_envoy(
                 **settings.get("index", {}),
                 "redis": {
                     "url": f"redis://127.0.0.1:{redis.port}/0",
-                    **redis_settings,
+                    **setup.redis(redis_settings),
                 },
             }
         pickers = [
@@ -274,7 +288,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--share-load-ms", type=float, help="index.redis.share_load_ms (default: its default)"
     )
     parser.add_argument(
-        "--push", action="store_true", help="index.redis.push: the replicas push their writes to each other"
+        "--push",
+        choices=("off", "on", "both"),
+        default="off",
+        help="index.redis.push for the shared setups: off (asked, the default), on, or both side by side",
+    )
+    parser.add_argument(
+        "--no-independent", action="store_true", help="leave out the replicas that share nothing"
     )
     parser.add_argument("--requests", type=int, help="requests per run (default: the scenario's)")
     parser.add_argument(
@@ -291,13 +311,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = sorted({int(n) for n in args.replicas.split(",")} | {1})
     seeds = [int(s) for s in args.seeds.split(",")]
     redis: dict[str, Any] = {} if args.share_load_ms is None else {"share_load_ms": args.share_load_ms}
-    if args.push:
-        redis["push"] = True
+    push = {"off": (False,), "on": (True,), "both": (False, True)}[args.push]
     rows = []
     for key in args.scenarios:
         scn = SCENARIOS[key]
         one_p90 = None
-        for setup in setups(counts):
+        for setup in setups(counts, push, independent=not args.no_independent):
             decision_ms = None
             if args.envoy:
                 runs = [

@@ -46,3 +46,16 @@ def test_behind_a_real_envoy_every_replica_setup_answers(capsys: pytest.CaptureF
     for r in rows:
         ok, sent = r["ok"].split("/")
         assert ok == sent and int(sent) > 0  # every request routed by the replicas through Envoy
+
+
+def test_push_both_runs_asked_and_pushed_replicas_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--scenarios", "b", "--replicas", "2", "--requests", "40", "--push", "both", "--no-independent"]
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["setup"] for r in rows] == ["1 replica", "2 replicas, shared", "2 replicas, pushed"]
+    assert all(r["ok"] == "40/40" for r in rows)
+
+
+def test_a_pushed_setup_turns_push_on_over_the_other_redis_settings() -> None:
+    assert Setup(2, True, push=True).redis({"share_load_ms": 20}) == {"share_load_ms": 20, "push": True}
+    assert Setup(2, True).redis({"share_load_ms": 20}) == {"share_load_ms": 20}
