@@ -20,10 +20,13 @@ Robustness, in that order:
   span (all prompts the same size) stays at the prior.
 * **Buckets**: samples are kept per power-of-two bucket of their size (ring buffers), so a burst
   of short prompts does not push out the rare long ones that pin the slope.
-* **Physically impossible fits are rejected** (a negative coefficient, a non-positive base, a
-  prefill that costs nothing per token). The configured shape scaled by the median of observed
-  over its predictions stands in (one factor, which noisy or collinear samples still determine);
-  if even that is impossible the previous fit is kept. Each fit counts as accepted, rejected or
+* **Slopes are never negative**: a term the samples cannot tell apart from another (decode's KV
+  held grows with its batch when every context is alike) is held at zero and the others carry
+  its part (least squares under the constraint), as long as one slope stays free.
+* **Physically impossible fits are rejected** (a non-positive base, a prefill that costs nothing
+  or less per token). The configured shape scaled by the median of observed over its predictions
+  stands in (one factor, which noisy or collinear samples still determine); if even that is
+  impossible the previous fit is kept. Each fit counts as accepted, rejected or
   scaled, and the fit's mean relative error on its samples is exported.
 """
 
@@ -99,6 +102,22 @@ def fit_linear(x: np.ndarray, y: np.ndarray, prior: np.ndarray, prior_weight: fl
     return np.asarray(solution / columns, dtype=np.float64)
 
 
+def fit_nonnegative(x: np.ndarray, y: np.ndarray, prior: np.ndarray, prior_weight: float) -> np.ndarray:
+    """``fit_linear`` with every slope (all but the base) at least zero, while one slope stays
+    free: a term the samples cannot tell apart from another (the KV held grows with the batch when
+    every context is alike) gets the least-squares answer's sign wrong, and the constrained
+    optimum holds it at zero and gives its part to the others. A lone slope is never held (a
+    prefill that costs nothing per token is not a fit)."""
+    free = np.ones(x.shape[1], dtype=bool)
+    while True:
+        solution = np.zeros(x.shape[1])
+        solution[free] = fit_linear(x[:, free], y, prior[free], prior_weight)
+        slopes = np.flatnonzero(free[1:] & (solution[1:] < 0)) + 1
+        if slopes.size == 0 or np.count_nonzero(free[1:]) <= 1:
+            return solution
+        free[slopes[np.argmin(solution[slopes])]] = False
+
+
 def physical(coefficients: np.ndarray) -> str | None:
     """Why a fit is impossible (None when it is not): every step costs something, nothing is free."""
     if not np.isfinite(coefficients).all():
@@ -145,7 +164,7 @@ class RoleModel:
             return False
         self.added_since_fit = 0
         x, y = self.samples.arrays()
-        candidate = fit_linear(x, y, self.prior, settings.prior_samples)
+        candidate = fit_nonnegative(x, y, self.prior, settings.prior_samples)
         reason = physical(candidate)
         if reason is not None:
             self.rejected += 1

@@ -99,6 +99,12 @@ FEATURES: tuple[Feature, ...] = (
     Feature("reserved_kv_tokens", 0.0, shared=True, doc="KV tokens reserved by requests routed here"),
     Feature("inflight_requests", 0, np.int64, shared=True, doc="requests routed here that are decoding"),
     Feature("queued_prefill_requests", 0, np.int64, candidate=False),
+    Feature("decoding_requests", 0, np.int64, candidate=False, doc="ours past their prefill: decoding here"),
+    # The decode batch and resident KV integrated over time (``Pool.advance_decode``): a stream's
+    # time per token depends on their means while it decoded, not on their values at its pick.
+    Feature("batch_seconds", 0.0, candidate=False, doc="∫ decode batch dt since the endpoint joined"),
+    Feature("kv_token_seconds", 0.0, candidate=False, doc="∫ resident KV tokens dt since it joined"),
+    Feature("decode_since", math.nan, candidate=False, doc="when the two integrals were brought up to date"),
     # Identity and state masks.
     Feature("link_index", 0, np.int64, doc="topology label, as an index into the link table"),
     Feature("can_prefill", False, np.bool_, doc="role prefill or prefill-decode"),

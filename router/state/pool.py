@@ -74,11 +74,21 @@ class Reservation:
     # another endpoint meanwhile is not charged back for a request it never had.
     decode_generation: int = 0
     prefill_generation: int = 0
+    # When decoding began and the decode slot's integrals then (``finish_prefill``); ``decoded``:
+    # the decode pod's mean batch and resident KV tokens from then to the release, what this
+    # answer's time per token was spent at (None when unknown: released before decoding, slot
+    # reused).
+    decoding_from: tuple[float, float, float] | None = None
+    decoded: tuple[float, float] | None = None
 
     def finish_prefill(self) -> None:
         """The prompt's prefill is done (prefill leg answered / first token): free the queue charge."""
         if self.prefill_open:
             self.prefill_open = False
+            if self.pool.generation[self.decode_slot] == self.decode_generation:
+                now = self.pool.clock()
+                self.decoding_from = (now, *self.pool.advance_decode(self.decode_slot, now))
+                self.pool.decoding_requests[self.decode_slot] += 1
             slot, generation = (
                 (self.decode_slot, self.decode_generation)
                 if self.prefill_slot is None
@@ -96,6 +106,13 @@ class Reservation:
             self.open = False
             self.pool.outstanding -= 1
             if self.pool.generation[self.decode_slot] == self.decode_generation:
+                now = self.pool.clock()
+                batch_s, kv_s = self.pool.advance_decode(self.decode_slot, now)
+                if self.decoding_from is not None and now > (start := self.decoding_from[0]):
+                    _, batch_s0, kv_s0 = self.decoding_from
+                    self.decoded = ((batch_s - batch_s0) / (now - start), (kv_s - kv_s0) / (now - start))
+                if self.decoding_from is not None:
+                    self.pool.decoding_requests[self.decode_slot] -= 1
                 self.pool.reserved_kv_tokens[self.decode_slot] -= self.kv_tokens
                 self.pool.inflight_requests[self.decode_slot] -= 1
             self.pool.on_free()
@@ -112,8 +129,10 @@ class Pool:
         capacity: int = 64,
         typical_prompt_tokens: float = 512.0,
         typical_answer_tokens: float = 256.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stale_after_s = stale_after_s
+        self.clock = clock  # when reservations change (the decode batch's integral)
         self.eject_after_failures = eject_after_failures
         self.endpoints: dict[str, Endpoint] = {}
         self.by_slot: list[Endpoint | None] = []
@@ -282,6 +301,7 @@ class Pool:
         self, decode_slot: int, prefill_slot: int | None, prefill_tokens: float, kv_tokens: float
     ) -> Reservation:
         queue_slot = decode_slot if prefill_slot is None else prefill_slot
+        self.advance_decode(decode_slot, self.clock())
         self.queued_prefill_tokens[queue_slot] += prefill_tokens
         self.queued_prefill_requests[queue_slot] += 1
         self.reserved_kv_tokens[decode_slot] += kv_tokens
@@ -299,6 +319,43 @@ class Pool:
             prefill_generation=0 if prefill_slot is None else generation[prefill_slot],
         )
 
+    def advance_decode(self, slot: int, now: float) -> tuple[float, float]:
+        """Bring ``batch_seconds[slot]`` and ``kv_token_seconds[slot]`` up to ``now`` and return
+        them; called before anything they count changes (our reservations, a scrape, the other
+        replicas' share)."""
+        since = float(self.decode_since[slot])
+        if since == since:  # not NaN: the slot's first call only starts the clock
+            batch, kv = self._decoding(slot)
+            self.batch_seconds[slot] += batch * (now - since)
+            self.kv_token_seconds[slot] += kv * (now - since)
+        self.decode_since[slot] = now
+        return float(self.batch_seconds[slot]), float(self.kv_token_seconds[slot])
+
+    def _decoding(self, slot: int) -> tuple[float, float]:
+        """The batch and resident KV tokens on a decode slot now: the scrape's, or ours past their
+        prefill and the other replicas' in flight when more (requests queued at the engine behind a
+        full batch excepted)."""
+        running, waiting = float(self.running[slot]), float(self.waiting[slot])
+        ours = float(self.decoding_requests[slot] + self.others_inflight_requests[slot])
+        if waiting > 0:  # NaN: not scraped yet
+            ours -= waiting
+        batch = running if running > ours else ours  # NaN running: ours
+        scraped = float(self.kv_usage[slot] * self.kv_capacity_tokens[slot])
+        reserved = float(self.reserved_kv_tokens[slot] + self.others_reserved_kv_tokens[slot])
+        return batch, scraped if scraped > reserved else reserved
+
+    def advance_decodes(self, now: float) -> None:
+        """``advance_decode`` for every slot at once (before the other replicas' share changes)."""
+        ours = self.decoding_requests + self.others_inflight_requests - np.nan_to_num(self.waiting)
+        batch = np.fmax(self.running, ours)
+        reserved = self.reserved_kv_tokens + self.others_reserved_kv_tokens
+        kv = np.fmax(self.kv_usage * self.kv_capacity_tokens, reserved)
+        elapsed = now - self.decode_since
+        started = ~np.isnan(elapsed)
+        self.batch_seconds[started] += batch[started] * elapsed[started]
+        self.kv_token_seconds[started] += kv[started] * elapsed[started]
+        self.decode_since[self.in_use] = now
+
     def busy(self, slots: list[int]) -> bool:
         """Whether any of these slots still has a request of ours in flight (drain waits for none)."""
         return bool(self.inflight_requests[slots].any() or self.queued_prefill_requests[slots].any())
@@ -314,6 +371,7 @@ class Pool:
         self.scraped[slot] = True
         self.ejected[slot] = False
         self.last_scrape_ok[slot] = now
+        self.advance_decode(slot, now)  # so far they counted what the last scrape said
         values = metrics.values
         for name in SCRAPED:
             getattr(self, name)[slot] = _or_nan(values.get(name))

@@ -183,6 +183,7 @@ class SharedLoad:
                     for i, value in enumerate(values):
                         total[i] += value
         slots = np.fromiter(sums, dtype=np.intp, count=len(sums))
+        pool.advance_decodes(pool.clock())  # so far they counted the others' old share
         columns = np.array(list(sums.values()), dtype=np.float64).reshape(len(sums), len(SHARED))
         for i, name in enumerate(SHARED):
             others = getattr(pool, f"others_{name}")

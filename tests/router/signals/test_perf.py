@@ -3,6 +3,8 @@ rare sizes are kept, the prior holds until samples exist, and the export says ho
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
@@ -11,7 +13,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.scheduling.costmodel.view import EngineModel
 from router.server.compose import learn_settings_from
 from router.server.config import parse_config
-from router.signals.perf import LearnSettings, PerformanceModel, SampleBuckets, fit_linear, physical
+from router.signals.perf import (
+    LearnSettings,
+    PerformanceModel,
+    SampleBuckets,
+    fit_linear,
+    fit_nonnegative,
+    physical,
+)
 
 CONFIGURED = EngineModel(
     prefill_tokens_per_s=20000.0,
@@ -52,6 +61,31 @@ def test_decode_fit_recovers_batch_and_kv_coefficients() -> None:
     engine = model.engine_model()
     assert engine.decode_s_per_seq == pytest.approx(true[1], rel=0.15)
     assert engine.pd_leg_overhead_s == CONFIGURED.pd_leg_overhead_s  # not learned: kept
+
+
+def test_a_slope_the_samples_cannot_tell_apart_is_held_at_zero_and_the_other_carries_it() -> None:
+    # Every context 2k tokens: the KV held is the batch × 2000, and a prior three times too high
+    # per sequence and per KV token pulled the free fit to a negative cost per KV token (refused:
+    # the configured shape stood in, three times too slow per sequence).
+    configured = replace(
+        CONFIGURED, decode_step_base_s=0.0025, decode_s_per_seq=0.0045, decode_s_per_kv_token=1.5e-7
+    )
+    model = PerformanceModel(configured, LearnSettings(min_samples=8))
+    rng = np.random.default_rng(4)
+    true = np.array([0.005, 0.0015, 5e-8])
+    for _ in range(60):
+        batch = float(rng.uniform(1, 9))
+        kv = batch * 2000 * rng.normal(1.0, 0.01)
+        step = float(true @ (1.0, batch, kv))
+        model.observe_tpot(0.0, step * rng.normal(1.0, 0.05), step, batch, kv)
+    assert model.refit()
+    assert model.decode.accepted == 1 and model.decode.scaled == 0
+    base, per_seq, per_kv = model.decode.coefficients
+    assert per_kv == 0.0 and per_seq == pytest.approx(true[1] + 2000 * true[2], rel=0.1)
+    assert base == pytest.approx(true[0], rel=0.15)
+    # One slope alone is never held at zero: fit_nonnegative returns it as the samples say.
+    x = np.c_[np.ones(5), np.arange(5.0)]
+    assert fit_nonnegative(x, 1.0 - 0.1 * x[:, 1], np.array([1.0, 0.1]), 0.0)[1] < 0
 
 
 def test_a_fit_with_a_negative_slope_is_rejected_and_the_scaled_prior_stands_in() -> None:
