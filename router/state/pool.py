@@ -89,6 +89,7 @@ class Reservation:
                 now = self.pool.clock()
                 self.decoding_from = (now, *self.pool.advance_decode(self.decode_slot, now))
                 self.pool.decoding_requests[self.decode_slot] += 1
+                self.pool.decoding_kv_tokens[self.decode_slot] += self.kv_tokens
             slot, generation = (
                 (self.decode_slot, self.decode_generation)
                 if self.prefill_slot is None
@@ -113,6 +114,7 @@ class Reservation:
                     self.decoded = ((batch_s - batch_s0) / (now - start), (kv_s - kv_s0) / (now - start))
                 if self.decoding_from is not None:
                     self.pool.decoding_requests[self.decode_slot] -= 1
+                    self.pool.decoding_kv_tokens[self.decode_slot] -= self.kv_tokens
                 self.pool.reserved_kv_tokens[self.decode_slot] -= self.kv_tokens
                 self.pool.inflight_requests[self.decode_slot] -= 1
             self.pool.on_free()
@@ -301,7 +303,6 @@ class Pool:
         self, decode_slot: int, prefill_slot: int | None, prefill_tokens: float, kv_tokens: float
     ) -> Reservation:
         queue_slot = decode_slot if prefill_slot is None else prefill_slot
-        self.advance_decode(decode_slot, self.clock())
         self.queued_prefill_tokens[queue_slot] += prefill_tokens
         self.queued_prefill_requests[queue_slot] += 1
         self.reserved_kv_tokens[decode_slot] += kv_tokens
@@ -334,21 +335,22 @@ class Pool:
     def _decoding(self, slot: int) -> tuple[float, float]:
         """The batch and resident KV tokens on a decode slot now: the scrape's, or ours past their
         prefill and the other replicas' in flight when more (requests queued at the engine behind a
-        full batch excepted)."""
+        full batch excepted). Ours change only when a request starts or ends decoding, so a pick's
+        reservation leaves the integrals alone."""
         running, waiting = float(self.running[slot]), float(self.waiting[slot])
         ours = float(self.decoding_requests[slot] + self.others_inflight_requests[slot])
         if waiting > 0:  # NaN: not scraped yet
             ours -= waiting
         batch = running if running > ours else ours  # NaN running: ours
         scraped = float(self.kv_usage[slot] * self.kv_capacity_tokens[slot])
-        reserved = float(self.reserved_kv_tokens[slot] + self.others_reserved_kv_tokens[slot])
+        reserved = float(self.decoding_kv_tokens[slot] + self.others_reserved_kv_tokens[slot])
         return batch, scraped if scraped > reserved else reserved
 
     def advance_decodes(self, now: float) -> None:
         """``advance_decode`` for every slot at once (before the other replicas' share changes)."""
         ours = self.decoding_requests + self.others_inflight_requests - np.nan_to_num(self.waiting)
         batch = np.fmax(self.running, ours)
-        reserved = self.reserved_kv_tokens + self.others_reserved_kv_tokens
+        reserved = self.decoding_kv_tokens + self.others_reserved_kv_tokens
         kv = np.fmax(self.kv_usage * self.kv_capacity_tokens, reserved)
         elapsed = now - self.decode_since
         started = ~np.isnan(elapsed)
