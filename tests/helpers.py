@@ -198,8 +198,10 @@ async def router_on_sim(
     speed: float = 20.0,
     tracer_provider: Any = None,
 ) -> AsyncIterator[tuple[Any, Any, str]]:
-    """A simulated cluster and an ``App`` in front of it; yields (cluster, app, base_url).
-    ``tracer_provider``: where spans go when the sections turn tracing on."""
+    """A simulated cluster and an ``App`` in front of it, once every engine is admitted; yields
+    (cluster, app, base_url). ``tracer_provider``: where spans go when the sections turn tracing
+    on. (On a loaded machine the first gate round can time out on a scrape and retry a second
+    later: a request sent before that would be refused for want of an admitted engine.)"""
     from simulator.cluster import engine_model_for, link_cost_from
     from simulator.engine import SimCluster, TimeModel
 
@@ -214,6 +216,15 @@ async def router_on_sim(
         ]
         data = {"endpoints": endpoints, "engine": engine_model_for(time_model, specs[0].kv_bytes_per_token)}
         async with router_for({**data, **sections}, tracer_provider=tracer_provider) as (app, base):
+            pool = app.parts.pool
+            await eventually(
+                lambda: (
+                    len(pool.endpoints) == len(specs)
+                    and all(pool.admitted[e.slot] for e in pool.endpoints.values())
+                ),
+                30.0,
+                "every simulated engine admitted",
+            )
             yield cluster, app, base
 
 
