@@ -134,7 +134,7 @@ class Pool:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stale_after_s = stale_after_s
-        self.clock = clock  # when reservations change (the decode batch's integral)
+        self.clock = clock  # when requests start and end decoding (the decode integrals)
         self.eject_after_failures = eject_after_failures
         self.endpoints: dict[str, Endpoint] = {}
         self.by_slot: list[Endpoint | None] = []
@@ -322,8 +322,8 @@ class Pool:
 
     def advance_decode(self, slot: int, now: float) -> tuple[float, float]:
         """Bring ``batch_seconds[slot]`` and ``kv_token_seconds[slot]`` up to ``now`` and return
-        them; called before anything they count changes (our reservations, a scrape, the other
-        replicas' share)."""
+        them; called before anything they count changes (a request of ours starting or ending
+        decoding, a scrape, the other replicas' share)."""
         since = float(self.decode_since[slot])
         if since == since:  # not NaN: the slot's first call only starts the clock
             batch, kv = self._decoding(slot)
