@@ -114,3 +114,24 @@ async def test_a_burst_of_long_prompts_raises_prefill_and_long_outputs_raise_dec
     # 48 long decodes on one decode pod that meets a 10 ms TPOT SLO with about 25.
     osl_burst = await burst_peaks(isl=20, osl=300, n=48, speed=SPEED, tpot_ms=10)
     assert osl_burst["decode"] >= 2 and osl_burst["prefill"] == 1
+
+
+async def test_the_prefill_fit_counts_what_the_engine_computed_not_what_the_index_guessed() -> None:
+    # One engine whose KV holds one of the two prompts at a time: each prompt evicts the other, so
+    # the index (which saw both routed there) guesses them cached, and the engine reports none.
+    specs = [EngineSpec("e0", "prefill-decode", link="a", num_gpu_blocks=96)]
+    sections = {"signals": {"tick_ms": 50}, "picker": {"allow_local_prefill": True}}
+    prompts = ["".join(random.Random(seed).choice("abcdefgh ") for _ in range(4000)) for seed in (1, 2)]
+    async with (
+        router_on_sim(specs, sections, speed=SPEED) as (_cluster, app, base),
+        aiohttp.ClientSession() as http,
+    ):
+        for prompt in prompts * 4:  # one at a time: no queue ahead of any of them
+            body = {"model": "sim-model", "prompt": prompt, "max_tokens": 4, "stream": True}
+            async with http.post(f"{base}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+        await eventually(lambda: len(app.parts.scaling.perf.prefill.samples) == 8, 10.0, "8 prefill samples")
+        work, _ = app.parts.scaling.perf.prefill.samples.arrays()
+        # Every prompt (~1,000 tokens) was computed whole; the index guessed the repeats cached.
+        assert work[:, 1].min() > 900, work[:, 1]
