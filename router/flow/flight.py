@@ -569,7 +569,9 @@ class Flight:
         or the pick's prediction when it reports none. (Regressed on the prediction, which the
         index gets wrong where caches change, the fitted cost per token came out at 0.7x and the
         base at 4.5x the engine's.)"""
-        usage = self.prefill_usage if decision.prefill is not None else (self.meter and self.meter.usage)
+        usage = self.prefill_usage
+        if decision.prefill is None:  # the answering engine computed the prompt itself
+            usage = None if self.meter is None else self.meter.usage
         if usage is None or not usage.prompt_tokens or usage.cached_tokens is None:
             return decision.prediction.uncached_tokens
         cached = min(usage.cached_tokens, usage.prompt_tokens)
