@@ -557,10 +557,19 @@ class Flight:
             # The batch and KV the answer's tokens were made at; those at the pick stand in only
             # when the reservation could not follow them. (Regressed on the pick's, the fitted cost
             # per sequence came out 0.2-0.7x the engine's: decode capacity up to 3x too high.)
-            batch, kv = decision.reservation.decoded or (predicted.batch, predicted.kv_tokens)
+            decoded = decision.reservation.decoded
+            batch, kv = decoded or (predicted.batch, predicted.kv_tokens)
             perf.observe_tpot(now, tpot, predicted.tpot_s, batch, kv, fit=decode_only)
-            if speeds is not None:
-                speeds.observe(decision.decode.id, tpot, predicted.tpot_s / predicted.slowness_d)
+            if speeds is not None:  # against the pool's model at the batch the answer was made at
+                model = self.flow.picker.cost_model.model
+                expected = (
+                    predicted.tpot_s / predicted.slowness_d
+                    if decoded is None
+                    else model.decode_step_base_s
+                    + model.decode_s_per_seq * batch
+                    + model.decode_s_per_kv_token * kv
+                )
+                speeds.observe(decision.decode.id, tpot, expected)
         self._correct(decision)
 
     def _uncached_computed(self, decision: RouteDecision) -> float:
