@@ -38,6 +38,7 @@ from router.request.rejections import (
 from router.request.rewrite import ModelRewrites
 from router.request.slo import slo_of
 from router.request.types import RequestLimits, RouteRequest, SloTarget
+from router.scheduling.costmodel.terms.load import tpot_s
 from router.scheduling.extension import Producer
 from router.scheduling.picker import Picker, RouteDecision
 from router.signals.calibration import evicted_blocks
@@ -562,14 +563,13 @@ class Flight:
             perf.observe_tpot(now, tpot, predicted.tpot_s, batch, kv, fit=decode_only)
             if speeds is not None:  # against the pool's model at the batch the answer was made at
                 model = self.flow.picker.cost_model.model
+                # tpot_s counts the request on top of the batch it is given; ``decoded`` includes it.
                 expected = (
                     predicted.tpot_s / predicted.slowness_d
                     if decoded is None
-                    else model.decode_step_base_s
-                    + model.decode_s_per_seq * batch
-                    + model.decode_s_per_kv_token * kv
+                    else tpot_s(model, kv, batch - 1.0)
                 )
-                speeds.observe(decision.decode.id, tpot, expected)
+                speeds.observe(decision.decode.id, tpot, float(expected))
         self._correct(decision)
 
     def _uncached_computed(self, decision: RouteDecision) -> float:
@@ -578,13 +578,18 @@ class Flight:
         or the pick's prediction when it reports none. (Regressed on the prediction, which the
         index gets wrong where caches change, the fitted cost per token came out at 0.7x and the
         base at 4.5x the engine's.)"""
-        usage = self.prefill_usage
-        if decision.prefill is None:  # the answering engine computed the prompt itself
-            usage = None if self.meter is None else self.meter.usage
+        usage = self._computing_usage(decision)
         if usage is None or not usage.prompt_tokens or usage.cached_tokens is None:
             return decision.prediction.uncached_tokens
         cached = min(usage.cached_tokens, usage.prompt_tokens)
         return decision.prompt_tokens * (1.0 - cached / usage.prompt_tokens)
+
+    def _computing_usage(self, decision: RouteDecision) -> Usage | None:
+        """The ``usage`` of the engine that computed the prompt: the prefill leg's, or the answer's
+        when the answering engine computed it itself."""
+        if decision.prefill is not None:
+            return self.prefill_usage
+        return None if self.meter is None else self.meter.usage
 
     def _correct(self, decision: RouteDecision) -> None:
         """What the engines reported: the true prompt tokens calibrate the estimate; cached
@@ -592,9 +597,8 @@ class Flight:
         signals, request = self.flow.signals, self.request
         assert signals is not None and request is not None
         answer = None if self.meter is None else self.meter.usage
-        # The engine that computed the prompt: the prefill leg's, or the one that answered.
-        endpoint = decision.prefill or decision.decode
-        computed = self.prefill_usage if decision.prefill is not None else answer
+        endpoint = decision.prefill or decision.decode  # the engine that computed the prompt
+        computed = self._computing_usage(decision)
         if self.estimated_tokens:  # each engine's count against the estimate, as that engine's
             reports = {decision.decode.id: answer, endpoint.id: computed}
             for engine, usage in reports.items():

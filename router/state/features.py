@@ -97,7 +97,9 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature("slowness", 1.0, doc="this engine's latency over the pool model's (router/signals/engines.py)"),
     Feature("reserved_kv_tokens", 0.0, shared=True, doc="KV tokens reserved by requests routed here"),
-    Feature("inflight_requests", 0, np.int64, shared=True, doc="requests routed here that are decoding"),
+    Feature(
+        "inflight_requests", 0, np.int64, shared=True, doc="requests routed here, from the pick to their end"
+    ),
     Feature("queued_prefill_requests", 0, np.int64, candidate=False),
     Feature("decoding_requests", 0, np.int64, candidate=False, doc="ours past their prefill: decoding here"),
     Feature("decoding_kv_tokens", 0.0, candidate=False, doc="KV tokens reserved by those decoding here"),

@@ -347,7 +347,9 @@ class Pool:
         return batch, scraped if scraped > reserved else reserved
 
     def advance_decodes(self, now: float) -> None:
-        """``advance_decode`` for every slot at once (before the other replicas' share changes)."""
+        """``advance_decode`` for every slot at once (before the other replicas' share changes):
+        ``_decoding``'s batch and KV in arrays (numpy on one slot's scalars costs 20 µs a call, on
+        the request path; a test holds the two to the same numbers)."""
         ours = self.decoding_requests + self.others_inflight_requests - np.nan_to_num(self.waiting)
         batch = np.fmax(self.running, ours)
         reserved = self.decoding_kv_tokens + self.others_reserved_kv_tokens

@@ -4,6 +4,7 @@ values at its pick."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from helpers import Clock
 
@@ -82,3 +83,38 @@ def test_the_other_replicas_share_counts_and_a_reused_slot_learns_nothing() -> N
     gone.release()
     assert gone.decoded is None
     assert pool.batch_seconds[d0] == 0.0  # d1's integral starts afresh, untouched by d0's request
+
+
+def test_every_slot_at_once_integrates_what_one_slot_at_a_time_does() -> None:
+    # advance_decodes (arrays) and advance_decode (one slot's scalars) state the integrand twice:
+    # they must agree, unknown (NaN) scrapes included.
+    rng = np.random.default_rng(7)
+    pools = []
+    for _ in range(2):
+        clock = Clock()
+        pool = Pool(clock=clock)
+        for i in range(6):
+            pool.add(EndpointConfig(name=f"d{i}", address=f"127.0.0.1:{8000 + i}", role="decode"))
+        pools.append(pool)
+    for step in range(20):
+        now = 1000.0 + step
+        values = {
+            "running": np.where(rng.random(6) < 0.3, np.nan, rng.integers(0, 12, 6).astype(float)),
+            "waiting": np.where(rng.random(6) < 0.3, np.nan, rng.integers(0, 4, 6).astype(float)),
+            "kv_usage": np.where(rng.random(6) < 0.3, np.nan, rng.random(6)),
+            "kv_capacity_tokens": np.full(6, 50_000.0),
+            "decoding_requests": rng.integers(0, 10, 6),
+            "decoding_kv_tokens": rng.random(6) * 20_000,
+            "others_inflight_requests": rng.integers(0, 3, 6),
+            "others_reserved_kv_tokens": rng.random(6) * 5_000,
+        }
+        one, every = pools
+        for slot in range(6):
+            one.advance_decode(slot, now)
+        every.advance_decodes(now)
+        for pool in pools:
+            for name, column in values.items():
+                getattr(pool, name)[:6] = column
+    for name in ("batch_seconds", "kv_token_seconds"):
+        np.testing.assert_allclose(getattr(pools[0], name)[:6], getattr(pools[1], name)[:6])
+    assert pools[0].batch_seconds[:6].sum() > 0
