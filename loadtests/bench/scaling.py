@@ -62,6 +62,7 @@ load, desired, recommended, refusal; in wall-clock units, as the compressed rout
     python -m loadtests.bench.scaling --quick --scenarios isl-burst --policies queue
     python -m loadtests.bench.scaling --png scaling.png --table scaling.md
     python -m loadtests.bench.scaling --scenarios ramp --trace ramp.csv  # the router's reasoning per tick
+    python -m loadtests.bench.scaling --policies pd-router --signals min_rate_requests=16  # a what-if
 
 With ``--wall-clock`` everything listens on 127.0.0.1; every run is bounded by its scenario's length
 and ``--run-timeout`` (wall seconds, or virtual ones).
@@ -158,6 +159,8 @@ class Settings:
     # Virtual: each proxy → engine leg takes this (wall s, as the loopback hop of the wall-clock mode
     # is: ×speed in simulated time)
     hop_s: float = HOP_S
+    # ``signals`` settings that are not durations, overridden (``--signals KEY=VALUE``): what-ifs
+    signals: tuple[tuple[str, str], ...] = ()
 
     def wall(self, sim_s: float) -> float:
         return sim_s / self.speed
@@ -544,6 +547,7 @@ def signals_section(settings: Settings) -> dict[str, Any]:
         min_replicas={role: settings.min_replicas for role in ROLES},
         max_replicas={role: settings.max_replicas for role in ROLES},
     )
+    section.update(settings.signals)
     return section
 
 
@@ -1003,6 +1007,18 @@ def _names(value: str, known: Sequence[str], what: str) -> list[str]:
     return names
 
 
+def _override(value: str) -> tuple[str, str]:
+    """``KEY=VALUE`` for the signals section: a setting it has, not a duration (those are
+    compressed with the replay: ``--ready-s``, ``--window-s``)."""
+    key, sep, setting = value.partition("=")
+    fields = PoolConfig.model_fields["signals"].annotation.model_fields  # type: ignore[union-attr]
+    if not sep or key not in fields or key.endswith("_s") or key.endswith("_ms"):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: KEY=VALUE, KEY a signals setting that is not a duration"
+        )
+    return key, setting
+
+
 def main(argv: list[str] | None = None) -> int:
     defaults = Settings()
     parser = argparse.ArgumentParser(
@@ -1060,6 +1076,15 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="let the picker skip the prefill leg (decode replicas compute prompts themselves)",
     )
+    parser.add_argument(
+        "--signals",
+        action="append",
+        default=[],
+        type=_override,
+        metavar="KEY=VALUE",
+        help="set one of pd-router's signals settings that is not a duration (repeatable), e.g. "
+        "min_rate_requests=16",
+    )
     args = parser.parse_args(argv)
     if args.wall_clock and args.jobs > 1:  # parallel wall-clock runs would share the CPU: slower, noisier
         parser.error("--jobs needs virtual time (not --wall-clock)")
@@ -1073,6 +1098,7 @@ def main(argv: list[str] | None = None) -> int:
         local_prefill=args.local_prefill,
         virtual=not args.wall_clock,
         hop_s=args.hop_ms / 1000,
+        signals=tuple(args.signals),
     )
     if args.quick:
         settings = settings.shrunk(0.2)

@@ -242,6 +242,7 @@ def scaling_settings_from(config: PoolConfig) -> ScalingSettings:
         max_growth=signals.max_growth,
         trend_significance=signals.trend_significance,
         min_rate_requests=signals.min_rate_requests,
+        min_mix_requests=signals.min_mix_requests,
         backlog_drain_s=signals.backlog_drain_s,
         max_utilization=signals.max_utilization,
         kv_target=signals.kv_target,

@@ -806,7 +806,12 @@ class SignalsConfig(_Strict):
         2.0, description="extrapolate a demand trend only when its slope is this many standard errors above 0"
     )
     min_rate_requests: Annotated[int, Field(ge=1)] = Field(
-        16, description="the arrival rate spans at least this many requests (up to trend_window_s)"
+        32, description="the arrival rate spans at least this many requests (up to trend_window_s)"
+    )
+    min_mix_requests: Annotated[int, Field(ge=1)] = Field(
+        16,
+        description="what a request brings (uncached prompt, max_tokens) is averaged over at least "
+        "this many (up to trend_window_s)",
     )
     backlog_drain_s: Positive = Field(
         30.0, description="drain the queued backlog over at least this (and never faster than the ready time)"

@@ -3,15 +3,18 @@
 Every tick (``signals.tick_ms``) ``PoolSignals`` refits the performance model (``perf.py``), hands
 the picker the engine model it implies, and recomputes per role (prefill, decode):
 
-* **demand**: prefill — uncached prompt tokens arriving per second, over ``level_window_s`` or
-  the last ``min_rate_requests`` arrivals if that is longer (a few requests' Poisson noise is not
-  a rate), plus the queued backlog spread over ``max(backlog_drain_s, H)`` (a replica asked for
-  now helps only after the ready time); decode — the sequences past their prefill on the decode
+* **demand**: prefill — uncached prompt tokens arriving per second: the request rate over
+  ``level_window_s`` or the last ``min_rate_requests`` arrivals if that is longer (a few requests'
+  Poisson noise is not a rate) times the mean uncached prompt of the last ``min_mix_requests``
+  (fewer: a new mix shows within a few requests, the rate's noise stays out of it), plus the
+  queued backlog spread over ``max(backlog_drain_s, H)`` (a replica asked for now helps only
+  after the ready time); decode — the sequences past their prefill on the decode
   pods (scraped running + waiting, or ours when more, minus those still queued for their
   prefill), counted *at the TPOT SLO*: Little's law scales today's count by SLO / TPOT, so the
   demand is linear in the arrival rate whatever the pods' speed now; and at least what the
-  arrivals will need (answer tokens asked for per second × the share answers use × the TPOT
-  SLO), so a burst of long answers counts from its first request.
+  arrivals will need (answer tokens asked for per second — the rate times the last
+  ``min_mix_requests``' mean max_tokens — × the share answers use × the TPOT SLO), so a burst
+  of long answers counts from its first requests.
 * **forecast** over the horizon ``H`` = the ready time (``ready_time_s``, or the p90 of the gate's
   measured discovered → admitted times once there are some): each role's level (the mean of its
   last ``level_window_s`` of *replicas' worth*: each tick's demand over the capacity for that
@@ -84,9 +87,12 @@ class ScalingSettings:
     max_growth: float = 3.0  # the forecast is at most this × the current level
     # The trend is extrapolated only when its slope is this many standard errors above zero.
     trend_significance: float = 2.0
-    # The prefill arrival rate spans at least this many requests (Poisson noise ≈ 1/√n), up to
+    # The arrival rate spans at least this many requests (Poisson noise ≈ 1/√n), up to
     # ``trend_window_s``, when ``level_window_s`` holds fewer.
-    min_rate_requests: int = 16
+    min_rate_requests: int = 32
+    # What each request brings (uncached prompt, answer asked for) is averaged over at least this
+    # many (up to ``trend_window_s``): a change of mix shows sooner than a change of rate can.
+    min_mix_requests: int = 16
     backlog_drain_s: float = 30.0  # at the soonest: never faster than a new replica can help
     max_utilization: float = 0.85
     kv_target: float = 0.8
@@ -487,25 +493,41 @@ class PoolSignals:
     def _arrival_rate(
         self, now: float, tokens: float, requests: int, max_tokens: float
     ) -> tuple[float, float, float | None, float]:
-        """Uncached tokens and requests per second over the last ``level_window_s``, or further
-        back (up to ``trend_window_s``) until it spans ``min_rate_requests`` arrivals: a burst
-        inside one tick is spread over the window, and a few requests' Poisson noise is not read
-        as the rate. Also the mean uncached tokens per request over that span (None without any),
-        and the answer tokens asked for per second."""
+        """Uncached prompt tokens, requests and answer tokens asked for per second, and the mean
+        uncached tokens per request (None without any). The request rate spans the last
+        ``level_window_s`` or further back (up to ``trend_window_s``) until it holds
+        ``min_rate_requests`` arrivals: a few requests' Poisson noise is not a rate. What each
+        request brings (its uncached prompt, its max_tokens) is averaged over the shorter span of
+        ``min_mix_requests``: a new prompt or answer mix counts within a few requests, without the
+        rate's noise. The token rates are the product of the two."""
         s = self.settings
         arrived = self._arrived
         arrived.append((now, tokens, requests, max_tokens))
         while len(arrived) > 1 and arrived[1][0] <= now - s.trend_window_s:
             arrived.popleft()
-        start = arrived[0]
-        for point in reversed(arrived):  # the newest point far enough back
-            start = point
-            if point[0] <= now - s.level_window_s and requests - point[2] >= s.min_rate_requests:
+        rate_start = mix_start = arrived[0]
+        mix_found = False
+        for point in reversed(arrived):  # the newest points far enough back
+            if point[0] > now - s.level_window_s:
+                continue
+            count = requests - point[2]
+            if not mix_found:
+                mix_start, mix_found = point, count >= s.min_mix_requests
+            rate_start = point
+            if mix_found and count >= s.min_rate_requests:
                 break
-        span = max(s.level_window_s, now - start[0])
-        count = requests - start[2]
-        per_request = (tokens - start[1]) / count if count > 0 else None
-        return (tokens - start[1]) / span, count / span, per_request, (max_tokens - start[3]) / span
+        span = max(s.level_window_s, now - rate_start[0])
+        requests_per_s = (requests - rate_start[2]) / span
+        count = requests - mix_start[2]
+        if count <= 0:
+            return 0.0, requests_per_s, None, 0.0
+        per_request = (tokens - mix_start[1]) / count
+        return (
+            requests_per_s * per_request,
+            requests_per_s,
+            per_request,
+            requests_per_s * ((max_tokens - mix_start[3]) / count),
+        )
 
     def _decode_state(self, now: float, answer_tokens_per_s: float = 0.0) -> tuple[RoleState, float]:
         """Demand: the sequences decoding (scraped running + waiting on the decode pods, or ours

@@ -245,26 +245,30 @@ def test_decode_demand_counts_sequences_past_their_prefill_at_the_tpot_slo() -> 
     assert d1 != d0
 
 
-def test_prefill_rate_spans_enough_requests_and_capacity_uses_their_uncached_size() -> None:
+def test_the_rate_spans_more_requests_than_the_mix_and_capacity_uses_the_new_mix() -> None:
     signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
-    signals.settings = ScalingSettings(level_window_s=10.0, trend_window_s=120.0, min_rate_requests=8)
-    for _ in range(60):  # one 500-token request every 5 s for 5 min, then long ones
+    signals.settings = ScalingSettings(
+        level_window_s=10.0, trend_window_s=120.0, min_rate_requests=16, min_mix_requests=4
+    )
+
+    def arrive(prompt: float, max_tokens: int) -> tuple[float, float, float | None, float]:
         clock.now += 5.0
-        signals.demand.arrived(500.0)
-        tokens, requests, per_request, _ = signals._arrival_rate(
-            clock.now, signals.demand.prefill_tokens, signals.demand.requests, signals.demand.max_tokens
-        )
-    # 10 s holds 2 requests: the rate spans 8 of them (40 s) instead.
-    assert requests == pytest.approx(8 / 40.0) and tokens == pytest.approx(100.0)
-    assert per_request == pytest.approx(500.0)
-    for _ in range(8):
-        clock.now += 5.0
-        signals.demand.arrived(5000.0)
-        tokens, requests, per_request, _ = signals._arrival_rate(
-            clock.now, signals.demand.prefill_tokens, signals.demand.requests, signals.demand.max_tokens
-        )
-    assert per_request == pytest.approx(5000.0)  # the prompts making the rate, not a slow average
-    assert signals.demand.typical_uncached < 2000.0
+        signals.demand.arrived(prompt, max_tokens)
+        d = signals.demand
+        return signals._arrival_rate(clock.now, d.prefill_tokens, d.requests, d.max_tokens)
+
+    for _ in range(60):  # one 500-token request asking for 100 tokens every 5 s for 5 min
+        tokens, requests, per_request, answers = arrive(500.0, 100)
+    # 10 s holds 2 requests: the rate spans 16 of them (80 s) instead.
+    assert requests == pytest.approx(16 / 80.0) and tokens == pytest.approx(100.0)
+    assert per_request == pytest.approx(500.0) and answers == pytest.approx(20.0)
+    for _ in range(4):  # the same rate, prompts 10× longer and answers 3× longer
+        tokens, requests, per_request, answers = arrive(5000.0, 300)
+    # Four requests show the new mix; the rate still spans 16 (Poisson noise ≈ 1/√n).
+    assert per_request == pytest.approx(5000.0)
+    assert requests == pytest.approx(16 / 80.0)
+    assert tokens == pytest.approx(16 / 80.0 * 5000.0) and answers == pytest.approx(16 / 80.0 * 300)
+    assert signals.demand.typical_uncached < 2000.0  # a slow average would still say short prompts
     state, _ = signals._prefill_state(clock.now, 60.0, tokens, per_request)
     assert state.capacity == pytest.approx(prefill_capacity(signals.perf, 5000.0, 1.0, 0.85))
 
