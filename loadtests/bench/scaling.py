@@ -159,7 +159,7 @@ class Settings:
     # Virtual: each proxy → engine leg takes this (wall s, as the loopback hop of the wall-clock mode
     # is: ×speed in simulated time)
     hop_s: float = HOP_S
-    # ``signals`` settings that are not durations, overridden (``--signals KEY=VALUE``): what-ifs
+    # ``signals`` settings overridden (``--signals KEY=VALUE``, durations in simulated s): what-ifs
     signals: tuple[tuple[str, str], ...] = ()
 
     def wall(self, sim_s: float) -> float:
@@ -547,7 +547,8 @@ def signals_section(settings: Settings) -> dict[str, Any]:
         min_replicas={role: settings.min_replicas for role in ROLES},
         max_replicas={role: settings.max_replicas for role in ROLES},
     )
-    section.update(settings.signals)
+    # Overrides: a duration is given in simulated seconds, like the scenario's
+    section.update({k: settings.wall(float(v)) if k.endswith("_s") else v for k, v in settings.signals})
     return section
 
 
@@ -1007,15 +1008,23 @@ def _names(value: str, known: Sequence[str], what: str) -> list[str]:
     return names
 
 
+# Set by the replay's own options (``--ready-s``, ``--window-s``) or its clock: not overridable.
+_REPLAY_OWNS = ("ready_time_s", "scale_down_window_s", "tick_ms", "min_replicas", "max_replicas")
+
+
 def _override(value: str) -> tuple[str, str]:
-    """``KEY=VALUE`` for the signals section: a setting it has, not a duration (those are
-    compressed with the replay: ``--ready-s``, ``--window-s``)."""
+    """``KEY=VALUE`` for the signals section: a setting it has, other than those the replay sets."""
     key, sep, setting = value.partition("=")
     fields = PoolConfig.model_fields["signals"].annotation.model_fields  # type: ignore[union-attr]
-    if not sep or key not in fields or key.endswith("_s") or key.endswith("_ms"):
+    if not sep or key not in fields or key in _REPLAY_OWNS:
         raise argparse.ArgumentTypeError(
-            f"{value!r}: KEY=VALUE, KEY a signals setting that is not a duration"
+            f"{value!r}: KEY=VALUE, KEY a signals setting other than {', '.join(_REPLAY_OWNS)}"
         )
+    if key.endswith("_s"):
+        try:
+            float(setting)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r}: a duration in simulated seconds") from None
     return key, setting
 
 
@@ -1082,8 +1091,8 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         type=_override,
         metavar="KEY=VALUE",
-        help="set one of pd-router's signals settings that is not a duration (repeatable), e.g. "
-        "min_rate_requests=16",
+        help="set one of pd-router's signals settings (repeatable; a duration in simulated s), e.g. "
+        "min_rate_requests=16 or level_window_s=20",
     )
     args = parser.parse_args(argv)
     if args.wall_clock and args.jobs > 1:  # parallel wall-clock runs would share the CPU: slower, noisier

@@ -273,14 +273,16 @@ def test_a_virtual_replay_gives_the_same_numbers_twice() -> None:
     assert (again.replica_s, again.actions, again.shares) == (first.replica_s, first.actions, first.shares)
 
 
-def test_signals_overrides_join_the_section_durations_do_not(capsys: pytest.CaptureFixture[str]) -> None:
-    settings = dataclasses.replace(QUICK, signals=(("min_rate_requests", "16"),))
-    assert signals_section(settings)["min_rate_requests"] == "16"
+def test_signals_overrides_join_the_section(capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = (("min_rate_requests", "16"), ("level_window_s", "20"))
+    section = signals_section(dataclasses.replace(QUICK, signals=overrides))
+    assert section["min_rate_requests"] == "16"
+    assert section["level_window_s"] == QUICK.wall(20.0)  # simulated seconds, compressed
     assert "min_rate_requests" not in signals_section(QUICK)  # the router's own default
-    for bad in ("ready_time_s=3", "tick_ms=5", "no_such_setting=1", "min_rate_requests"):
+    for bad in ("ready_time_s=3", "tick_ms=5", "no_such_setting=1", "min_rate_requests", "level_window_s=x"):
         with pytest.raises(SystemExit):
             main(["--quick", "--signals", bad])
-        assert "not a duration" in capsys.readouterr().err
+        assert "--signals" in capsys.readouterr().err
 
 
 def test_another_process_with_another_hash_seed_prints_the_same_table(tmp_path: Path) -> None:
