@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -44,10 +44,10 @@ class RouterMetrics:
         self.per_request = RequestMetrics(r)
         self.slo_requests = series.SLO_REQUESTS.instrument(r)
         self._slo_objectives: set[str] = set()
-        self._slo_children: dict[tuple[str, str], Counter] = {}
-        # Label children bound once per value: ``labels()`` costs a lock and a tuple per call.
-        self._decision_children: dict[str, Counter] = {}
-        self._request_children: dict[str, Counter] = {}
+        self._slo_children: dict[tuple[str, str], series.CounterValue] = {}
+        # Label children bound once per value: ``labels()`` costs a tuple and a lookup per call.
+        self._decision_children: dict[str, series.CounterValue] = {}
+        self._request_children: dict[str, series.CounterValue] = {}
 
     def observe_pick(self, decision: RouteDecision, seconds: float) -> None:
         self.pick_duration.observe(seconds)
@@ -321,7 +321,9 @@ class _PoolCollector:
         yield ready_family
 
 
-def _child(children: dict[str, Counter], metric: Counter, value: str) -> Counter:
+def _child(
+    children: dict[str, series.CounterValue], metric: series.Instrument, value: str
+) -> series.CounterValue:
     child = children.get(value)
     if child is None:
         child = children[value] = metric.labels(value)

@@ -12,12 +12,14 @@ names, a pair declares both: (llm-d's, the Inference Extension's).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.utils import floatToGoString
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +29,7 @@ class Series:
     labels: tuple[str, ...] = ()
     type: ClassVar[str]
 
-    def instrument(self, registry: CollectorRegistry) -> MetricWrapperBase:
+    def instrument(self, registry: CollectorRegistry) -> Instrument:
         """The series as an instrument in ``registry``, for what the request path updates."""
         raise NotImplementedError
 
@@ -36,22 +38,18 @@ class Series:
         raise NotImplementedError
 
 
-_Instrument = TypeVar("_Instrument", Counter, Gauge)
 _Family = TypeVar("_Family", CounterMetricFamily, GaugeMetricFamily)
 
 
 @dataclass(frozen=True, slots=True)
-class _NumberSeries(Series, Generic[_Instrument, _Family]):
+class _NumberSeries(Series, Generic[_Family]):
     """A counter or a gauge: one number per label set."""
 
-    def _types(self) -> tuple[type[_Instrument], type[_Family]]:
+    def _family_type(self) -> type[_Family]:
         raise NotImplementedError
 
-    def instrument(self, registry: CollectorRegistry) -> _Instrument:
-        return self._types()[0](self.name, self.help, self.labels, registry=registry)
-
     def family(self) -> _Family:
-        return self._types()[1](self.name, self.help, labels=self.labels)
+        return self._family_type()(self.name, self.help, labels=self.labels)
 
     def one_sample(self, value: float, *label_values: str) -> _Family:
         """The series holding one sample, ``value`` under ``label_values``."""
@@ -60,18 +58,24 @@ class _NumberSeries(Series, Generic[_Instrument, _Family]):
         return family
 
 
-class CounterSeries(_NumberSeries[Counter, CounterMetricFamily]):
+class CounterSeries(_NumberSeries[CounterMetricFamily]):
     type: ClassVar[str] = "counter"
 
-    def _types(self) -> tuple[type[Counter], type[CounterMetricFamily]]:
-        return Counter, CounterMetricFamily
+    def _family_type(self) -> type[CounterMetricFamily]:
+        return CounterMetricFamily
+
+    def instrument(self, registry: CollectorRegistry) -> Instrument:
+        return Instrument(self, registry, CounterValue)
 
 
-class GaugeSeries(_NumberSeries[Gauge, GaugeMetricFamily]):
+class GaugeSeries(_NumberSeries[GaugeMetricFamily]):
     type: ClassVar[str] = "gauge"
 
-    def _types(self) -> tuple[type[Gauge], type[GaugeMetricFamily]]:
-        return Gauge, GaugeMetricFamily
+    def _family_type(self) -> type[GaugeMetricFamily]:
+        return GaugeMetricFamily
+
+    def instrument(self, registry: CollectorRegistry) -> Instrument:
+        return Instrument(self, registry, GaugeValue)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +83,128 @@ class HistogramSeries(Series):
     type: ClassVar[str] = "histogram"
     buckets: tuple[float, ...] = ()
 
-    def instrument(self, registry: CollectorRegistry) -> Histogram:
-        return Histogram(self.name, self.help, self.labels, buckets=self.buckets, registry=registry)
+    def instrument(self, registry: CollectorRegistry) -> Instrument:
+        bounds = (*self.buckets, math.inf)
+        return Instrument(self, registry, lambda: HistogramValue(bounds))
 
     def family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self.name, self.help, labels=self.labels)
+
+
+# -- Instruments: what the request path updates ------------------------------------------------
+# Plain attributes, no lock: the router updates and exposes them on its one event loop thread,
+# and an update costs a quarter of prometheus_client's (its lock, and a histogram's Python scan
+# of the buckets), a dozen of them on every request.
+
+
+class CounterValue:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("a counter only goes up")
+        self.value += amount
+
+
+class GaugeValue:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+
+class HistogramValue:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds  # upper bounds, the last +Inf
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, amount: float) -> None:
+        if amount == amount:  # NaN falls in no bucket (as in prometheus_client)
+            self.counts[bisect_left(self.bounds, amount)] += 1
+        self.sum += amount
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative counts by upper bound, as the exposition format has them."""
+        out, total = [], 0
+        for bound, count in zip(self.bounds, self.counts, strict=True):
+            total += count
+            out.append((floatToGoString(bound), float(total)))
+        return out
+
+
+Value = CounterValue | GaugeValue | HistogramValue
+_V = TypeVar("_V", CounterValue, GaugeValue, HistogramValue)
+
+
+class Instrument(Generic[_V]):
+    """One declared series in a registry: a value per label set (``labels(...)``), or the one
+    value of a series without labels (``inc``, ``observe``, ... on the instrument itself).
+    Registered as a collector, so the registry's exposition reads it when Prometheus scrapes."""
+
+    def __init__(self, declared: Series, registry: CollectorRegistry, make: Callable[[], _V]) -> None:
+        self.declared = declared
+        self._make = make
+        self._values: dict[tuple[str, ...], _V] = {}
+        self._only = None if declared.labels else self._values.setdefault((), make())
+        registry.register(self)
+
+    def labels(self, *values: object, **named: object) -> _V:
+        names = self.declared.labels
+        if named:
+            if values or set(named) != set(names):
+                raise ValueError(f"{self.declared.name}: labels {names}, got {sorted(named)}")
+            values = tuple(named[name] for name in names)
+        if len(values) != len(names) or not names:
+            raise ValueError(f"{self.declared.name}: labels {names}, got {len(values)} values")
+        key = tuple(str(value) for value in values)
+        value = self._values.get(key)
+        if value is None:
+            value = self._values[key] = self._make()
+        return value
+
+    def _one(self) -> _V:
+        if self._only is None:
+            raise ValueError(f"{self.declared.name} has labels {self.declared.labels}: use labels()")
+        return self._only
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._one().inc(amount)  # type: ignore[union-attr]
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._one().dec(amount)  # type: ignore[union-attr]
+
+    def set(self, value: float) -> None:
+        self._one().set(value)  # type: ignore[union-attr]
+
+    def observe(self, amount: float) -> None:
+        self._one().observe(amount)  # type: ignore[union-attr]
+
+    def describe(self) -> list[Metric]:
+        return [self.declared.family()]
+
+    def collect(self) -> Iterator[Metric]:
+        family = self.declared.family()
+        for key, value in self._values.items():
+            if isinstance(value, HistogramValue):
+                family.add_metric(list(key), value.buckets(), value.sum)  # type: ignore[call-arg]
+            else:
+                family.add_metric(list(key), value.value)
+        yield family
 
 
 # Histogram buckets: seconds, or tokens.
