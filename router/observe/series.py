@@ -93,8 +93,8 @@ class HistogramSeries(Series):
 
 # -- Instruments: what the request path updates ------------------------------------------------
 # Plain attributes, no lock: the router updates and exposes them on its one event loop thread,
-# and an update costs a quarter of prometheus_client's (its lock, and a histogram's Python scan
-# of the buckets), a dozen of them on every request.
+# and an update costs a fifth of prometheus_client's (its lock, and a histogram's Python scan of
+# the buckets), two dozen of them on every request (loadtests/bench/instruments.py).
 
 
 class CounterValue:
@@ -147,7 +147,6 @@ class HistogramValue:
         return out
 
 
-Value = CounterValue | GaugeValue | HistogramValue
 _V = TypeVar("_V", CounterValue, GaugeValue, HistogramValue)
 
 
