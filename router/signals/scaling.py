@@ -9,8 +9,8 @@ the picker the engine model it implies, and recomputes per role (prefill, decode
   (fewer: a new mix shows within a few requests, the rate's noise stays out of it), plus the
   queued backlog spread over ``max(backlog_drain_s, H)`` (a replica asked for now helps only
   after the ready time); decode — the sequences past their prefill on the decode
-  pods (scraped running + waiting, or ours when more, minus those still queued for their
-  prefill), counted *at the TPOT SLO*: Little's law scales today's count by SLO / TPOT, so the
+  pods (scraped running + waiting, or ours past their prefill, ``decoding_requests``, when
+  more), counted *at the TPOT SLO*: Little's law scales today's count by SLO / TPOT, so the
   demand is linear in the arrival rate whatever the pods' speed now; and at least what the
   arrivals will need (answer tokens asked for per second — the rate times the last
   ``min_mix_requests``' mean max_tokens — × the share answers use × the TPOT SLO), so a burst
@@ -545,13 +545,13 @@ class PoolSignals:
         running = np.nan_to_num(pool.running[slots])
         scraped = float((running + np.nan_to_num(pool.waiting[slots])).sum())
         ours = float(pool.inflight_requests[slots].sum())
-        prefilling = float(pool.queued_prefill_requests[pool.in_use].sum())
+        decoding = float(pool.decoding_requests[slots].sum())  # ours past their prefill
         capacity_tokens = pool.kv_capacity_tokens[slots]
         used = np.fmax(np.nan_to_num(pool.kv_usage[slots]) * capacity_tokens, pool.reserved_kv_tokens[slots])
         used_tokens = float(np.nansum(used))
         tpot_slo = self.cost_model.objectives.tpot_slo_s
         sequences = max(
-            max(scraped, ours - prefilling) * self._slo_over_tpot(running, used, tpot_slo),
+            max(scraped, decoding) * self._slo_over_tpot(running, used, tpot_slo),
             answer_tokens_per_s * tpot_slo,
         )
         known = capacity_tokens[np.isfinite(capacity_tokens)]

@@ -109,10 +109,10 @@ class Reservation:
             if self.pool.generation[self.decode_slot] == self.decode_generation:
                 now = self.pool.clock()
                 batch_s, kv_s = self.pool.advance_decode(self.decode_slot, now)
-                if self.decoding_from is not None and now > (start := self.decoding_from[0]):
-                    _, batch_s0, kv_s0 = self.decoding_from
-                    self.decoded = ((batch_s - batch_s0) / (now - start), (kv_s - kv_s0) / (now - start))
                 if self.decoding_from is not None:
+                    start, batch_s0, kv_s0 = self.decoding_from
+                    if now > start:
+                        self.decoded = ((batch_s - batch_s0) / (now - start), (kv_s - kv_s0) / (now - start))
                     self.pool.decoding_requests[self.decode_slot] -= 1
                     self.pool.decoding_kv_tokens[self.decode_slot] -= self.kv_tokens
                 self.pool.reserved_kv_tokens[self.decode_slot] -= self.kv_tokens
