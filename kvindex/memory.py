@@ -21,7 +21,11 @@ Layout (chosen by measurement, see ``python -m loadtests.bench.kvindex``):
   system prompt 1 in 8 candidates hold: ~10 probes, p50 5.6 µs instead of 22.6 µs at 64
   candidates (4.1 vs 21.0 at 8, 7.3 vs 25.9 at 512). With many distinct depths it hands over to
   the walk (``_MAX_PENDING``), so it is never much dearer than the walk (64 candidates at 64
-  distinct depths: ~39 µs for both).
+  distinct depths: ~39 µs for both). The blocks where the last bisection found depths are probed
+  first (any block inside an interval splits it correctly): prompts on one system prompt end their
+  match at the same block, so the next such match takes 4 probes (block 0, the last block, the
+  two around the depth) instead of ~10; a hint that misses costs at most two probes per depth
+  kept.
 
 Why the holders only shrink, for an index fed only whole prompts (``record`` with a prompt's
 chained keys from block 0; ``shrink``; ``drop_slot``): key i hashes key i-1 (``kvindex.hashing``),
@@ -89,6 +93,7 @@ class MemoryPrefixIndex:
         "_capacity",
         "_caps",
         "_entries",
+        "_hints",
         "_holes",
         "_last_slots",
         "_lru",
@@ -121,6 +126,10 @@ class MemoryPrefixIndex:
         self._whole_prompts = whole_prompts
         # Slots that ``remove`` may have left with holes: ``match`` walks while a candidate is one.
         self._holes = 0
+        # Where the last bisections found depths (blocks d - 1 and d of a depth d), probed first
+        # by the next: prompts that share a system prompt end their match at the same block, found
+        # in two probes instead of log2(prompt blocks).
+        self._hints: tuple[int, ...] = ()
 
     @property
     def whole_prompts(self) -> bool:
@@ -151,8 +160,11 @@ class MemoryPrefixIndex:
             self._bisect(block_keys, alive, found, depth)
         else:
             self._walk(block_keys, alive, found, depth)
-        if found:
+        if len(found) > _BIT_LOOP_MAX:
             depth[list(found)] = list(found.values())
+        else:  # a few holders: item by item costs less than two lists made into arrays
+            for slot, blocks in found.items():
+                depth[slot] = blocks
         return depth[slots]
 
     def _walk(self, block_keys: np.ndarray, alive: int, found: dict[int, int], depth: np.ndarray) -> None:
@@ -204,12 +216,18 @@ class MemoryPrefixIndex:
         # (lo, holders of lo, hi, holders of hi), lo < hi, masks differ: a slot of lo's mask and not
         # hi's holds blocks 0..j for some lo <= j < hi.
         todo = [(0, first, last, end)] if first != end else []
+        hints = self._hints
+        depths: list[int] = []
         while todo:
             lo, lo_mask, hi, hi_mask = todo.pop()
             # Narrow the left half in place and queue the right one only if it changes too: with
             # one change point (the usual shared prefix) nothing is queued at all.
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
+                for hint in hints:  # any block inside the interval splits it as well as the middle
+                    if lo < hint < hi:
+                        mid = hint
+                        break
                 mid_mask = lo_mask & get(key(mid), 0)
                 if mid_mask == lo_mask:
                     lo = mid
@@ -222,6 +240,9 @@ class MemoryPrefixIndex:
                     todo.append((mid, mid_mask, hi, hi_mask))
                 hi, hi_mask = mid, mid_mask
             self._decode(lo_mask ^ hi_mask, hi, found, depth, bits)
+            depths.append(hi)
+        if depths:
+            self._hints = tuple(at for d in depths[:2] for at in (d - 1, d))
 
     def record(self, slot: int, block_keys: np.ndarray) -> None:
         """Note that ``slot`` holds these blocks, now the most recently used; evict over capacity.

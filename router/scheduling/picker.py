@@ -213,15 +213,17 @@ class Picker:
 
     def _layout(self, cand: Candidates, request: RouteRequest) -> Layout:
         # The matrix's shape changes only when candidates come or go or change role, link or
-        # sidecar: comparing a few byte strings costs far less than rebuilding it every pick.
+        # sidecar: comparing a few byte strings costs far less than rebuilding it every pick (the
+        # pool's whole arrays: a candidate's values are the pool's at its slot, not gathered here).
         links = self._link_table()
         may_decode = self.cost_model.prefill_may_decode
+        pool = self.pool
         key = (
             cand.slots.tobytes(),
-            cand.can_prefill.tobytes(),
-            cand.can_decode.tobytes(),
-            cand.link_index.tobytes(),
-            cand.sidecar.tobytes() if request.pairs_need_sidecar else None,
+            pool.can_prefill.tobytes(),
+            pool.can_decode.tobytes(),
+            pool.link_index.tobytes(),
+            pool.sidecar.tobytes() if request.pairs_need_sidecar else None,
             request.prefill_leg,
             may_decode,
             self._links_version,

@@ -55,7 +55,7 @@ class Endpoint:
         return self.role in ("decode", "prefill-decode")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Reservation:
     """Predicted work charged to a (prefill, decode) choice until the request ends.
 
@@ -184,6 +184,7 @@ class Pool:
             (name, getattr(self, name), getattr(self, f"others_{name}") if name in SHARED else None)
             for name in CANDIDATE
         ]
+        self._candidate_features = {name: values for name, values, _ in self._candidate_arrays}
         self.lora.grow(capacity)
         self.by_slot.extend([None] * (capacity - old))
         self.generation.extend([0] * (capacity - old))
@@ -252,8 +253,8 @@ class Pool:
         now = time.monotonic() if now is None else now
         ok = self.in_use & self.admitted
         ok &= self.scraped
-        ok &= ~self.ejected
-        ok &= (now - self.last_scrape_ok) <= self.stale_after_s
+        ok &= self.last_scrape_ok >= now - self.stale_after_s
+        np.greater(ok, self.ejected, out=ok)  # and not ejected, without a negated copy
         return ok.nonzero()[0]  # np.flatnonzero's Python wrapper costs a third of this method
 
     def slots_of(self, addresses: frozenset[str]) -> np.ndarray:
@@ -269,10 +270,11 @@ class Pool:
         return np.array(sorted(found), dtype=np.int64)
 
     def candidates(self, slots: np.ndarray) -> Candidates:
-        """Every candidate feature of these slots, gathered for the scorers."""
-        arrays = self._candidate_arrays
+        """Every candidate feature of these slots for the scorers: read from the pool's arrays as
+        the scorers ask (another replica's share, when there is one, added at once)."""
         if not self.others_held:
-            return Candidates.adopt(slots, {name: values[slots] for name, values, _ in arrays})
+            return Candidates.of_pool(slots, self._candidate_features)
+        arrays = self._candidate_arrays
         return Candidates.adopt(
             slots,
             {

@@ -157,6 +157,22 @@ def test_the_shared_system_prompt_case_takes_a_few_probes_not_the_match_length()
     answer, looked_up = probes(bisecting, prompt, everyone)
     assert answer == expected
     assert looked_up <= 12  # block 0, the last block, and a bisection of 256 blocks
+    # The next prompt on that system prompt ends its match where this one did: probed first.
+    answer, looked_up = probes(bisecting, chain(system + [2000] * 64), everyone)
+    assert (answer, looked_up) == (expected, 4)  # block 0, the last block, blocks 191 and 192
+
+
+def test_a_match_that_ends_elsewhere_than_the_last_one_is_exact_in_a_few_more_probes() -> None:
+    system = list(range(192))
+    index = MemoryPrefixIndex(1000, max_slots=64, whole_prompts=True)
+    for slot in range(0, 64, 8):
+        index.record(slot, chain(system + [slot] * 64))
+    index.record(1, chain(system[:40]))
+    everyone = np.arange(64)
+    probes(index, chain(system + [1000] * 64), everyone)  # ends at block 192
+    answer, looked_up = probes(index, chain(system[:100] + [1000] * 156), everyone)
+    assert answer == [100 if slot % 8 == 0 else 40 if slot == 1 else 0 for slot in range(64)]
+    assert looked_up <= 12 + 4  # the bisection's, and the last match's two blocks besides
 
 
 def test_many_distinct_depths_hand_over_to_the_walk_and_stay_exact() -> None:

@@ -37,6 +37,19 @@ TERM_CODES = {"queue": 0, "prefill": 1, "interference": 2, "load": 3, "kv": 4, "
 # Who pays each (``view.CostTerm.side``): 0 prefill, 1 decode, 2 both.
 _SIDE_CODES = {"prefill": 0, "decode": 1, "both": 2}
 _NO_ADAPTER = np.zeros(0, dtype=np.int8)
+# The candidate features ``_costs`` reads, in the order of its ``<feature>_of`` arguments.
+_FEATURES = (
+    "slowness",
+    "queued_prefill_tokens",
+    "waiting",
+    "running",
+    "inflight_requests",
+    "kv_usage",
+    "kv_capacity_tokens",
+    "reserved_kv_tokens",
+    "can_decode",
+    "can_prefill",
+)
 
 
 try:
@@ -92,16 +105,17 @@ def _maximum(a: float, b: float) -> float:
 @_jit
 def _costs(
     cached_blocks: np.ndarray,
-    slowness: np.ndarray,
-    queued_prefill_tokens: np.ndarray,
-    waiting: np.ndarray,
-    running: np.ndarray,
-    inflight_requests: np.ndarray,
-    kv_usage: np.ndarray,
-    kv_capacity_tokens: np.ndarray,
-    reserved_kv_tokens: np.ndarray,
-    can_decode: np.ndarray,
-    can_prefill: np.ndarray,
+    at: np.ndarray,
+    slowness_of: np.ndarray,
+    queued_prefill_tokens_of: np.ndarray,
+    waiting_of: np.ndarray,
+    running_of: np.ndarray,
+    inflight_requests_of: np.ndarray,
+    kv_usage_of: np.ndarray,
+    kv_capacity_tokens_of: np.ndarray,
+    reserved_kv_tokens_of: np.ndarray,
+    can_decode_of: np.ndarray,
+    can_prefill_of: np.ndarray,
     adapter_state: np.ndarray,
     prompt: float,
     max_tokens: float,
@@ -132,7 +146,19 @@ def _costs(
     """``derive``, the terms and the matrix in one call: fills ``derived`` (8, k: the ``View``
     quantities), ``terms`` (len(codes), k: the weighted terms), ``sums`` (3, k: prefill side, decode
     side, both sides, each in the terms' order) and the matrix outputs (``_matrix``); returns False,
-    with no matrix, when a sum is NaN (the numpy path then names the term)."""
+    with no matrix, when a sum is NaN (the numpy path then names the term). Each ``<feature>_of``
+    holds the candidates' values at ``at`` (the pool's arrays at the candidates' slots: gathered
+    here, where it costs a fraction of a numpy gather per feature)."""
+    slowness = slowness_of[at]
+    queued_prefill_tokens = queued_prefill_tokens_of[at]
+    waiting = waiting_of[at]
+    running = running_of[at]
+    inflight_requests = inflight_requests_of[at]
+    kv_usage = kv_usage_of[at]
+    kv_capacity_tokens = kv_capacity_tokens_of[at]
+    reserved_kv_tokens = reserved_kv_tokens_of[at]
+    can_decode = can_decode_of[at]
+    can_prefill = can_prefill_of[at]
     tps, step_base, per_seq, per_kv = scalars[0], scalars[1], scalars[2], scalars[3]
     tpot_weight, kv_penalty_s, kv_soft = scalars[4], scalars[5], scalars[6]
     max_skew, prefix_trust = scalars[7], scalars[8]
@@ -408,16 +434,8 @@ class CompiledCosts:
         # bool): ``warm`` compiles those, so a pick never waits for a compile.
         if not _costs(
             cand.cached_blocks,
-            cand.slowness,
-            cand.queued_prefill_tokens,
-            cand.waiting,
-            cand.running,
-            cand.inflight_requests,
-            cand.kv_usage,
-            cand.kv_capacity_tokens,
-            cand.reserved_kv_tokens,
-            cand.can_decode,
-            cand.can_prefill,
+            cand.positions(),
+            *cand.sources(_FEATURES),
             _NO_ADAPTER if adapter is None else adapter,
             float(ctx.prompt_tokens),
             float(ctx.max_tokens),
@@ -570,7 +588,7 @@ def warm() -> None:
     chosen = np.zeros((2, k), dtype=np.int64)
     sums = np.empty((3, k))
     _costs(
-        np.zeros(k, dtype=np.int32), zeros, zeros, zeros, zeros, index, zeros, zeros, zeros, yes, yes,
+        np.zeros(k, dtype=np.int32), index, zeros, zeros, zeros, zeros, index, zeros, zeros, zeros, yes, yes,
         _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides, np.ones(len(codes)),
         index, index, ~yes, index[None, :], np.ones((1, k)), np.ones((1, k)), np.ones(7),
         np.empty((8, k)), np.empty((len(codes), k)), sums, rows, chosen, np.empty((2, k)),

@@ -235,13 +235,13 @@ class PairCosts:
             tpot_s=float(view.tpot_s[d]),
             uncached_tokens=float(view.uncached[p]),
             # What the performance model learns against (``router/signals/perf.py``).
-            queued_tokens=float(view.wait_s[p]) / float(cand.slowness[p]) * view.model.prefill_tokens_per_s,
+            queued_tokens=float(view.wait_s[p]) / cand.value("slowness", p) * view.model.prefill_tokens_per_s,
             held_tokens=float(view.cached[p]),  # cached there, before the trust cap
             # NaN > 0 is False: an unknown waiting count is no evidence of prefill in progress.
-            prefilling_there=float(cand.queued_prefill_tokens[p]) > 0 or float(cand.waiting[p]) > 0,
+            prefilling_there=cand.value("queued_prefill_tokens", p) > 0 or cand.value("waiting", p) > 0,
             batch=float(view.batch[d]) + 1.0,
             kv_tokens=float(view.used_kv[d]) + float(view.need_kv[d]),
-            slowness_d=float(cand.slowness[d]),
+            slowness_d=cand.value("slowness", d),
             # What a pair's decode leg adds to the transfer: learning links reads both.
             transfer_bytes=float(self.transfer_bytes[col]) if pair else 0.0,
             after_transfer_s=float(self.after_transfer_s[col]) if pair else 0.0,

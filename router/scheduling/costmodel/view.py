@@ -37,6 +37,10 @@ class Candidates:
     # The requested LoRA adapter on each candidate (an ``ADAPTER_*`` value, int8); None when the
     # request names no adapter.
     adapter_state: np.ndarray | None = None
+    # ``Pool.candidates``: the pool's arrays, by feature, each gathered at ``slots`` when first read
+    # (the compiled cost call reads them at ``slots`` itself, so most picks gather nothing). A pick
+    # reads them before it reserves, so what it reads is the pool as it was when the pick began.
+    _unread: dict[str, np.ndarray] | None = None
 
     def __init__(
         self, slots: np.ndarray, cached_blocks: np.ndarray | None = None, **features: np.ndarray
@@ -56,18 +60,57 @@ class Candidates:
         cand.__dict__ = features
         return cand
 
+    @classmethod
+    def of_pool(cls, slots: np.ndarray, arrays: dict[str, np.ndarray]) -> Candidates:
+        """Candidates at ``slots`` of the pool's ``arrays`` (one per feature), gathered when read."""
+        cand = cls.__new__(cls)
+        cand.__dict__ = {
+            "slots": slots,
+            "cached_blocks": np.zeros(len(slots), dtype=np.int32),
+            "_unread": arrays,
+        }
+        return cand
+
     def __getattr__(self, name: str) -> np.ndarray:
-        # Only reached for a feature nobody declared: say which, instead of a bare AttributeError.
+        # Reached for a feature not gathered yet, or one nobody declared: say which.
+        unread = self._unread
+        if unread is not None and name in unread:
+            values = unread[name][self.slots]
+            setattr(self, name, values)  # an attribute from now on: read at attribute speed
+            return values
         raise AttributeError(
             f"no candidate feature {name!r}; features are declared in router/state/features.py"
         )
+
+    def sources(self, names: tuple[str, ...]) -> list[np.ndarray]:
+        """Where each feature of ``names`` is read at ``positions()``: the pool's array, or the
+        gathered one."""
+        unread = self._unread
+        if unread is None:
+            return [getattr(self, name) for name in names]
+        return [unread[name] for name in names]
+
+    def value(self, name: str, position: int) -> float:
+        """Feature ``name`` of one candidate, without gathering the others'."""
+        unread = self._unread
+        if unread is None:
+            return float(getattr(self, name)[position])
+        return float(unread[name][self.slots[position]])
+
+    def positions(self) -> np.ndarray:
+        """Where each candidate sits in the arrays ``source`` returns."""
+        return np.arange(len(self.slots)) if self._unread is None else self.slots
 
     def __len__(self) -> int:
         return len(self.slots)
 
     def take(self, index: np.ndarray) -> Candidates:
-        """The subset at ``index`` (a mask or integer positions)."""
-        return Candidates(**{name: values[index] for name, values in vars(self).items()})
+        """The subset at ``index`` (a mask or integer positions), every feature gathered."""
+        unread = self._unread
+        features = {name: values for name, values in vars(self).items() if name != "_unread"}
+        if unread is not None:
+            features.update((name, getattr(self, name)) for name in unread)
+        return Candidates(**{name: values[index] for name, values in features.items() if values is not None})
 
 
 class RequestCtx(NamedTuple):

@@ -139,9 +139,44 @@ def test_the_compiled_costs_are_the_numpy_paths_float_for_float() -> None:
             expected_answer_tokens=rng.choice([None, 10.0, 80.0, 300.0, 5000.0]),
         )
         layout = _layout(rng, cand, cm)
-        fast = CompiledCosts(cm).costs(cand, ctx, layout)
-        assert fast is not None, case
-        _assert_same(fast, costs_over(derive(cand, ctx, cm), cm, layout))
+        slow = costs_over(derive(cand, ctx, cm), cm, layout)
+        for source in (cand, _in_pool_arrays(rng, cand)):
+            fast = CompiledCosts(cm).costs(source, ctx, layout)
+            assert fast is not None, case
+            _assert_same(fast, slow)
+
+
+def _in_pool_arrays(rng: np.random.Generator, cand: Candidates) -> Candidates:
+    """The same candidates as ``Pool.candidates`` makes them: their features left in arrays over
+    every slot (the others' values anything), read at their slots."""
+    size = int(cand.slots.max()) + 1
+    arrays = {}
+    for name, values in vars(cand).items():
+        if name in ("slots", "cached_blocks", "adapter_state"):
+            continue
+        whole = rng.permutation(np.resize(values, size))  # other slots: other candidates' values
+        whole[cand.slots] = values
+        arrays[name] = whole
+    lazy = Candidates.of_pool(cand.slots, arrays)
+    lazy.cached_blocks = cand.cached_blocks
+    lazy.adapter_state = cand.adapter_state
+    return lazy
+
+
+def test_pool_candidates_read_the_pool_at_their_slots_when_asked() -> None:
+    arrays = {"running": np.array([5.0, 6.0, 7.0, 8.0]), "waiting": np.array([0.0, 1.0, 2.0, 3.0])}
+    cand = Candidates.of_pool(np.array([3, 1], dtype=np.int64), arrays)
+    assert cand.value("running", 0) == 8.0 and "running" not in vars(cand)  # nothing gathered
+    assert cand.sources(("waiting",))[0] is arrays["waiting"]
+    np.testing.assert_array_equal(cand.positions(), [3, 1])
+    np.testing.assert_array_equal(cand.running, [8.0, 6.0])  # gathered when read, and kept
+    assert "running" in vars(cand)
+    kept = cand.take(np.array([False, True]))
+    np.testing.assert_array_equal(kept.slots, [1])
+    assert (kept.running.tolist(), kept.waiting.tolist()) == ([6.0], [1.0])
+    np.testing.assert_array_equal(kept.positions(), [0])  # a subset holds its own arrays
+    with pytest.raises(AttributeError, match="no candidate feature 'runing'"):
+        _ = cand.runing
 
 
 @needs_numba
