@@ -1,10 +1,10 @@
 """What every scorer reads, and the two extension points that live in the pure layer.
 
-``Candidates`` holds one aligned ``(k,)`` array per feature the pool declares
+``Candidates`` gives one aligned ``(k,)`` array per feature the pool declares
 (``router/state/features.py``): ``cand.running``, ``cand.kv_usage``, … plus ``slots`` and
-``cached_blocks``. Scraped features that were never measured are NaN here; each scorer decides
-explicitly what unknown means (usually the pool's worst known value), because treating unknown as
-idle herds traffic onto pods nobody has measured.
+``cached_blocks`` (from the pool, each gathered when first read). Scraped features that were
+never measured are NaN here; each scorer decides explicitly what unknown means (usually the pool's
+worst known value), because treating unknown as idle herds traffic onto pods nobody has measured.
 
 ``View`` adds what one pick derives once from them (cached and uncached tokens, queue wait,
 prefill time, batch, KV use, TPOT) so that cost terms stay one-liners over shared quantities.
