@@ -80,6 +80,7 @@ from loadtests.bench.scenarios import (
     matrix_scenario,
     router_links,
     scaled_links,
+    with_slow_pods,
 )
 from simulator.cluster import link_cost_from
 from simulator.engine import SimCluster, TimeModel
@@ -836,6 +837,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (default: 1)")
     parser.add_argument("--hop-ms", type=float, default=HOP_S * MS, help="proxy → engine hop (default: 1)")
+    parser.add_argument(
+        "--slow-pods",
+        type=float,
+        default=1.0,
+        metavar="FACTOR",
+        help="a mixed fleet: the second half of each role's pods FACTOR× slower, the router not told",
+    )
     parser.add_argument("--json", default="", help="also write the numbers here (a baseline file)")
     parser.add_argument(
         "--router-tree",
@@ -864,6 +872,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {sorted(SCENARIOS)}")
+    if args.slow_pods <= 0:
+        parser.error(f"--slow-pods {args.slow_pods:g}: a factor > 0")
     try:
         variants = _variants(args.variant)
     except ValueError as exc:
@@ -914,7 +924,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [(key, seed, pol) for key in args.scenarios for seed in seeds for pol in policies]
     done = _run_jobs(jobs, args, tm)
     for key in args.scenarios:
-        scn = SCENARIOS[key]
+        scn = _scenario(key, args)
         n, rate = args.requests or scn.requests, args.rate or scn.rate
         for seed in seeds:
             runs = [done[key, seed, pol.name] for pol in policies]
@@ -958,9 +968,15 @@ def pool_runs(runs: Sequence[PolicyRun]) -> PolicyRun:
     return pooled
 
 
+def _scenario(key: str, args: argparse.Namespace) -> Scenario:
+    """Scenario ``key`` on the fleet the command line asks for."""
+    scn = SCENARIOS[key]
+    return scn if args.slow_pods == 1.0 else with_slow_pods(scn, args.slow_pods)
+
+
 def _one_job(job: tuple[str, int, Policy], args: argparse.Namespace, tm: TimeModel) -> PolicyRun:
     key, seed, pol = job
-    scn = SCENARIOS[key]
+    scn = _scenario(key, args)
     workload = scn.workload(args.requests or scn.requests, args.rate or scn.rate, seed)
     run = run_policy(scn, pol, seed=seed, hop_s=args.hop_ms / MS, tm=tm, workload=workload)
     sys.stderr.write(

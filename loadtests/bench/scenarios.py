@@ -449,6 +449,37 @@ def config_data(
     return data
 
 
+def slower(tm: TimeModel, factor: float) -> TimeModel:
+    """An engine ``factor`` × slower: every step cost scaled (an older GPU beside newer ones)."""
+    return replace(
+        tm,
+        step_base_s=tm.step_base_s * factor,
+        prefill_s_per_token=tm.prefill_s_per_token * factor,
+        decode_s_per_seq=tm.decode_s_per_seq * factor,
+        kv_s_per_token=tm.kv_s_per_token * factor,
+    )
+
+
+def with_slow_pods(scn: Scenario, factor: float) -> Scenario:
+    """``scn`` on a mixed fleet: the second half of each role's pods ``factor`` × slower (a role's
+    only pod stays as it is). The router is told nothing: its configured engine is the fast pods'."""
+    if factor <= 0:
+        raise ValueError(f"the slow pods' factor must be > 0, got {factor}")
+
+    def specs(tm: TimeModel) -> list[EngineSpec]:
+        pods = scn.specs(tm)
+        per_role = {role: sum(p.role == role for p in pods) for role in {p.role for p in pods}}
+        seen = dict.fromkeys(per_role, 0)
+        mixed = []
+        for pod in pods:
+            seen[pod.role] += 1
+            slow = seen[pod.role] > (per_role[pod.role] + 1) // 2
+            mixed.append(replace(pod, time=slower(pod.time, factor)) if slow else pod)
+        return mixed
+
+    return replace(scn, specs=specs, title=f"{scn.title}, half the pods {factor:g}× slower")
+
+
 def claimed_engine(true: dict[str, Any], factor: float) -> dict[str, Any]:
     """The engine section of an operator who believes the engines ``factor`` × faster."""
     if factor == 1.0:

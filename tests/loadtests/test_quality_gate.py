@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 
 from loadtests.bench.quality import PolicyRun, policy, pool_runs, render_prediction_errors, run_policy
-from loadtests.bench.scenarios import MIXES, SCENARIOS, config_data, matrix_scenario
+from loadtests.bench.scenarios import MIXES, SCENARIOS, config_data, matrix_scenario, with_slow_pods
 from router.scheduling.costmodel import compiled
 from router.server.config import ScrapeConfig, SLOConfig
 from simulator.engine import EngineSpec, SimCluster, TimeModel
@@ -154,6 +154,26 @@ def test_matrix_cells_scale_with_the_pool_and_the_load() -> None:
     assert len(items) == small_pool.requests == round(8.0 * small_pool.rate)
     assert all(chat.max_tokens <= i.body["max_tokens"] <= chat.max_tokens_high for i in items)
     assert items[-1].at_s == pytest.approx(8.0, rel=0.25)  # Poisson at the rate: about 8 s of arrivals
+
+
+def test_a_mixed_fleet_slows_the_second_half_of_each_role_and_pd_router_leans_on_the_fast_half() -> None:
+    tm = TimeModel()
+    split = with_slow_pods(SCENARIOS["e"], 2.0)  # 2 prefill + 2 decode: one of each slowed
+    assert [(s.name, s.time.decode_s_per_seq / tm.decode_s_per_seq) for s in split.specs(tm)] == [
+        ("prefill-0", 1.0),
+        ("prefill-1", 2.0),
+        ("decode-0", 1.0),
+        ("decode-1", 2.0),
+    ]
+    assert split.specs(tm)[1].time.prefill_s_per_token == 2 * tm.prefill_s_per_token
+    assert "half the pods 2× slower" in split.title
+    with pytest.raises(ValueError, match="> 0"):
+        with_slow_pods(SCENARIOS["b"], 0.0)
+    mixed = with_slow_pods(SCENARIOS["b"], 2.0)  # pod-2 and pod-3 slowed; the router is not told
+    run = run_policy(mixed, policy("pd-router"), requests=200)
+    served = Counter(r.decode for r in run.summary.ok)
+    # The scrapes show the slow pods' queues, and the costs price them: the fast pods serve more.
+    assert served["pod-0"] + served["pod-1"] > 1.3 * (served["pod-2"] + served["pod-3"]), served
 
 
 def test_a_virtual_run_takes_the_production_paths(gate_runs: dict[str, dict[str, PolicyRun]]) -> None:
