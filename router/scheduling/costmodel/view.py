@@ -98,7 +98,7 @@ class Candidates:
         return float(unread[name][self.slots[position]])
 
     def positions(self) -> np.ndarray:
-        """Where each candidate sits in the arrays ``source`` returns."""
+        """Where each candidate sits in the arrays ``sources`` returns."""
         return np.arange(len(self.slots)) if self._unread is None else self.slots
 
     def __len__(self) -> int:
