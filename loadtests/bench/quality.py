@@ -968,6 +968,11 @@ def pool_runs(runs: Sequence[PolicyRun]) -> PolicyRun:
     return pooled
 
 
+def _fleet(args: argparse.Namespace) -> str:
+    """What the header says of the fleet (nothing for a uniform one)."""
+    return "" if args.slow_pods == 1.0 else f"; half the pods {args.slow_pods:g}× slower, the router not told"
+
+
 def _scenario(key: str, args: argparse.Namespace) -> Scenario:
     """Scenario ``key`` on the fleet the command line asks for."""
     scn = SCENARIOS[key]
@@ -1003,13 +1008,14 @@ def _matrix(args: argparse.Namespace) -> list[Scenario]:
     def floats(raw: str) -> list[float]:
         return [float(x) for x in raw.split(",") if x]
 
-    return [
+    cells = [
         matrix_scenario(shape, int(pods), MIXES[mix], load, args.matrix_seconds)
         for shape in args.matrix_shapes.split(",")
         for pods in floats(args.matrix_pools)
         for mix in args.matrix_mixes.split(",")
         for load in floats(args.matrix_loads)
     ]
+    return cells if args.slow_pods == 1.0 else [with_slow_pods(cell, args.slow_pods) for cell in cells]
 
 
 def _run_matrix(
@@ -1023,7 +1029,7 @@ def _run_matrix(
     sys.stdout.write(
         f"\nMatrix: TTFT ms and goodput per policy; load × nominal capacity (every shared prefix cached "
         f"where it is computed, every decode batch full); {args.matrix_seconds:g} s of arrivals per "
-        f"cell\n\n{head}\n  {'-' * (len(head) - 2)}\n"
+        f"cell{_fleet(args)}\n\n{head}\n  {'-' * (len(head) - 2)}\n"
     )
     for scn in cells:
         workload = scn.workload(scn.requests, scn.rate, args.seed)

@@ -22,6 +22,7 @@ Scenarios:
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -468,8 +469,8 @@ def with_slow_pods(scn: Scenario, factor: float) -> Scenario:
 
     def specs(tm: TimeModel) -> list[EngineSpec]:
         pods = scn.specs(tm)
-        per_role = {role: sum(p.role == role for p in pods) for role in {p.role for p in pods}}
-        seen = dict.fromkeys(per_role, 0)
+        per_role = Counter(p.role for p in pods)
+        seen: Counter[str] = Counter()
         mixed = []
         for pod in pods:
             seen[pod.role] += 1

@@ -1,8 +1,9 @@
 """``Picker.pick()``: the (prefill, decode) choice for one request, reserved at once.
 
-The runner of the extension points, and where their contracts are enforced: gather the candidate
-features from the pool, apply the ``CandidateFilter``s, one prefix-index lookup for the survivors,
-the cost terms into one cost matrix (``costmodel.matrix``), the ``PairPicker``'s choice, then reserve.
+The runner of the extension points, and where their contracts are enforced: the candidates'
+features from the pool (read where they lie, ``Candidates.of_pool``), the ``CandidateFilter``s, one
+prefix-index lookup for the survivors, the cost terms into one cost matrix (``costmodel.matrix``),
+the ``PairPicker``'s choice, then reserve.
 Synchronous and vectorised; it never awaits. The pick charges its predicted work to the pool
 before returning, so a burst between two scrapes spreads out instead of herding.
 """

@@ -180,11 +180,8 @@ class Pool:
             if old:
                 fresh[:old] = getattr(self, name)
             setattr(self, name, fresh)
-        self._candidate_arrays = [
-            (name, getattr(self, name), getattr(self, f"others_{name}") if name in SHARED else None)
-            for name in CANDIDATE
-        ]
-        self._candidate_features = {name: values for name, values, _ in self._candidate_arrays}
+        self._candidate_features = {name: getattr(self, name) for name in CANDIDATE}
+        self._others_features = {name: getattr(self, f"others_{name}") for name in SHARED}
         self.lora.grow(capacity)
         self.by_slot.extend([None] * (capacity - old))
         self.generation.extend([0] * (capacity - old))
@@ -272,14 +269,15 @@ class Pool:
     def candidates(self, slots: np.ndarray) -> Candidates:
         """Every candidate feature of these slots for the scorers: read from the pool's arrays as
         the scorers ask (another replica's share, when there is one, added at once)."""
+        features = self._candidate_features
         if not self.others_held:
-            return Candidates.of_pool(slots, self._candidate_features)
-        arrays = self._candidate_arrays
+            return Candidates.of_pool(slots, features)
+        others = self._others_features
         return Candidates.adopt(
             slots,
             {
-                name: values[slots] if others is None else values[slots] + others[slots]
-                for name, values, others in arrays
+                name: values[slots] + others[name][slots] if name in others else values[slots]
+                for name, values in features.items()
             },
         )
 

@@ -19,6 +19,7 @@ goes. No test here measures wall-clock time.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -29,7 +30,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from loadtests.bench.quality import PolicyRun, policy, pool_runs, render_prediction_errors, run_policy
+from loadtests.bench.quality import (
+    PolicyRun,
+    _matrix,
+    main,
+    policy,
+    pool_runs,
+    render_prediction_errors,
+    run_policy,
+)
 from loadtests.bench.scenarios import MIXES, SCENARIOS, config_data, matrix_scenario, with_slow_pods
 from router.scheduling.costmodel import compiled
 from router.server.config import ScrapeConfig, SLOConfig
@@ -169,6 +178,11 @@ def test_a_mixed_fleet_slows_the_second_half_of_each_role_and_pd_router_leans_on
     assert "half the pods 2× slower" in split.title
     with pytest.raises(ValueError, match="> 0"):
         with_slow_pods(SCENARIOS["b"], 0.0)
+    grid = {"matrix_shapes": "split", "matrix_pools": "4", "matrix_mixes": "chat", "matrix_loads": "1.0"}
+    cells = _matrix(argparse.Namespace(**grid, matrix_seconds=8.0, slow_pods=2.0))
+    assert all(c.specs(tm)[-1].time.step_base_s == 2 * tm.step_base_s for c in cells)  # the matrix too
+    with pytest.raises(SystemExit):
+        main(["--slow-pods", "0"])
     mixed = with_slow_pods(SCENARIOS["b"], 2.0)  # pod-2 and pod-3 slowed; the router is not told
     run = run_policy(mixed, policy("pd-router"), requests=200)
     served = Counter(r.decode for r in run.summary.ok)

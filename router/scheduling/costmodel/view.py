@@ -106,11 +106,9 @@ class Candidates:
 
     def take(self, index: np.ndarray) -> Candidates:
         """The subset at ``index`` (a mask or integer positions), every feature gathered."""
-        unread = self._unread
-        features = {name: values for name, values in vars(self).items() if name != "_unread"}
-        if unread is not None:
-            features.update((name, getattr(self, name)) for name in unread)
-        return Candidates(**{name: values[index] for name, values in features.items() if values is not None})
+        for name in self._unread or ():
+            getattr(self, name)  # gathered into the instance's attributes
+        return Candidates(**{name: values[index] for name, values in vars(self).items() if name != "_unread"})
 
 
 class RequestCtx(NamedTuple):
