@@ -3,7 +3,7 @@
 ``pick()`` never awaits, so each replica keeps a :class:`~kvindex.memory.MemoryPrefixIndex` *mirror*
 that ``match`` reads, and Redis is the shared store: writes (``record``/``stored``/``removed``/
 ``cleared``/``drop_slot``) go to the mirror at once and into a bounded queue that a background task
-flushes in pipelined batches; ``await lookup(...)`` (called by the request adapter *before* the
+flushes in batches (one script call each, pipelined when there are several); ``await lookup(...)`` (called by the request adapter *before* the
 pick, where I/O is allowed) asks Redis in one round trip and copies what it learned into the
 mirror, so the following synchronous ``match`` sees other replicas' blocks.
 
@@ -611,9 +611,7 @@ class SharedPrefixIndex:
         for name, op, keys in ops:
             per_name.setdefault(name, []).append((op, keys))
         calls: list[list[bytes | str]] = []
-        if clears:
-            calls.append([a for name in clears for a in (_CLEAR, name, b"")])
-        current: list[bytes | str] = []
+        current: list[bytes | str] = [a for name in clears for a in (_CLEAR, name, b"")]
         room = self._batch_blocks
         for name, name_ops in per_name.items():
             for op, keys in self._coalesce(name_ops):
@@ -643,11 +641,15 @@ class SharedPrefixIndex:
         return [(_DEL, np.array(dels, dtype=np.uint64)), (_ADD, np.array(adds, dtype=np.uint64))]
 
     async def _run_calls(self, calls: list[list[bytes | str]], per_pipeline: int = 64) -> None:
-        """Pipelined script calls, ``per_pipeline`` per pipeline, each pipeline under the timeout."""
+        """The script calls, under the timeout: one alone (the common flush), else pipelined,
+        ``per_pipeline`` per pipeline."""
         for first in range(0, len(calls), per_pipeline):
             group = calls[first : first + per_pipeline]
             async with asyncio.timeout(self._write_timeout_s):
-                results = await self._pipeline(group)
+                if len(group) == 1:  # EVALSHA alone: no SCRIPT EXISTS round trip, as a pipeline asks
+                    results = [await self._apply_script(args=[self._bp, self._gp, self._ttl_ms, *group[0]])]
+                else:
+                    results = await self._pipeline(group)
             for args, gens in zip(group, results, strict=True):
                 for j in range(0, len(args), 3):
                     gen = gens[j // 3]

@@ -103,7 +103,7 @@ class SharedLookup:
 class FreshLoad:
     """The other replicas' in-flight reservations as of now rather than as of the last interval,
     within ``timeout_s`` (past it, or while Redis is down, the pick uses the last exchange's);
-    nothing to wait for while they are pushed (``index.redis.push``)."""
+    nothing to wait for while they are pushed (``index.redis.push``) or there are none."""
 
     name = "shared_load"
     fills = False
@@ -113,7 +113,7 @@ class FreshLoad:
         self.timeout_s = timeout_s
 
     def wanted(self, request: RouteRequest) -> bool:
-        return not self.shared_load.pushed
+        return not self.shared_load.current
 
     async def produce(self, request: RouteRequest) -> None:
         with contextlib.suppress(TimeoutError):

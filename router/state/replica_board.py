@@ -2,9 +2,10 @@
 
 The field is the replica's id and the value ``{"at": <wall time>, <name>: <value>}``. Every exchange
 writes this replica's entry, refreshes the hash's expiry (it disappears once nobody writes) and
-reads everyone's in one round trip; an entry older than ``stale_after_s`` (a replica killed or cut
-off) or unreadable is deleted by the reader that finds it. Redis trouble never raises: it is
-counted, logged once per outage, and reads as no other replica at all.
+reads everyone's in one script call (one command: a pipeline of three cost ~1.4x its client CPU in
+redis-py, and a replica exchanges a few times per request); an entry older than ``stale_after_s``
+(a replica killed or cut off) or unreadable is deleted by the reader that finds it. Redis trouble
+never raises: it is counted, logged once per outage, and reads as no other replica at all.
 
 With ``push``, each exchange also publishes the entry on the channel named like the hash, and
 ``listen`` hands every other replica's to a callback as it comes: a reader is then as fresh as the
@@ -26,6 +27,20 @@ from kvindex.aio import follow_channel
 
 log = logging.getLogger(__name__)
 
+# KEYS[1]: the hash (and the channel); ARGV: this replica's field, its entry, the hash's expiry in
+# ms, "1" to read everyone's back, and the message to publish ("" for none).
+_EXCHANGE_LUA = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if ARGV[5] ~= '' then
+  redis.call('PUBLISH', KEYS[1], ARGV[5])
+end
+if ARGV[4] == '1' then
+  return redis.call('HGETALL', KEYS[1])
+end
+return {}
+"""
+
 T = TypeVar("T")
 
 
@@ -43,6 +58,8 @@ class ReplicaBoard(Generic[T]):
         push: bool = False,
     ) -> None:
         self.client = client
+        # EVALSHA, loading the source again after a Redis restart or SCRIPT FLUSH (NOSCRIPT).
+        self._script = client.register_script(_EXCHANGE_LUA)
         self.push = push
         self.subscribed = False
         self.read: dict[str, tuple[float, T]] = {}  # the last exchange's others: id -> (stamp, value)
@@ -61,16 +78,14 @@ class ReplicaBoard(Generic[T]):
         ``read=False`` (their values come pushed): write only, and an empty list."""
         now = self.clock()
         entry = orjson.dumps({"at": now, self.name: own})
+        published = self.replica.encode() + b" " + entry if self.push else b""
+        expiry_ms = max(1, int(self.stale_after_s * 3000))
         try:
             async with asyncio.timeout(self.timeout_s):
-                async with self.client.pipeline(transaction=False) as pipe:
-                    pipe.hset(self.key, self.replica, entry)
-                    if self.push:
-                        pipe.publish(self.key, self.replica.encode() + b" " + entry)
-                    pipe.pexpire(self.key, max(1, int(self.stale_after_s * 3000)))
-                    if read:
-                        pipe.hgetall(self.key)
-                    *_, everyone = await pipe.execute()
+                flat = await self._script(
+                    keys=[self.key], args=[self.replica, entry, expiry_ms, b"1" if read else b"0", published]
+                )
+                everyone = dict(zip(flat[::2], flat[1::2], strict=True))
                 others, gone = self._read(everyone, now) if read else ([], [])
                 if gone:
                     await self.client.hdel(self.key, *gone)

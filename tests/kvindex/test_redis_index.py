@@ -252,6 +252,25 @@ async def noscript_errors(client: aioredis.Redis) -> int:
     return int(stats.get("errorstat_NOSCRIPT", {}).get("count", 0))
 
 
+async def test_a_flush_of_one_script_call_is_one_round_trip(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    raw = clients[1]
+    a = make_index(clients[0], A_SLOTS)
+    a.record(A_SLOTS["e1"], keys(9))
+    assert await a.flush()  # the script is loaded now
+    await raw.config_resetstat()
+    a.record(A_SLOTS["e0"], keys(1, 2))
+    a.drop_slot(A_SLOTS["e1"])  # a clear rides in the same call
+    assert await a.flush()
+    stats = await raw.info("commandstats")
+    # EVALSHA alone: a pipeline would first ask SCRIPT EXISTS (one more round trip per flush).
+    assert {k: v["calls"] for k, v in stats.items() if "script" in k or "eval" in k} == {"cmdstat_evalsha": 1}
+    b = make_index(raw, B_SLOTS)
+    assert (await b.lookup(keys(9), slots_of(B_SLOTS, "e0", "e1"))).tolist() == [0, 0]
+    assert (await b.lookup(keys(1, 2), slots_of(B_SLOTS, "e0"))).tolist() == [2]
+
+
 async def test_writes_after_script_flush_load_the_script_before_the_pipeline(
     clients: tuple[aioredis.Redis, aioredis.Redis],
 ) -> None:
@@ -285,9 +304,8 @@ end
 """
 
 
-async def test_flushes_timed_out_while_the_scripts_are_checked_leak_no_connection(
-    server: RedisServer,
-) -> None:
+@pytest.mark.parametrize("batch_blocks", [1024, 1], ids=["one-call", "pipelined"])
+async def test_flushes_that_time_out_leak_no_connection(server: RedisServer, batch_blocks: int) -> None:
     # Two connections at most: one leaked per timed-out flush would starve the client by the third.
     client = aioredis.Redis(
         host=server.host, port=server.port, max_connections=2, retry=Retry(NoBackoff(), 0)
@@ -306,19 +324,20 @@ async def test_flushes_timed_out_while_the_scripts_are_checked_leak_no_connectio
             return True
         return False
 
-    a = make_index(client, A_SLOTS, write_timeout_s=0.05)
+    # A flush of one script call sends its EVALSHA alone; of several, a pipeline after SCRIPT EXISTS.
+    a = make_index(client, A_SLOTS, write_timeout_s=0.05, batch_blocks=batch_blocks)
     b = make_index(reader, B_SLOTS)
     try:
         for i in range(3):
-            a.record(A_SLOTS["e0"], keys(50 + i))
+            a.record(A_SLOTS["e0"], keys(*range(50, 52 + i)))
             await client.ping()  # a connected connection in the pool, so the flush gets past connecting
             busy = asyncio.create_task(blocker.eval(BUSY_LUA, 0))
             await eventually(server_busy, 2, "the script holding the server")
-            assert not await a.flush()  # the timeout fires during the pipeline's SCRIPT EXISTS
+            assert not await a.flush()  # the timeout fires while the server is held
             await busy
         assert await client.ping()
         assert await a.flush()
-        assert (await b.lookup(keys(50, 51, 52), slots_of(B_SLOTS, "e0"))).tolist() == [3]
+        assert (await b.lookup(keys(50, 51, 52, 53), slots_of(B_SLOTS, "e0"))).tolist() == [4]
     finally:
         for c in (client, blocker, reader, *probes):
             await c.aclose()

@@ -15,6 +15,8 @@ from helpers import Clock, eventually
 from redis.asyncio import Redis
 
 from loadtests.servers.redis import RedisServer
+from router.request.types import RouteRequest
+from router.scheduling.producers import FreshLoad
 from router.server.config import EndpointConfig
 from router.state.pool import Pool
 from router.state.shared_load import SharedLoad
@@ -38,6 +40,10 @@ def load_on(pool: Pool, name: str) -> tuple[float, float, int]:
         float(cand.reserved_kv_tokens[0]),
         int(cand.inflight_requests[0]),
     )
+
+
+def request() -> RouteRequest:
+    return RouteRequest("m", 4, 8, np.zeros(0, dtype=np.uint64), {})
 
 
 async def poll(check: Callable[[], Awaitable[bool]], deadline_s: float) -> bool:
@@ -65,6 +71,10 @@ async def test_a_replica_sees_what_the_others_have_in_flight_by_endpoint_not_by_
     await a.exchange()
     assert load_on(pool_a, "e1") == (100.0, 200.0, 1)
     assert (a.replicas, b.replicas) == (2, 2)
+    await redis_client.config_resetstat()
+    await b.exchange()
+    # Written, kept alive and read back in one command: a replica exchanges a few times a request.
+    assert (await redis_client.info("commandstats"))["cmdstat_evalsha"]["calls"] == 1
     held.release()  # B's request ended: A stops counting it at its next exchange
     await b.exchange()
     await a.exchange()
@@ -121,9 +131,11 @@ async def test_a_change_is_told_at_once_not_at_the_next_interval(redis_client: R
     a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0)  # the heartbeat alone would take 30 s
     b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0)
     pool_a.on_load_change = a.changed
+    await a.exchange()  # A announces itself,
+    await b.exchange()  # B finds A,
+    await a.exchange()  # and A finds B (at their heartbeats): neither is alone
     task = asyncio.create_task(a.run())
     try:
-        await b.refresh()
         pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=700.0, kv_tokens=800.0)
 
         async def b_sees_it() -> bool:
@@ -132,6 +144,49 @@ async def test_a_change_is_told_at_once_not_at_the_next_interval(redis_client: R
             return load_on(pool_b, "e0") == (700.0, 800.0, 1)
 
         assert await poll(b_sees_it, 5.0), "B never saw A's reservation"
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_lone_replica_tells_nobody_its_changes_until_another_appears(redis_client: Redis) -> None:
+    pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
+    a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0, min_gap_s=0.0)  # no heartbeat here
+    pool_a.on_load_change = a.changed
+    producer = FreshLoad(a, timeout_s=0.5)
+    exchanges = 0
+    real = a.board.exchange
+
+    async def counted(own: object, *, read: bool = True) -> object:
+        nonlocal exchanges
+        exchanges += 1
+        return await real(own, read=read)
+
+    a.board.exchange = counted  # type: ignore[method-assign]
+    assert producer.wanted(request())  # who else is there is not known yet
+    await a.refresh()  # the first pick's: nobody else wrote
+    assert (a.alone, exchanges, a.replicas) == (True, 1, 1)
+    assert not producer.wanted(request())  # nothing to wait for before a pick
+    task = asyncio.create_task(a.run())
+    try:
+        pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=10.0, kv_tokens=20.0)
+        await a.refresh()
+        for _ in range(20):  # the loop wakes for the change; with another replica it would write now
+            await asyncio.sleep(0)
+        assert exchanges == 1
+        b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0)
+        await b.exchange()  # B starts
+        await a.exchange()  # A's heartbeat finds it
+        assert (a.alone, a.replicas, exchanges) == (False, 2, 2)
+        assert producer.wanted(request())
+        pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=30.0, kv_tokens=40.0)
+
+        async def b_sees_both() -> bool:
+            await b.refresh()
+            return load_on(pool_b, "e0") == (40.0, 60.0, 2)
+
+        await eventually(b_sees_both, what="A's reservations in B, told as they change")
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -157,6 +212,7 @@ async def test_concurrent_refreshes_share_one_exchange(redis_client: Redis) -> N
 async def test_a_caller_that_gives_up_does_not_stop_later_exchanges(redis_client: Redis) -> None:
     pool = replica_pool("e0")
     shared = SharedLoad(redis_client, "pool", pool, interval_s=30.0, min_gap_s=0.0)
+    await redis_client.hset("pool:load", "other", b'{"at": 9e18, "load": {}}')  # not alone: it reads
     slow = asyncio.Event()
     real, calls = shared.exchange, 0
 
