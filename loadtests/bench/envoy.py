@@ -59,7 +59,6 @@ import yaml
 from aiohttp import web
 
 from loadtests.bench.proxy import (
-    CLK_TCK,
     MODEL,
     MS,
     Cell,
@@ -73,6 +72,7 @@ from loadtests.bench.proxy import (
     _serve_until_term,
     _top,
     drive,
+    process_cpu_s,
     run_profiled,
     start_child,
     traced_env,
@@ -228,14 +228,7 @@ class Envoy:
     port: int
 
     def cpu_s(self) -> float:
-        return _cpu_s(self.proc.pid)
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return process_cpu_s(self.proc.pid)
 
 
 @contextlib.asynccontextmanager

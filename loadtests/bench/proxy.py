@@ -234,6 +234,16 @@ async def _const(value: int) -> int:
     return value
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+
+
 @dataclass
 class Child:
     proc: mp.process.BaseProcess
@@ -241,9 +251,7 @@ class Child:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds of the child so far."""
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+        return process_cpu_s(self.proc.pid)
 
     def stop(self) -> None:
         self.proc.terminate()  # SIGTERM: the child leaves its loop and cleans up

@@ -31,12 +31,13 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from unittest import mock
 
 import aiohttp
 import fakeredis
 
+from loadtests.bench.proxy import process_cpu_s
 from loadtests.bench.quality import MS, VIRTUAL_OVERRIDES, RouterUnderTest, _drive
 from loadtests.bench.scenarios import (
     HOP_S,
@@ -84,7 +85,7 @@ class Setup:
     @property
     def name(self) -> str:
         if self.replicas == 1:
-            return "1 replica"
+            return "1 replica, with Redis" if self.shared else "1 replica"
         if not self.shared:
             return f"{self.replicas} replicas, independent"
         return f"{self.replicas} replicas, " + ("pushed" if self.push else "shared")
@@ -94,13 +95,16 @@ class Setup:
         return {**settings, "push": True} if self.push else dict(settings)
 
 
-def setups(counts: Sequence[int], push: Sequence[bool] = (False,), independent: bool = True) -> list[Setup]:
-    """One replica, then per count N > 1 the shared setups (asked and/or pushed, as ``push``
-    lists) and, with ``independent``, N replicas sharing nothing."""
+def setups(
+    counts: Sequence[int], push: Sequence[bool] = (False,), independent: bool = True, lone: bool = False
+) -> list[Setup]:
+    """One replica (and, with ``lone``, one given a Redis, as a deployment scaled down to one),
+    then per count N > 1 the shared setups (asked and/or pushed, as ``push`` lists) and, with
+    ``independent``, N replicas sharing nothing."""
     out = []
     for n in counts:
         if n == 1:
-            out.append(Setup(1, False))
+            out += [Setup(1, False), *([Setup(1, True)] if lone else [])]
             continue
         out += [Setup(n, True, p) for p in push]
         if independent:
@@ -166,6 +170,16 @@ def run_setup(
     return run_virtual(run, seed=seed)
 
 
+class EnvoyRun(NamedTuple):
+    """One setup's run behind Envoy: its requests, and what the replicas and Redis spent on them."""
+
+    summary: Summary
+    decision_s: float  # the replicas' own time deciding (parse, producers, pick), summed
+    decisions: int
+    router_cpu_s: float  # the replicas' processes, user + system, while the requests ran
+    redis_cpu_s: float  # redis-server's, likewise (0 without one)
+
+
 async def _run_behind_envoy(
     scn: Scenario,
     setup: Setup,
@@ -174,7 +188,7 @@ async def _run_behind_envoy(
     workdir: Path,
     redis_settings: Mapping[str, Any],
     scrape_ms: float,
-) -> tuple[Summary, float, int]:
+) -> EnvoyRun:
     tm = TimeModel()
     workload = scn.workload(requests, scn.rate, seed)
     link_cost = link_cost_from(LinksConfig.model_validate(scn.links)) if scn.links else None
@@ -185,6 +199,7 @@ async def _run_behind_envoy(
         # The replicas' own listeners and scraping (PickerProcess) over the scenario's pool and model.
         settings = {key: value for key, value in data.items() if key not in ("proxy", "scrape")}
         settings["scrape"] = {"interval_ms": scrape_ms}
+        redis: RedisServer | None = None
         if setup.shared:
             redis = RedisServer(workdir)
             redis.start()
@@ -205,12 +220,19 @@ async def _run_behind_envoy(
         first, *others = pickers
         config, listen, admin = in_front_of_picker("buffered", first.port, replicas=[p.port for p in others])
         await stack.enter_async_context(run_envoy(config, workdir, admin))
+        pids = [picker.pid for picker in pickers]
+
+        def cpu_s() -> tuple[float, float]:
+            return sum(map(process_cpu_s, pids)), 0.0 if redis is None else process_cpu_s(redis.pid)
+
+        router0, redis0 = cpu_s()
         summary = await run_workload(f"http://127.0.0.1:{listen}", workload, name=setup.name)
+        router1, redis1 = cpu_s()
         seconds, decisions = 0.0, 0
         for picker in pickers:  # every replica's own time per decision (parse, producers, pick)
             spent, count = await _pick_duration(picker.metrics_port)
             seconds, decisions = seconds + spent, decisions + count
-        return summary, seconds, decisions
+        return EnvoyRun(summary, seconds, decisions, router1 - router0, redis1 - redis0)
 
 
 async def _pick_duration(port: int) -> tuple[float, int]:
@@ -232,9 +254,8 @@ def run_setup_behind_envoy(
     redis_settings: Mapping[str, Any] | None = None,
     requests: int | None = None,
     scrape_ms: float = SCRAPE_MS,
-) -> tuple[Summary, float, int]:
-    """One setup as processes behind a real Envoy, on the wall clock (see the module's docstring):
-    its summary, and the seconds its replicas spent deciding over how many decisions."""
+) -> EnvoyRun:
+    """One setup as processes behind a real Envoy, on the wall clock (see the module's docstring)."""
     with tempfile.TemporaryDirectory(prefix="replicas-") as workdir:
         run = _run_behind_envoy(
             scn, setup, seed, requests or scn.requests, Path(workdir), redis_settings or {}, scrape_ms
@@ -262,16 +283,21 @@ def row(scn: Scenario, setup: Setup, summaries: list[Summary], one_p90: float | 
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    """TTFT p50/p90/p99 ms, goodput, p90 over one replica's; behind Envoy also the replicas' time
+    per decision and the CPU the replicas (all of them) and Redis spent per request."""
+
+    def ms(r: dict[str, Any], key: str) -> str:
+        return "" if r.get(key) is None else f"{r[key]:.2f}"
+
     print(
         f"  {'scenario':<9}{'setup':<26}{'ok':>10}{'p50':>9}{'p90':>9}{'p99':>9}{'goodput':>9}{'p90/1':>8}"
-        f"{'decision ms':>13}"
+        f"{'decision ms':>13}{'CPU ms/req':>12}{'Redis ms/req':>14}"
     )
     for r in rows:
-        decision = "" if r.get("decision_ms") is None else f"{r['decision_ms']:.2f}"
         print(
             f"  {r['scenario']:<9}{r['setup']:<26}{r['ok']:>10}{r['ttft_p50_ms']:>9.1f}"
             f"{r['ttft_p90_ms']:>9.1f}{r['ttft_p99_ms']:>9.1f}{r['goodput']:>8.1%}{r['p90_vs_one']:>8.2f}"
-            f"{decision:>13}"
+            f"{ms(r, 'decision_ms'):>13}{ms(r, 'router_cpu_ms'):>12}{ms(r, 'redis_cpu_ms'):>14}"
         )
 
 
@@ -296,6 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-independent", action="store_true", help="leave out the replicas that share nothing"
     )
+    parser.add_argument(
+        "--lone",
+        action="store_true",
+        help="add one replica given a Redis (a deployment scaled down to one), beside one without",
+    )
     parser.add_argument("--requests", type=int, help="requests per run (default: the scenario's)")
     parser.add_argument(
         "--envoy", action="store_true", help="processes behind a real Envoy on the wall clock instead"
@@ -316,8 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key in args.scenarios:
         scn = SCENARIOS[key]
         one_p90 = None
-        for setup in setups(counts, push, independent=not args.no_independent):
-            decision_ms = None
+        for setup in setups(counts, push, independent=not args.no_independent, lone=args.lone):
+            costs: dict[str, float] = {}
             if args.envoy:
                 runs = [
                     run_setup_behind_envoy(
@@ -330,17 +361,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                     for seed in seeds
                 ]
-                summaries = [summary for summary, _, _ in runs]
-                decisions = sum(count for _, _, count in runs)
-                decision_ms = sum(spent for _, spent, _ in runs) / max(1, decisions) * MS
+                summaries = [run.summary for run in runs]
+                requests = max(1, sum(len(run.summary.results) for run in runs))
+                decisions = max(1, sum(run.decisions for run in runs))
+                costs = {
+                    "decision_ms": sum(r.decision_s for r in runs) / decisions * MS,
+                    "router_cpu_ms": sum(r.router_cpu_s for r in runs) / requests * MS,
+                    "redis_cpu_ms": sum(r.redis_cpu_s for r in runs) / requests * MS,
+                }
             else:
                 summaries = [
                     run_setup(scn, setup, seed, redis_settings=redis, requests=args.requests)
                     for seed in seeds
                 ]
-            result = row(scn, setup, summaries, one_p90)
-            result["decision_ms"] = decision_ms
-            if setup.replicas == 1:
+            result = {**row(scn, setup, summaries, one_p90), **costs}
+            if setup == Setup(1, False):
                 one_p90 = result["ttft_p90_ms"]
                 result["p90_vs_one"] = 1.0
             rows.append(result)

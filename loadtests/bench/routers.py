@@ -41,7 +41,6 @@ from pathlib import Path
 from aiohttp import web
 
 from loadtests.bench.proxy import (
-    CLK_TCK,
     MODEL,
     Child,
     _client_run,
@@ -50,6 +49,7 @@ from loadtests.bench.proxy import (
     _serve_until_term,
     closed_loop,
     null_engine_main,
+    process_cpu_s,
     run_profiled,
     start_child,
 )
@@ -136,7 +136,7 @@ class Process:
     port: int
 
     def cpu_s(self) -> float:
-        return sum(_cpu_s(pid) for pid in _tree(self.popen.pid))
+        return sum(process_cpu_s(pid) for pid in _tree(self.popen.pid))
 
     def stop(self) -> None:
         self.popen.terminate()
@@ -145,15 +145,6 @@ class Process:
         except subprocess.TimeoutExpired:
             self.popen.kill()
             self.popen.wait(5.0)
-
-
-def _cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def _tree(root: int) -> list[int]:

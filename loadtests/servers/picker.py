@@ -87,6 +87,11 @@ class PickerProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
     async def start(self) -> None:
         self.logs.append(self.workdir / f"picker.{len(self.logs) + 1}.log")
         command = (

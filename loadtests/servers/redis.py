@@ -67,6 +67,11 @@ class RedisServer:
         except OSError:
             return False
 
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None, "not started"
+        return self._proc.pid
+
     def kill(self) -> None:
         """SIGKILL (a crash, not a shutdown) and reap; a no-op when not running."""
         if self._proc is not None and self._proc.poll() is None:

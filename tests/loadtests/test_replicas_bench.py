@@ -39,13 +39,22 @@ def test_the_command_prints_one_row_per_setup(capsys: pytest.CaptureFixture[str]
 
 
 def test_behind_a_real_envoy_every_replica_setup_answers(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--envoy", "--scenarios", "b", "--replicas", "2", "--requests", "30", "--json"]
+    argv = ["--envoy", "--scenarios", "b", "--replicas", "2", "--requests", "30", "--lone", "--json"]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["setup"] for r in rows] == ["1 replica", "2 replicas, shared", "2 replicas, independent"]
+    assert [r["setup"] for r in rows] == [
+        "1 replica",
+        "1 replica, with Redis",
+        "2 replicas, shared",
+        "2 replicas, independent",
+    ]
     for r in rows:
         ok, sent = r["ok"].split("/")
         assert ok == sent and int(sent) > 0  # every request routed by the replicas through Envoy
+        assert r["decision_ms"] > 0 and r["router_cpu_ms"] > 0
+        # Redis's CPU is counted where there is one, and only there.
+        assert (r["redis_cpu_ms"] > 0) == (r["setup"] in ("1 replica, with Redis", "2 replicas, shared"))
+    assert rows[0]["p90_vs_one"] == 1.0  # the one without Redis is the yardstick
 
 
 def test_push_both_runs_asked_and_pushed_replicas_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
