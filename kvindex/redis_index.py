@@ -3,9 +3,10 @@
 ``pick()`` never awaits, so each replica keeps a :class:`~kvindex.memory.MemoryPrefixIndex` *mirror*
 that ``match`` reads, and Redis is the shared store: writes (``record``/``stored``/``removed``/
 ``cleared``/``drop_slot``) go to the mirror at once and into a bounded queue that a background task
-flushes in batches (one script call each, pipelined when there are several); ``await lookup(...)`` (called by the request adapter *before* the
-pick, where I/O is allowed) asks Redis in one round trip and copies what it learned into the
-mirror, so the following synchronous ``match`` sees other replicas' blocks.
+flushes in batches (one script call each, pipelined when there are several); ``await lookup(...)``
+(called by the request adapter *before* the pick, where I/O is allowed) asks Redis in one round
+trip and copies what it learned into the mirror, so the following synchronous ``match`` sees other
+replicas' blocks.
 
 With ``push`` each flush is also published, as written (op by op, a prompt's keys in order), on the
 channel ``<ns>:w``, and every replica applies the others' to its mirror as they come. Once nothing
