@@ -22,8 +22,8 @@ before a pick has nothing to wait for.
 A replica whose last read found no other (``alone``: one replica given a Redis, or the last one
 left) writes only at the heartbeat and refreshes nothing before a pick: its changes have no reader,
 and a replica that joins is seen at the next heartbeat, within the ``interval_s`` every view is
-bounded by anyway. Exchanging at every change cost a lone replica with Redis about a third more
-CPU per request behind Envoy.
+bounded by anyway. Exchanging at every change (and with a pipeline of three commands) a lone
+replica given a Redis spent ~1.4x the CPU per request it does now behind Envoy (docs/deployment.md).
 """
 
 from __future__ import annotations
