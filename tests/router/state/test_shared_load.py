@@ -126,6 +126,18 @@ async def test_without_redis_each_replica_routes_on_its_own_view(redis: RedisSer
     await client.aclose()
 
 
+async def test_an_exchange_survives_a_redis_that_forgot_its_scripts(redis_client: Redis) -> None:
+    pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
+    a = SharedLoad(redis_client, "pool", pool_a, interval_s=0.05)
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=0.05)
+    pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=11.0, kv_tokens=22.0)
+    await a.exchange()
+    await redis_client.script_flush()  # as after a Redis restart: EVALSHA answers NOSCRIPT
+    await b.exchange()
+    assert load_on(pool_b, "e0") == (11.0, 22.0, 1)
+    assert (a.board.errors, b.board.errors, b.board.down) == (0, 0, False)
+
+
 async def test_a_change_is_told_at_once_not_at_the_next_interval(redis_client: Redis) -> None:
     pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
     a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0)  # the heartbeat alone would take 30 s
