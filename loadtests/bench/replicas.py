@@ -12,11 +12,14 @@ deterministic. Each row: TTFT p50/p90/p99 and goodput, and p90 over one replica'
 ``pd-router serve`` process, one real Envoy whose ext_proc cluster has every replica as a host
 (round robin, the example configuration), a real redis-server for the shared setups, the engines
 serving real HTTP. On a small machine the replicas, Envoy, the engines and the load share the
-cores, so read its ratios, not its milliseconds, and run it more than once.
+cores, so read its ratios, not its milliseconds, and run it more than once. Its rows also say what
+sharing costs: each replica's time per decision, and the CPU all the replicas and redis-server
+spent per request while the requests ran (``/proc``). ``--lone`` adds one replica given a Redis.
 
     python -m loadtests.bench.replicas                        # (a) and (b), 1/2/4 replicas
     python -m loadtests.bench.replicas --scenarios b --replicas 1,2 --seeds 0,1
     python -m loadtests.bench.replicas --envoy --scenarios ab --replicas 1,2,4
+    python -m loadtests.bench.replicas --envoy --scenarios a --replicas 1,4 --lone --no-independent
 """
 
 from __future__ import annotations
