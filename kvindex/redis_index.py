@@ -648,7 +648,7 @@ class SharedPrefixIndex:
             group = calls[first : first + per_pipeline]
             async with asyncio.timeout(self._write_timeout_s):
                 if len(group) == 1:  # EVALSHA alone: no SCRIPT EXISTS round trip, as a pipeline asks
-                    results = [await self._apply_script(args=[self._bp, self._gp, self._ttl_ms, *group[0]])]
+                    results = [await self._apply_script(args=self._apply_args(group[0]))]
                 else:
                     results = await self._pipeline(group)
             for args, gens in zip(group, results, strict=True):
@@ -656,6 +656,10 @@ class SharedPrefixIndex:
                     gen = gens[j // 3]
                     if gen:
                         self._adopt_gen(str(args[j + 1]), gen)
+
+    def _apply_args(self, call: list[bytes | str]) -> list[Any]:
+        """One apply-script call's ARGV: the key prefixes and TTL, then its (op, name, blob) triples."""
+        return [self._bp, self._gp, self._ttl_ms, *call]
 
     async def _pipeline(self, group: list[list[bytes | str]]) -> list[Any]:
         # execute() first asks SCRIPT EXISTS (one more round trip, plus SCRIPT LOAD after a flush or
@@ -665,7 +669,7 @@ class SharedPrefixIndex:
         async with self._client.pipeline(transaction=False) as pipe:
             for args in group:
                 # Against a pipeline the call only queues the EVALSHA; nothing is awaited on Redis.
-                await self._apply_script(args=[self._bp, self._gp, self._ttl_ms, *args], client=pipe)
+                await self._apply_script(args=self._apply_args(args), client=pipe)
             return await pipe.execute()
 
     def _adopt_gen(self, name: str, gen: bytes) -> None:

@@ -87,13 +87,7 @@ class SharedLoad:
         """Exchange when this replica's reservations change (at most every ``min_gap_s``; not while
         ``alone``), and at least every ``interval_s``."""
         while True:
-            heartbeat = True
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.interval_s):
-                    while heartbeat:
-                        await self._changed.wait()
-                        self._changed.clear()
-                        heartbeat = self.alone
+            heartbeat = not await self._change_to_tell()
             self._changed.clear()
             wait = self._last + self.min_gap_s - time.monotonic()
             if wait > 0:
@@ -105,6 +99,18 @@ class SharedLoad:
             else:  # the others' come pushed: tell them ours, read theirs at the heartbeat
                 self._last = time.monotonic()
                 await self.board.exchange(self.own(), read=False)
+
+    async def _change_to_tell(self) -> bool:
+        """True once this replica's reservations changed with another replica to tell, False
+        when ``interval_s`` passed first (the heartbeat)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.interval_s):
+                while True:
+                    await self._changed.wait()
+                    self._changed.clear()
+                    if not self.alone:
+                        return True
+        return False
 
     @property
     def pushed(self) -> bool:
