@@ -236,6 +236,7 @@ class Flight:
         "series",
         "span",
         "started",
+        "ttft_told",
     )
 
     def __init__(self, flow: RequestFlow, headers: Mapping[str, str]) -> None:
@@ -257,6 +258,7 @@ class Flight:
         self.held = False  # flow control said wait: ``admit`` goes straight to its queue
         self.rejection: Rejection | None = None  # the pick's answer, when it was a final no
         self.span: Span | None = None  # the request's span, when tracing is on
+        self.ttft_told = False  # the signals have this answer's first token
 
     def parse(
         self, raw: bytes, subset: frozenset[str] | None = None, path: str | None = None
@@ -374,6 +376,8 @@ class Flight:
             self.expect_answer()
         assert self.meter is not None
         out = self.meter.feed(chunk)
+        if not self.ttft_told and self.meter.first_at is not None:
+            self._tell_ttft(self.meter.first_at)
         responses = self.request is not None and self.request.api == RESPONSES
         if responses and self.first_byte_at is None and self.meter.events:
             self.prefill_done()  # its first token: what its opening events were held back for
@@ -523,6 +527,17 @@ class Flight:
         )
         tracer.end(self.span, outcome, ttft_s=ttft, meter=self.meter)
 
+    def _tell_ttft(self, first_at: float) -> None:
+        """The answer's first token: its TTFT counts now, not when the answer ends (with long
+        answers the observed TTFT, and the prefill load built on it, would lag by a generation)."""
+        self.ttft_told = True
+        signals, decision, meter, request = self.flow.signals, self.decision, self.meter, self.request
+        if signals is None or decision is None or meter is None or not meter.streaming or self.retargeted:
+            return
+        if request is not None and request.api == OTHER:
+            return
+        signals.perf.observe_ttft(time.monotonic(), first_at - self.picked_at, decision.prediction.ttft_s)
+
     def _learn(self, decision: RouteDecision) -> None:
         """What this answer teaches the performance model: the prompt's compute time, the TTFT
         and TPOT against their predictions."""
@@ -542,7 +557,6 @@ class Flight:
                 base, per_token = perf.prefill.coefficients
                 speeds.observe((decision.prefill or decision.decode).id, computed_in, base + per_token * work)
         if first is not None:
-            perf.observe_ttft(now, first - self.picked_at, predicted.ttft_s)
             links = self.flow.links
             if links is not None and decision.prefill is not None and self.prefill_leg_s is not None:
                 decode_leg = first - self.picked_at - self.prefill_leg_s

@@ -222,8 +222,7 @@ class Recommender:
         low, high = s.min_replicas[index], s.max_replicas[index]
         desired = math.ceil(forecast / state.capacity - 1e-9) if state.capacity > 0 else state.current
         starting, settled = self._settled(now, role, state, horizon_s)
-        broken = state.load is not None and state.load > 1.0
-        if broken and (state.predicted_load is None or state.predicted_load > 1.0):
+        if _broken(state):
             # The SLO is broken, whatever the model says: one more than admitted, or keep the
             # ones asked for while they start (answered once per overload, not every tick).
             if starting:
@@ -293,6 +292,19 @@ class Recommender:
         ):
             return "kv"
         return None
+
+
+def _worst(*loads: float | None) -> float | None:
+    """The largest of the loads known; None if none is."""
+    return max((v for v in loads if v is not None), default=None)
+
+
+def _broken(state: RoleState) -> bool:
+    """The SLO is broken, and the prediction for a request arriving now (when known) says so
+    too: the observed p90 alone lags (its window still counts an overload already cured)."""
+    if state.load is None or state.load <= 1.0:
+        return False
+    return state.predicted_load is None or state.predicted_load > 1.0
 
 
 def prefill_capacity(perf: PerformanceModel, typical_tokens: float, ttft_slo_s: float, cap: float) -> float:
@@ -410,7 +422,10 @@ class PoolSignals:
             )
             if pooled.requests > 0:
                 per_request = pooled.prompt_tokens / pooled.requests
-        self.arrivals.add(now, requests_per_s)
+        if now - self._arrived[0][0] >= self.settings.level_window_s:
+            # Until then the rate is over less history than its span: a fresh router's rate
+            # climbs from zero, which the trend would extrapolate once its window filled.
+            self.arrivals.add(now, requests_per_s)
         growth = self.arrivals.growth(now, horizon)  # the cause of both roles' demand
         decode = self._decode_state(now, answer_tokens_per_s * self.pool.answered_share)
         prefill = self._prefill_state(now, horizon, tokens_per_s, per_request)
@@ -441,11 +456,10 @@ class PoolSignals:
     def load(self, role: str, now: float | None = None) -> float | None:
         """``max(predicted, observed) / SLO``: TTFT for prefill, TPOT for decode; None while
         neither is known."""
-        return self._loads(role, self.clock() if now is None else now)[0]
+        return _worst(*self._loads(role, self.clock() if now is None else now))
 
     def _loads(self, role: str, now: float) -> tuple[float | None, float | None]:
-        """``(max(predicted, observed p90), predicted) / SLO`` for ``RoleState`` (None while
-        unknown)."""
+        """``(predicted, observed p90) / SLO`` for ``RoleState`` (None while unknown)."""
         o = self.cost_model.objectives
         stage = "prefill" if role == "prefill" else "decode"
         predicted = predicted_latency(
@@ -453,13 +467,13 @@ class PoolSignals:
         )
         observed = self.observed_latency(role, now)
         slo = o.ttft_slo_s if role == "prefill" else o.tpot_slo_s
-        known = [v / slo for v in (predicted, observed) if v is not None]
-        return (max(known) if known else None), (None if predicted is None else predicted / slo)
+        scaled = [None if v is None else v / slo for v in (predicted, observed)]
+        return scaled[0], scaled[1]
 
     def observed_latency(self, role: str, now: float) -> float | None:
-        """The p90 TTFT (prefill) or TPOT (decode) answers saw over the observation window; for
-        decode also the streams still running (the larger), so long generations count while they
-        run, not once they end."""
+        """The p90 TTFT (prefill; each counted at its answer's first token) or TPOT (decode)
+        answers saw over the observation window; for decode also the streams still running (the
+        larger), so long generations count while they run, not once they end."""
         if role == "prefill":
             return self.perf.ttft.p90(now)
         ended, running = self.perf.tpot.p90(now), self.streams.tpot_p90()
@@ -486,8 +500,14 @@ class PoolSignals:
             self.cost_model.objectives.ttft_slo_s,
             self.settings.max_utilization,
         )
-        load, predicted = self._loads("prefill", now)
-        state = RoleState(self._replicas(slots), demand, capacity, load, predicted_load=predicted)
+        predicted, observed = self._loads("prefill", now)
+        state = RoleState(
+            self._replicas(slots),
+            demand,
+            capacity,
+            _worst(predicted, observed),
+            predicted_load=predicted,
+        )
         return state, demand
 
     def _arrival_rate(
@@ -563,12 +583,12 @@ class PoolSignals:
             else pool.typical_prompt_tokens + self.typical_max_tokens / 2
         )
         capacity = decode_capacity(self.perf, context, tpot_slo, per_replica_kv, self.settings.kv_target)
-        load, predicted = self._loads("decode", now)
+        predicted, observed = self._loads("decode", now)
         state = RoleState(
             self._replicas(slots),
             sequences,
             capacity,
-            load,
+            _worst(predicted, observed),
             used_tokens,
             per_replica_kv,
             predicted_load=predicted,

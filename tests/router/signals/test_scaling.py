@@ -295,12 +295,33 @@ def test_a_rising_request_rate_raises_both_roles_forecast_a_longer_prompt_mix_do
         steady = signals.tick()
     assert steady["prefill"].forecast == pytest.approx(steady["prefill"].demand, rel=0.05)
     signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
-    for t in range(120):  # requests per second rising steadily
+    for t in range(135):  # requests per second rising steadily
         clock.now += 1.0
         for _ in range(10 + t // 2):
             signals.demand.arrived(400.0)
         rising = signals.tick()
     assert rising["prefill"].forecast > 1.3 * rising["prefill"].demand
+
+
+def test_a_fresh_routers_first_rates_are_no_trend_once_the_window_fills() -> None:
+    """The first ticks' rates are over less history than their span (the arrivals so far over
+    ``level_window_s``): they climb from zero under a flat load. Were they in the trend, its
+    window would show growth as soon as it filled, and both roles would be asked for more (a third
+    decode replica under a flat 0.5 req/s in the replay)."""
+    signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
+    signals.settings = ScalingSettings(scale_down_window_s=0.0, ready_time_s=60.0)
+    signals.trends = {role: Trend(signals.settings) for role in ("prefill", "decode")}
+    signals.arrivals = Trend(signals.settings)
+    growths, first_tick = [], clock.now + 1.0
+    for _ in range(140):  # a flat 20 requests per second from the first tick on
+        clock.now += 1.0
+        for _ in range(20):
+            signals.demand.arrived(400.0)
+        signals.tick()
+        growths.append(signals.arrivals.growth(clock.now, 60.0))
+        if clock.now < first_tick + 10.0:  # the climbing start is not in the trend
+            assert not signals.arrivals.points, clock.now - first_tick
+    assert growths == [1.0] * len(growths)
 
 
 def test_long_answers_count_for_decode_from_the_first_request_not_once_they_pile_up() -> None:

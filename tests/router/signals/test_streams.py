@@ -1,5 +1,5 @@
-"""Decode load while long generations run: the TPOT of answers still streaming counts, not only
-that of answers that ended (one whole generation late)."""
+"""Load while long generations run: the TPOT of answers still streaming counts, not only that of
+answers that ended (one whole generation late), and each TTFT counts at its first token."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_running_streams_give_their_seconds_per_token_so_far() -> None:
 
 
 @pytest.mark.integration
-async def test_decode_load_rises_while_long_answers_stream_not_after_them() -> None:
+async def test_decode_load_rises_and_ttfts_count_while_long_answers_stream_not_after_them() -> None:
     specs = [EngineSpec("p0", "prefill"), EngineSpec("d0", "decode")]
     sections = {"slo": {"ttft_ms": 2000, "tpot_ms": 1.0}, "signals": {"tick_ms": 50}}
     read: list[int] = [0] * 6
@@ -64,6 +64,9 @@ async def test_decode_load_rises_while_long_answers_stream_not_after_them() -> N
             scaling = app.parts.scaling
             now = time.monotonic()
             assert scaling.perf.tpot.p90(now) is None  # no answer has ended
+            # Yet every answer's first token is in the observed TTFT (prefill load) already.
+            assert scaling.perf.ttft.count == len(read)
+            assert scaling.observed_latency("prefill", now) is not None
             observed = scaling.observed_latency("decode", now)
             assert observed is not None and observed > 0.001
             assert scaling.load("decode") >= observed / 0.001 * 0.99
