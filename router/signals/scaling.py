@@ -222,7 +222,8 @@ class Recommender:
         low, high = s.min_replicas[index], s.max_replicas[index]
         desired = math.ceil(forecast / state.capacity - 1e-9) if state.capacity > 0 else state.current
         starting, settled = self._settled(now, role, state, horizon_s)
-        if _broken(state):
+        broken = state.load is not None and state.load > 1.0
+        if broken and (state.predicted_load is None or state.predicted_load > 1.0):
             # The SLO is broken, whatever the model says: one more than admitted, or keep the
             # ones asked for while they start (answered once per overload, not every tick).
             if starting:
@@ -292,19 +293,6 @@ class Recommender:
         ):
             return "kv"
         return None
-
-
-def _worst(*loads: float | None) -> float | None:
-    """The largest of the loads known; None if none is."""
-    return max((v for v in loads if v is not None), default=None)
-
-
-def _broken(state: RoleState) -> bool:
-    """The SLO is broken, and the prediction for a request arriving now (when known) says so
-    too: the observed p90 alone lags (its window still counts an overload already cured)."""
-    if state.load is None or state.load <= 1.0:
-        return False
-    return state.predicted_load is None or state.predicted_load > 1.0
 
 
 def prefill_capacity(perf: PerformanceModel, typical_tokens: float, ttft_slo_s: float, cap: float) -> float:
@@ -456,10 +444,11 @@ class PoolSignals:
     def load(self, role: str, now: float | None = None) -> float | None:
         """``max(predicted, observed) / SLO``: TTFT for prefill, TPOT for decode; None while
         neither is known."""
-        return _worst(*self._loads(role, self.clock() if now is None else now))
+        return self._loads(role, self.clock() if now is None else now)[0]
 
     def _loads(self, role: str, now: float) -> tuple[float | None, float | None]:
-        """``(predicted, observed p90) / SLO`` for ``RoleState`` (None while unknown)."""
+        """``(max(predicted, observed p90), predicted) / SLO`` for ``RoleState`` (None while
+        unknown)."""
         o = self.cost_model.objectives
         stage = "prefill" if role == "prefill" else "decode"
         predicted = predicted_latency(
@@ -467,8 +456,8 @@ class PoolSignals:
         )
         observed = self.observed_latency(role, now)
         slo = o.ttft_slo_s if role == "prefill" else o.tpot_slo_s
-        scaled = [None if v is None else v / slo for v in (predicted, observed)]
-        return scaled[0], scaled[1]
+        known = [v / slo for v in (predicted, observed) if v is not None]
+        return (max(known) if known else None), (None if predicted is None else predicted / slo)
 
     def observed_latency(self, role: str, now: float) -> float | None:
         """The p90 TTFT (prefill; each counted at its answer's first token) or TPOT (decode)
@@ -500,14 +489,8 @@ class PoolSignals:
             self.cost_model.objectives.ttft_slo_s,
             self.settings.max_utilization,
         )
-        predicted, observed = self._loads("prefill", now)
-        state = RoleState(
-            self._replicas(slots),
-            demand,
-            capacity,
-            _worst(predicted, observed),
-            predicted_load=predicted,
-        )
+        load, predicted = self._loads("prefill", now)
+        state = RoleState(self._replicas(slots), demand, capacity, load, predicted_load=predicted)
         return state, demand
 
     def _arrival_rate(
@@ -583,12 +566,12 @@ class PoolSignals:
             else pool.typical_prompt_tokens + self.typical_max_tokens / 2
         )
         capacity = decode_capacity(self.perf, context, tpot_slo, per_replica_kv, self.settings.kv_target)
-        predicted, observed = self._loads("decode", now)
+        load, predicted = self._loads("decode", now)
         state = RoleState(
             self._replicas(slots),
             sequences,
             capacity,
-            _worst(predicted, observed),
+            load,
             used_tokens,
             per_replica_kv,
             predicted_load=predicted,
