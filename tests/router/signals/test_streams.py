@@ -7,9 +7,15 @@ import asyncio
 import time
 
 import aiohttp
+import orjson
 import pytest
-from helpers import eventually, router_on_sim
+from helpers import SINGLE_PODS, eventually, make_config, make_picker, make_pool, router_on_sim
 
+from router.flow.flight import RequestFlow
+from router.observe.metrics import RouterMetrics
+from router.server.compose import learn_settings_from
+from router.signals.perf import PerformanceModel
+from router.signals.scaling import PoolSignals
 from router.signals.streams import LiveStreams
 from simulator.engine import EngineSpec
 
@@ -36,6 +42,38 @@ def test_running_streams_give_their_seconds_per_token_so_far() -> None:
     assert streams.tpot_p90() == pytest.approx(0.1)
     streams.discard(steady)
     assert streams.tpot_p90() is None
+
+
+def test_a_streamed_answers_ttft_counts_at_its_first_token_unless_it_was_moved() -> None:
+    config = make_config(SINGLE_PODS[:2])
+    pool = make_pool(config)
+    pool.stale_after_s = 1e9  # unit tests run on wall-clock time
+    picker = make_picker(config, pool)
+    perf = PerformanceModel(picker.cost_model.model, learn_settings_from(config))
+    signals = PoolSignals(pool, perf, lambda: picker.cost_model, lambda _: None)
+    flow = RequestFlow(picker, RouterMetrics(pool, "t"), config.request_limits(), config.model, (), signals)
+    body = orjson.dumps({"model": "m", "prompt": "hello there", "stream": True, "max_tokens": 8})
+    token = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+    served = {SINGLE_PODS[0]["address"]}
+    flight = flow.start({})
+    flight.parse(body, frozenset(served))
+    flight.pick()
+    flight.responded(200)
+    flight.body(b": keep-alive\n\n")  # no token yet
+    assert perf.ttft.count == 0
+    flight.body(token)
+    assert perf.ttft.count == 1  # the answer is still streaming
+    flight.body(token)
+    flight.close()
+    assert perf.ttft.count == 1  # once per answer
+    moved = flow.start({})  # its engine failed before answering: the time is not one engine's
+    moved.parse(body, frozenset(served))
+    moved.pick()
+    moved.retarget(decode=pool.endpoints[SINGLE_PODS[1]["name"]])
+    moved.responded(200)
+    moved.body(token)
+    moved.close()
+    assert perf.ttft.count == 1
 
 
 @pytest.mark.integration
