@@ -473,9 +473,7 @@ class Flight:
         # Without response processing (ext_proc ``routed``) the answer is never seen: not counted.
         if self.request is not None and self.request.slo is not None and self.outcome != ROUTED:
             metrics.observe_slo(self.request.slo.objective, self._slo_outcome(self.request.slo))
-        # Another API's answer (an embedding, a score) says nothing of prompt or decode speed.
-        learns = self.request is None or self.request.api != OTHER
-        if self.outcome == OK and self.decision is not None and not self.retargeted and learns:
+        if self.outcome == OK and self.decision is not None and self._teaches():
             if self.meter is not None and self.request is not None:
                 self.flow.picker.pool.observe_answer(self.request.max_tokens, self.meter.output_tokens)
             self._learn(self.decision)
@@ -531,16 +529,20 @@ class Flight:
         """The answer's first token: its TTFT counts now, not when the answer ends (with long
         answers the observed TTFT, and the prefill load built on it, would lag by a generation)."""
         self.ttft_told = True
-        signals, decision, meter, request = self.flow.signals, self.decision, self.meter, self.request
-        if signals is None or decision is None or meter is None or not meter.streaming or self.retargeted:
-            return
-        if request is not None and request.api == OTHER:
+        signals, decision, meter = self.flow.signals, self.decision, self.meter
+        if signals is None or decision is None or meter is None or not meter.streaming or not self._teaches():
             return
         signals.perf.observe_ttft(time.monotonic(), first_at - self.picked_at, decision.prediction.ttft_s)
 
+    def _teaches(self) -> bool:
+        """Whether this answer's times are one engine's answer to a prompt: not after a failover,
+        nor another API's (an embedding, a score says nothing of prompt or decode speed)."""
+        return not self.retargeted and (self.request is None or self.request.api != OTHER)
+
     def _learn(self, decision: RouteDecision) -> None:
-        """What this answer teaches the performance model: the prompt's compute time, the TTFT
-        and TPOT against their predictions."""
+        """What this answer teaches the performance model once it ended: the prompt's compute
+        time, the TPOT against its prediction, a pair's link (its TTFT counted at the first token,
+        ``_tell_ttft``)."""
         signals, meter = self.flow.signals, self.meter
         if signals is None:
             return

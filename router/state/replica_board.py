@@ -85,8 +85,7 @@ class ReplicaBoard(Generic[T]):
                 flat = await self._script(
                     keys=[self.key], args=[self.replica, entry, expiry_ms, b"1" if read else b"0", published]
                 )
-                everyone = dict(zip(flat[::2], flat[1::2], strict=True))
-                others, gone = self._read(everyone, now) if read else ([], [])
+                others, gone = self._read(flat, now) if read else ([], [])
                 if gone:
                     await self.client.hdel(self.key, *gone)
         except Exception as exc:  # Redis down, slow or answering garbage: this replica alone
@@ -133,12 +132,13 @@ class ReplicaBoard(Generic[T]):
             return None
         return None if now - at > self.stale_after_s else (at, value)
 
-    def _read(self, everyone: dict[bytes, bytes], now: float) -> tuple[list[T], list[bytes]]:
-        """The fresh others' values (also kept by replica id and stamp in ``read``), and the fields
-        of replicas gone stale or unreadable."""
+    def _read(self, everyone: list[bytes], now: float) -> tuple[list[T], list[bytes]]:
+        """From the hash as HGETALL lists it (field, value, field, ...): the fresh others' values
+        (also kept by replica id and stamp in ``read``), and the fields of replicas gone stale or
+        unreadable."""
         others, gone, me = [], [], self.replica.encode()
         read: dict[str, tuple[float, T]] = {}
-        for field, raw in everyone.items():
+        for field, raw in zip(everyone[::2], everyone[1::2], strict=True):
             if field == me:
                 continue
             try:

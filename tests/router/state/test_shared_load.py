@@ -184,8 +184,11 @@ async def test_a_lone_replica_tells_nobody_its_changes_until_another_appears(red
     try:
         pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=10.0, kv_tokens=20.0)
         await a.refresh()
-        for _ in range(20):  # the loop wakes for the change; with another replica it would write now
-            await asyncio.sleep(0)
+        await eventually(lambda: not a._changed.is_set(), what="the loop taking the change")
+        # A second change is taken only once the loop waits again: after any exchange the first
+        # one made (with another replica there, it would have written at once).
+        a.changed()
+        await eventually(lambda: not a._changed.is_set(), what="the loop waiting again")
         assert exchanges == 1
         b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0)
         await b.exchange()  # B starts
