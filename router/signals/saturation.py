@@ -98,18 +98,25 @@ def stage_signals(pool: Pool, stage: str, s: SaturationSettings, now: float) -> 
 
 
 def predicted_latency(
-    pool: Pool, cost_model: CostModel, stage: str, max_tokens: int, block_tokens: int, now: float
+    pool: Pool,
+    cost_model: CostModel,
+    stage: str,
+    max_tokens: int,
+    block_tokens: int,
+    now: float,
+    prompt_tokens: float | None = None,
 ) -> float | None:
     """Seconds a typical new request would see on the best candidate of ``stage``: its TTFT for
-    ``prefill`` (queue wait + computing the whole prompt), its TPOT for ``decode``; None if empty."""
+    ``prefill`` (queue wait + computing ``prompt_tokens``, by default the pool's slow average of
+    whole prompts), its TPOT for ``decode``; None if empty."""
     role_mask = pool.can_prefill if stage == "prefill" else pool.can_decode
     ok = pool.in_use & pool.admitted & pool.scraped & ~pool.ejected & role_mask
     ok &= (now - pool.last_scrape_ok) <= pool.stale_after_s
     slots = np.flatnonzero(ok)
     if not len(slots):
         return None
-    typical = max(1, round(pool.typical_prompt_tokens))
-    ctx = RequestCtx(typical, max_tokens, block_tokens, pool.typical_prompt_tokens)
+    tokens = pool.typical_prompt_tokens if prompt_tokens is None else prompt_tokens
+    ctx = RequestCtx(max(1, round(tokens)), max_tokens, block_tokens, tokens)
     view = derive(pool.candidates(slots), ctx, cost_model)
     seconds = view.wait_s + view.prefill_s if stage == "prefill" else view.tpot_s
     return float(seconds.min())

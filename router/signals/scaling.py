@@ -22,12 +22,12 @@ the picker the engine model it implies, and recomputes per role (prefill, decode
   over ``H``. The request rate is the
   cause of both roles' demand: a longer prompt or answer mix is a new level, not a trend, and the
   in-flight count also rises while long answers accumulate after a step. The growth is
-  ``1 + slope × H / level`` (at most ``max_growth``) with the slope the smaller of the
+  ``1 + slope × H / rate`` (at most ``max_growth``) with the slope the smaller of the
   least-squares slopes over the two halves of ``trend_window_s``, each only when it is
-  ``trend_significance`` standard errors above zero (one independent sample per level window),
-  and only once the window is full: noise, single jumps and the ramp the rate's own smoothing
-  makes of a step at a fresh router are not extrapolated, sustained growth is. Demand that is falling is
-  never forecast down: scaling down waits for it to happen.
+  ``trend_significance`` standard errors above zero, and only once the window is full. The slope
+  is fitted to the arrivals counted per tick (independent Poisson counts, whose noise is known),
+  not to the smoothed rate: noise and single jumps are not extrapolated, sustained growth is.
+  Demand that is falling is never forecast down: scaling down waits for it to happen.
 * **capacity per replica at the SLO**, from the fitted model: prefill — tokens per second at the
   utilisation ``ρ`` where an M/D/1 queue's wait plus the prefill meets the TTFT SLO
   (``ρ = 2h / (s + 2h)``, ``s`` the prefill of the mean uncached prompt of the requests that make
@@ -36,8 +36,9 @@ the picker the engine model it implies, and recomputes per role (prefill, decode
   decode — the batch at which the step time reaches the TPOT SLO with the pool's mean context, at
   most what fits in ``kv_target`` of a replica's KV.
 * **desired** = ``ceil(forecast / capacity)`` within ``[min_replicas, max_replicas]``; while the
-  role's load (``max(predicted, observed) / SLO``) and its prediction alone are above 1 it is at
-  least one more than admitted — once what was asked for before is admitted (or the ready time
+  role's load (``max(predicted, observed) / SLO``) and its prediction alone (decode: the
+  prediction and the observed TPOT, streams still running included) are above 1 it is at least
+  one more than admitted — once what was asked for before is admitted (or the ready time
   passed) and the observed p90 has had its window to see it (no ratchet on one overload).
 * **recommended** = the max of desired over the last ``scale_down_window_s`` (scale up at once,
   down only after the window: no flapping on periodic load). A scale-down from ``N`` to ``M`` is
@@ -110,9 +111,12 @@ class RoleState:
     load: float | None  # max(predicted, observed) / SLO; None while unknown
     kv_used_tokens: float = 0.0
     kv_capacity_tokens: float = 0.0  # per replica
-    # The prediction alone (``load`` is the larger of it and the observed p90): for a request
-    # arriving now, from the queues now. None while unknown.
-    predicted_load: float | None = None
+    # What must also be over 1 before a broken SLO asks for a replica (``load`` is the larger of
+    # the prediction and the observed p90); None while unknown. Prefill: the prediction for a
+    # request arriving now (the observed TTFT lags the queue it comes from). Decode: the smaller
+    # of the prediction and the observed TPOT, which counts the streams running now, so one
+    # tick's prediction of a batch that never forms is not an overload.
+    confirming_load: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +133,8 @@ class Recommendation:
     load: float | None = None  # max(predicted, observed) / SLO
 
 
-class Trend:
-    """A per-tick series: its recent level and its least-squares slope."""
+class Level:
+    """A per-tick series' recent level: the mean of its last ``level_window_s``."""
 
     def __init__(self, settings: ScalingSettings) -> None:
         self.settings = settings
@@ -149,53 +153,52 @@ class Trend:
         recent = v[t >= now - self.settings.level_window_s]
         return float(recent.mean()) if recent.size else float(v[-1])
 
-    def forecast(self, now: float, horizon_s: float) -> float:
-        """``level + slope × horizon``, at most ``max_growth`` × the level (see ``slope``)."""
-        level = self.level(now)
-        if level <= 0:
-            return 0.0
-        return min(level + self.slope() * horizon_s, self.settings.max_growth * level)
 
-    def growth(self, now: float, horizon_s: float) -> float:
-        """The forecast over the level: how many times today's level the horizon will need (≥ 1)."""
-        level = self.level(now)
-        return self.forecast(now, horizon_s) / level if level > 0 else 1.0
+def rate_growth(
+    times: np.ndarray, requests: np.ndarray, rate: float, horizon_s: float, settings: ScalingSettings
+) -> float:
+    """How many times today's request ``rate`` the horizon will need: ``1 + slope × H / rate``,
+    at least 1 (a fall is never forecast: scaling down waits for it) and at most ``max_growth``.
 
-    def slope(self) -> float:
-        """The growth per second the trend window shows, 0 unless it is sustained and significant:
-        the smaller of the least-squares slopes over the window's older and newer halves, each
-        only when significantly above zero. Growth through the whole window is a trend; a single
-        jump (a step, or load arriving at a fresh router) is a change of level, already in it.
-        A window not yet (nearly) full says nothing: the rate's own smoothing over
-        ``level_window_s`` turns a step into a ramp that short a history would extrapolate."""
-        if len(self.points) < 6:
-            return 0.0
-        t, v = np.array(self.points).T
-        if t[-1] - t[0] < self.settings.trend_window_s - self.settings.level_window_s:
-            return 0.0
-        middle = t[0] + (t[-1] - t[0]) / 2
-        older, newer = t <= middle, t > middle
-        return min(self._significant_slope(t[older], v[older]), self._significant_slope(t[newer], v[newer]))
+    ``requests`` counts the arrivals so far at each of ``times`` (the ticks of the last
+    ``trend_window_s``). The slope is the smaller of the least-squares slopes of the arrival rate
+    over the window's older and newer halves, each only when ``trend_significance`` standard
+    errors above zero, and 0 until the window is (nearly) full: growth through the whole window is
+    a trend, a single jump (a step, load arriving at a fresh router) a new level, already in it.
+    The slope is fitted to the arrivals counted in each tick: independent Poisson counts, so its
+    standard error under a constant rate is known. A smoothed rate's points are not independent (a
+    32-request rate at 0.5 req/s spans 64 s, half the window), and a test that took them for
+    samples found growth in noise."""
+    young = len(times) < 7 or times[-1] - times[0] < settings.trend_window_s - settings.level_window_s
+    if rate <= 0 or young:
+        return 1.0
+    spans, counts = np.diff(times), np.diff(requests)
+    kept = spans > 0
+    spans, counts, middles = spans[kept], counts[kept], ((times[1:] + times[:-1]) / 2)[kept]
+    older = middles <= middles[0] + (middles[-1] - middles[0]) / 2
+    slope = min(
+        _significant_slope(middles[half], counts[half], spans[half], settings.trend_significance)
+        for half in (older, ~older)
+    )
+    return min(1.0 + slope * horizon_s / rate, settings.max_growth)
 
-    def _significant_slope(self, t: np.ndarray, v: np.ndarray) -> float:
-        """The least-squares slope if it is ``trend_significance`` standard errors above zero (the
-        series is smoothed over ``level_window_s``: one independent sample per level window), else 0."""
-        s = self.settings
-        if len(v) < 3:
-            return 0.0
-        x = t - t.mean()
-        sxx = float(x @ x)
-        if sxx <= 0:
-            return 0.0
-        slope = float(x @ (v - v.mean())) / sxx
-        if slope <= 0:
-            return 0.0
-        residuals = v - v.mean() - slope * x
-        noise = float(residuals @ residuals) / (len(v) - 2)
-        independent = min(float(len(v)), max(3.0, float(np.ptp(t)) / s.level_window_s))
-        # Var(slope) = noise / Σx², with Σx² over ``independent`` samples rather than every tick.
-        stderr = math.sqrt(noise / (sxx * independent / len(v)))
-        return slope if slope > s.trend_significance * stderr else 0.0
+
+def _significant_slope(at: np.ndarray, counts: np.ndarray, spans: np.ndarray, significance: float) -> float:
+    """The least-squares slope of the rates ``counts / spans`` over ``at`` if it is ``significance``
+    standard errors above zero, else 0. Under a constant rate λ each count is Poisson, so a rate's
+    variance is λ / span; λ is the mean rate of these ticks."""
+    if len(at) < 3:
+        return 0.0
+    x = at - at.mean()
+    sxx = float(x @ x)
+    if sxx <= 0:
+        return 0.0
+    slope = float(x @ (counts / spans)) / sxx  # Σx = 0: no need to centre the rates
+    if slope <= 0:
+        return 0.0
+    mean_rate = float(counts.sum() / spans.sum())
+    stderr = math.sqrt(mean_rate * float((x * x) @ (1.0 / spans))) / sxx
+    return slope if slope > significance * stderr else 0.0
 
 
 class Recommender:
@@ -223,7 +226,7 @@ class Recommender:
         desired = math.ceil(forecast / state.capacity - 1e-9) if state.capacity > 0 else state.current
         starting, settled = self._settled(now, role, state, horizon_s)
         broken = state.load is not None and state.load > 1.0
-        if broken and (state.predicted_load is None or state.predicted_load > 1.0):
+        if broken and (state.confirming_load is None or state.confirming_load > 1.0):
             # The SLO is broken, whatever the model says: one more than admitted, or keep the
             # ones asked for while they start (answered once per overload, not every tick).
             if starting:
@@ -376,12 +379,13 @@ class PoolSignals:
         self.streams = LiveStreams()  # answers streaming now: decode load while they run
         self.tokens = TokenCalibration()
         self.recommender = Recommender(settings, settle_s=perf.settings.observed_window_s)
-        # Per role its demand (for the level); requests per second (for the growth of both).
-        self.trends = {role: Trend(settings) for role in ROLES}
-        self.arrivals = Trend(settings)
+        self.levels = {role: Level(settings) for role in ROLES}  # per role, in replicas' worth
+        # The uncached prompt tokens a typical request brings now (the recent mix; None before
+        # any): what the prefill load is predicted for, as the capacity is.
+        self.prompt_mix: float | None = None
         self.latest: dict[str, Recommendation] = {}
-        # (time, prefill tokens routed so far, requests so far) per tick, over the trend window:
-        # the arrival rate and the uncached size of the prompts that make it.
+        # (time, prefill tokens routed so far, requests so far, max_tokens asked for so far) per
+        # tick, over the trend window: the arrival rate, its growth, and what the requests bring.
         self._arrived: deque[tuple[float, float, int, float]] = deque()
 
     @property
@@ -410,11 +414,7 @@ class PoolSignals:
             )
             if pooled.requests > 0:
                 per_request = pooled.prompt_tokens / pooled.requests
-        if now - self._arrived[0][0] >= self.settings.level_window_s:
-            # Until then the rate is over less history than its span: a fresh router's rate
-            # climbs from zero, which the trend would extrapolate once its window filled.
-            self.arrivals.add(now, requests_per_s)
-        growth = self.arrivals.growth(now, horizon)  # the cause of both roles' demand
+        growth = self.growth(horizon)  # the cause of both roles' demand
         decode = self._decode_state(now, answer_tokens_per_s * self.pool.answered_share)
         prefill = self._prefill_state(now, horizon, tokens_per_s, per_request)
         out = {}
@@ -423,12 +423,21 @@ class PoolSignals:
             # tick's own prompt and answer mix (replicas' worth), so a change of mix is a new
             # level in replicas, never one mix's tokens over another's capacity.
             needed = value / state.capacity if state.capacity > 0 else 0.0
-            trend = self.trends[role]
-            trend.add(now, needed)
-            forecast = max(trend.level(now) * growth, needed) * state.capacity
+            level = self.levels[role]
+            level.add(now, needed)
+            forecast = max(level.level(now) * growth, needed) * state.capacity
             out[role] = self.recommender.recommend(now, role, state, forecast, horizon)
         self.latest = out
         return out
+
+    def growth(self, horizon_s: float) -> float:
+        """The growth of the request rate over the horizon (``rate_growth``), from this
+        replica's own arrivals: with several replicas each sees a share of the pool's, growing
+        alike."""
+        arrived = self._arrived
+        times = np.fromiter((point[0] for point in arrived), np.float64, len(arrived))
+        requests = np.fromiter((point[2] for point in arrived), np.float64, len(arrived))
+        return rate_growth(times, requests, self.own_rates.requests, horizon_s, self.settings)
 
     def _role_slots(self, role: str) -> np.ndarray:
         pool = self.pool
@@ -447,17 +456,29 @@ class PoolSignals:
         return self._loads(role, self.clock() if now is None else now)[0]
 
     def _loads(self, role: str, now: float) -> tuple[float | None, float | None]:
-        """``(max(predicted, observed p90), predicted) / SLO`` for ``RoleState`` (None while
-        unknown)."""
+        """``RoleState``'s ``load`` and ``confirming_load``: ``max(predicted, observed p90) / SLO``,
+        and the prediction (prefill) or the smaller of the two (decode); None while unknown."""
         o = self.cost_model.objectives
         stage = "prefill" if role == "prefill" else "decode"
         predicted = predicted_latency(
-            self.pool, self.cost_model, stage, self.typical_max_tokens, self.block_tokens, now
+            self.pool,
+            self.cost_model,
+            stage,
+            self.typical_max_tokens,
+            self.block_tokens,
+            now,
+            # A request of the recent mix, as the capacity is for: the slow average of whole
+            # prompts ignores the cache hits and lags a change of mix by ~50 requests.
+            self.prompt_mix if role == "prefill" else None,
         )
         observed = self.observed_latency(role, now)
         slo = o.ttft_slo_s if role == "prefill" else o.tpot_slo_s
         known = [v / slo for v in (predicted, observed) if v is not None]
-        return (max(known) if known else None), (None if predicted is None else predicted / slo)
+        if not known:
+            return None, None
+        if role == "prefill":
+            return max(known), None if predicted is None else predicted / slo
+        return max(known), min(known)
 
     def observed_latency(self, role: str, now: float) -> float | None:
         """The p90 TTFT (prefill; each counted at its answer's first token) or TPOT (decode)
@@ -483,14 +504,15 @@ class PoolSignals:
         queued = stage_signals(pool, "prefill", SaturationSettings(), now).queued_prompt_tokens
         demand = tokens_per_s + queued / max(self.settings.backlog_drain_s, horizon_s)
         typical = per_request if per_request is not None else self.demand.typical_uncached
+        self.prompt_mix = typical
         capacity = prefill_capacity(
             self.perf,
             pool.typical_prompt_tokens if typical is None else max(typical, 1.0),
             self.cost_model.objectives.ttft_slo_s,
             self.settings.max_utilization,
         )
-        load, predicted = self._loads("prefill", now)
-        state = RoleState(self._replicas(slots), demand, capacity, load, predicted_load=predicted)
+        load, confirming = self._loads("prefill", now)
+        state = RoleState(self._replicas(slots), demand, capacity, load, confirming_load=confirming)
         return state, demand
 
     def _arrival_rate(
@@ -566,7 +588,7 @@ class PoolSignals:
             else pool.typical_prompt_tokens + self.typical_max_tokens / 2
         )
         capacity = decode_capacity(self.perf, context, tpot_slo, per_replica_kv, self.settings.kv_target)
-        load, predicted = self._loads("decode", now)
+        load, confirming = self._loads("decode", now)
         state = RoleState(
             self._replicas(slots),
             sequences,
@@ -574,7 +596,7 @@ class PoolSignals:
             load,
             used_tokens,
             per_replica_kv,
-            predicted_load=predicted,
+            confirming_load=confirming,
         )
         return state, sequences
 

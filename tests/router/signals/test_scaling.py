@@ -4,6 +4,7 @@ scale-downs (N/(N−1) load, KV), and prefill and decode moving independently on
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -12,15 +13,18 @@ from helpers import PD_TWO_RACKS, Clock, Metrics, make_config, make_picker, make
 
 from router.scheduling.costmodel.view import EngineModel
 from router.signals.perf import LearnSettings, PerformanceModel
+from router.signals.saturation import predicted_latency
 from router.signals.scaling import (
+    Level,
     PoolSignals,
     Recommender,
     RoleState,
     ScalingSettings,
-    Trend,
     decode_capacity,
     prefill_capacity,
+    rate_growth,
 )
+from router.signals.streams import LiveStreams
 
 SETTINGS = ScalingSettings(scale_down_window_s=60.0, min_replicas=(1, 1), max_replicas=(10, 10))
 ENGINE = EngineModel(
@@ -86,21 +90,22 @@ def test_scale_down_refused_when_the_kv_in_use_would_not_fit() -> None:
     assert rec.desired == 1 and rec.recommended == 3 and rec.refused == "kv"
 
 
-def test_trend_forecasts_a_ramp_over_the_horizon_and_never_forecasts_a_fall() -> None:
+def arrivals(rates: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """One tick a second; ``rates[i]`` arrivals in tick i: the times and the counts so far."""
+    return np.arange(len(rates) + 1, dtype=float), np.concatenate([[0.0], np.cumsum(rates)])
+
+
+def test_rate_growth_extrapolates_a_ramp_of_arrivals_and_never_a_fall() -> None:
     settings = ScalingSettings(level_window_s=5.0, trend_window_s=60.0, max_growth=10.0)
-    ramp, fall = Trend(settings), Trend(settings)
-    for t in range(60):
-        ramp.add(float(t), 100.0 + 10.0 * t)  # +10 per second
-        fall.add(float(t), 1000.0 - 10.0 * t)
-    level = np.mean([100.0 + 10.0 * t for t in range(54, 60)])  # the last 5 s, ends included
-    assert ramp.forecast(59.0, 30.0) == pytest.approx(level + 300.0, rel=0.01)
-    assert fall.forecast(59.0, 30.0) == pytest.approx(np.mean([1000.0 - 10.0 * t for t in range(54, 60)]))
-    capped = Trend(ScalingSettings(max_growth=2.0, trend_window_s=60.0))
-    for t in range(60):
-        capped.add(float(t), 100.0 + 10.0 * t)
-    assert capped.forecast(59.0, 3600.0) == pytest.approx(
-        2 * np.mean([100.0 + 10.0 * t for t in range(49, 60)])
-    )
+    ramp = [100.0 + 10.0 * t for t in range(60)]  # +10 requests/s every second
+    times, requests = arrivals(ramp)
+    # The slope of the rate (10 /s²) over 30 s, against today's rate.
+    assert rate_growth(times, requests, 690.0, 30.0, settings) == pytest.approx(1.0 + 300.0 / 690.0)
+    times, requests = arrivals([1000.0 - 10.0 * t for t in range(60)])
+    assert rate_growth(times, requests, 410.0, 30.0, settings) == 1.0
+    capped = ScalingSettings(max_growth=2.0, level_window_s=5.0, trend_window_s=60.0)
+    times, requests = arrivals(ramp)
+    assert rate_growth(times, requests, 690.0, 3600.0, capped) == 2.0
 
 
 def test_capacity_per_replica_at_the_slo() -> None:
@@ -174,26 +179,33 @@ def test_the_horizon_is_measured_once_the_gate_has_seen_replicas_start() -> None
 def test_noise_and_a_single_step_are_not_a_trend_sustained_growth_is() -> None:
     settings = ScalingSettings(level_window_s=5.0, trend_window_s=60.0, max_growth=10.0)
     rng = np.random.default_rng(0)
-    noisy, step, ramp = Trend(settings), Trend(settings), Trend(settings)
-    for t in range(60):
-        noisy.add(float(t), 100.0 + rng.normal(0.0, 30.0))
-        step.add(float(t), 100.0 if t < 40 else 300.0)  # a jump: a new level
-        ramp.add(float(t), 100.0 + 5.0 * t + rng.normal(0.0, 10.0))
-    assert noisy.slope() == 0.0 and noisy.growth(59.0, 30.0) == 1.0
-    assert step.slope() == 0.0
-    assert step.forecast(59.0, 30.0) == pytest.approx(300.0)  # the level, not extrapolated
-    assert ramp.slope() == pytest.approx(5.0, rel=0.2)
-    assert ramp.growth(59.0, 30.0) == pytest.approx(1.0 + ramp.slope() * 30.0 / ramp.level(59.0))
-    # A fall is never forecast down.
-    fall = Trend(settings)
-    for t in range(60):
-        fall.add(float(t), 1000.0 - 10.0 * t)
-    assert fall.growth(59.0, 30.0) == 1.0
-    # Less than a window of history: the ramp is a step seen through the rate's smoothing.
-    young = Trend(settings)
-    for t in range(30):
-        young.add(float(t), 100.0 + 5.0 * t)
-    assert young.slope() == 0.0
+    noisy = rng.poisson(20.0, 60).astype(float)  # a constant 20 requests/s
+    step = [20.0 if t < 40 else 60.0 for t in range(60)]  # a jump: a new level
+    ramp = rng.poisson([20.0 + 1.0 * t for t in range(60)]).astype(float)  # +1 request/s per s
+    assert rate_growth(*arrivals(list(noisy)), 20.0, 30.0, settings) == 1.0
+    assert rate_growth(*arrivals(step), 60.0, 30.0, settings) == 1.0
+    grown = rate_growth(*arrivals(list(ramp)), 75.0, 30.0, settings)
+    assert grown == pytest.approx(1.0 + 1.0 * 30.0 / 75.0, rel=0.25)
+    # Less than a window of history says nothing, however steep.
+    times, requests = arrivals([20.0 + 5.0 * t for t in range(30)])
+    assert rate_growth(times, requests, 165.0, 30.0, settings) == 1.0
+
+
+def test_a_flat_poisson_load_seen_through_the_smoothed_rate_is_no_growth() -> None:
+    """At 0.5 requests/s the rate spans its last 32 arrivals, 64 s: half the trend window. Tested
+    as if its ticks were independent samples, that slow wander read as growth (a third decode
+    replica under a flat load in the replay); the arrivals counted per tick are independent."""
+    grown = 0
+    for seed in range(10):
+        signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
+        rng = np.random.default_rng(seed)
+        for _ in range(600):
+            clock.now += 1.0
+            for _ in range(rng.poisson(0.5)):
+                signals.demand.arrived(2000.0, 64)
+            signals.tick()
+            grown += signals.growth(60.0) > 1.0
+    assert grown <= 0.002 * 10 * 600, grown  # 59 of the 6,000 ticks grew with the smoothed rate
 
 
 def test_a_broken_slo_asks_once_per_overload_not_again_while_the_cure_is_starting() -> None:
@@ -214,10 +226,67 @@ def test_a_broken_slo_asks_once_per_overload_not_again_while_the_cure_is_startin
 
 def test_a_broken_slo_is_not_answered_when_the_prediction_for_a_request_now_meets_it() -> None:
     r = Recommender(ScalingSettings(scale_down_window_s=0.0))
-    lagging = RoleState(2, 100.0, capacity=100.0, load=1.3, predicted_load=0.6)  # observed p90 lags
+    lagging = RoleState(2, 100.0, capacity=100.0, load=1.3, confirming_load=0.6)  # observed p90 lags
     assert r.recommend(0.0, "prefill", lagging, 100.0, 60.0).desired == 1
-    now_broken = RoleState(2, 100.0, capacity=100.0, load=1.3, predicted_load=1.3)
+    now_broken = RoleState(2, 100.0, capacity=100.0, load=1.3, confirming_load=1.3)
     assert Recommender(SETTINGS).recommend(0.0, "prefill", now_broken, 100.0, 60.0).desired == 3
+
+
+@dataclass(eq=False)
+class Stream:
+    first_at: float
+    events: int
+
+
+def test_decode_asks_one_more_only_when_the_running_streams_confirm_the_predicted_overload() -> None:
+    """Decode's observed TPOT counts the streams running now, so it is as timely as the
+    prediction: an overload the prediction shows and the streams do not (a batch that never
+    forms) asks for no replica, which would be held for a whole window."""
+    pods = ("p0", "p1", "d0", "d1")
+    # 45 running on each decode pod: a new request's step is 10 ms + 1 ms × 46, over the 50 ms SLO.
+    signals, clock = pool_signals(
+        {n: Metrics(running=45.0) if n[0] == "d" else Metrics() for n in pods},
+        engine={"decode_step_base_ms": 10.0, "decode_ms_per_seq": 1.0},
+    )
+    signals.streams = LiveStreams(clock=clock)
+    stream = Stream(first_at=clock.now - 2.0, events=100)  # 20 ms per token so far
+    signals.streams.add(stream)
+    calm, _ = signals._decode_state(clock.now)
+    assert calm.load is not None and calm.load > 1.0  # the prediction
+    assert calm.confirming_load == pytest.approx(0.4)  # the streams
+
+    def desired(state: RoleState) -> int:  # with a forecast the admitted replicas meet
+        recommender = Recommender(ScalingSettings(scale_down_window_s=0.0))
+        return recommender.recommend(clock.now, "decode", state, 2 * state.capacity, 60.0).desired
+
+    assert desired(calm) == 2
+    stream.events = 30  # 67 ms per token: the streams show it too
+    broken, _ = signals._decode_state(clock.now)
+    assert broken.confirming_load is not None and broken.confirming_load > 1.0
+    assert desired(broken) == 3
+
+
+def test_the_prefill_load_is_predicted_for_the_recent_prompt_mix() -> None:
+    """Prompts ten times longer: the prefill load is at once the TTFT of such a prompt (as the
+    capacity is), not of the pool's slow average of whole prompts, which lags a change of mix by
+    ~50 requests and counts the cached part."""
+    signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
+    signals.tick()
+    for _ in range(12):  # 2 requests a second of 8,000 uncached tokens
+        clock.now += 1.0
+        for _ in range(2):
+            signals.demand.arrived(8000.0)
+        signals.tick()
+    slo = signals.cost_model.objectives.ttft_slo_s
+    pool, model = signals.pool, signals.cost_model
+
+    def predicted(tokens: float | None) -> float:
+        seconds = predicted_latency(pool, model, "prefill", 256, 16, clock.now, tokens)
+        assert seconds is not None
+        return seconds / slo
+
+    assert signals.load("prefill") == pytest.approx(predicted(8000.0))
+    assert signals.load("prefill") > 3 * predicted(None)  # the pool's average: the configured start
 
 
 def test_decode_demand_counts_sequences_past_their_prefill_at_the_tpot_slo() -> None:
@@ -286,8 +355,7 @@ def test_the_backlog_is_spread_over_the_ready_time_when_that_is_longer() -> None
 def test_a_rising_request_rate_raises_both_roles_forecast_a_longer_prompt_mix_does_not() -> None:
     signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
     signals.settings = ScalingSettings(scale_down_window_s=0.0, ready_time_s=60.0)
-    signals.trends = {role: Trend(signals.settings) for role in ("prefill", "decode")}
-    signals.arrivals = Trend(signals.settings)
+    signals.levels = {role: Level(signals.settings) for role in ("prefill", "decode")}
     for t in range(120):  # the same requests per second, prompts 10× longer half way
         clock.now += 1.0
         for _ in range(20):
@@ -303,24 +371,18 @@ def test_a_rising_request_rate_raises_both_roles_forecast_a_longer_prompt_mix_do
     assert rising["prefill"].forecast > 1.3 * rising["prefill"].demand
 
 
-def test_a_fresh_routers_first_rates_are_no_trend_once_the_window_fills() -> None:
-    """The first ticks' rates are over less history than their span (the arrivals so far over
-    ``level_window_s``): they climb from zero under a flat load. Were they in the trend, its
-    window would show growth as soon as it filled, and both roles would be asked for more (a third
-    decode replica under a flat 0.5 req/s in the replay)."""
+def test_a_flat_load_from_a_fresh_routers_first_tick_is_no_growth() -> None:
+    """A fresh router's first rates are over less history than their span: they climb from zero
+    under a flat load, which a trend of those rates extrapolated once its window filled (a third
+    decode replica under a flat 0.5 req/s in the replay). The arrivals per tick do not climb."""
     signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
-    signals.settings = ScalingSettings(scale_down_window_s=0.0, ready_time_s=60.0)
-    signals.trends = {role: Trend(signals.settings) for role in ("prefill", "decode")}
-    signals.arrivals = Trend(signals.settings)
-    growths, first_tick = [], clock.now + 1.0
+    growths = []
     for _ in range(140):  # a flat 20 requests per second from the first tick on
         clock.now += 1.0
         for _ in range(20):
             signals.demand.arrived(400.0)
         signals.tick()
-        growths.append(signals.arrivals.growth(clock.now, 60.0))
-        if clock.now < first_tick + 10.0:  # the climbing start is not in the trend
-            assert not signals.arrivals.points, clock.now - first_tick
+        growths.append(signals.growth(60.0))
     assert growths == [1.0] * len(growths)
 
 
@@ -389,7 +451,7 @@ def test_traffic_at_a_fresh_router_is_a_new_level_not_growth() -> None:
     for _ in range(4):
         clock.now += 1.0
         signals.tick()
-        assert signals.arrivals.growth(clock.now, 60.0) == 1.0
+        assert signals.growth(60.0) == 1.0
 
 
 def test_another_replica_s_arrivals_count_as_the_pool_s_demand() -> None:
