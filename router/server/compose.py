@@ -435,6 +435,7 @@ def build(
             cost_model,
             typical_max_tokens=limits.default_max_tokens,
             block_tokens=limits.block_tokens,
+            prompt_tokens=lambda: scaling.prompt_mix,  # the prefill load's own prediction
         ),
         PickerCollector(picker),
         links,

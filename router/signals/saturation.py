@@ -141,15 +141,19 @@ class SignalsCollector:
         *,
         typical_max_tokens: int = 256,
         block_tokens: int = 16,
+        prompt_tokens: Callable[[], float | None] = lambda: None,
     ) -> None:
         """``cost_model``: the picker's current one (refits re-price it), for predicted latency
-        (omitted: not exported)."""
+        (omitted: not exported); ``prompt_tokens``: the uncached prompt of a typical request now
+        (``PoolSignals.prompt_mix``, which the prefill load is predicted for; None: the pool's
+        slow average of whole prompts)."""
         self.pool = pool
         self.pool_name = pool_name
         self.cost_model = cost_model
         self.settings = settings
         self.typical_max_tokens = typical_max_tokens
         self.block_tokens = block_tokens
+        self.prompt_tokens = prompt_tokens
 
     def describe(self) -> list[Metric]:
         return []
@@ -184,7 +188,13 @@ class SignalsCollector:
         assert self.cost_model is not None
         cost_model = self.cost_model()
         ttft = predicted_latency(
-            self.pool, cost_model, "prefill", self.typical_max_tokens, self.block_tokens, now
+            self.pool,
+            cost_model,
+            "prefill",
+            self.typical_max_tokens,
+            self.block_tokens,
+            now,
+            self.prompt_tokens(),
         )
         tpot = predicted_latency(
             self.pool, cost_model, "decode", self.typical_max_tokens, self.block_tokens, now

@@ -142,7 +142,7 @@ class Level:
 
     def add(self, now: float, value: float) -> None:
         self.points.append((now, value))
-        while self.points and self.points[0][0] < now - self.settings.trend_window_s:
+        while self.points[0][0] < now - self.settings.level_window_s:
             self.points.popleft()
 
     def level(self, now: float) -> float:

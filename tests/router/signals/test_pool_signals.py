@@ -102,6 +102,15 @@ def test_predicted_latency_follows_the_queue_and_the_batch() -> None:
     text = generate_latest(registry).decode()
     assert f'pd_router_pool_predicted_seconds{{measure="ttft",role="prefill"}} {ttft[0]}' in text
     assert 'pd_router_pool_predicted_seconds{measure="tpot",role="decode"}' in text
+    # Given the recent mix's prompt (as the prefill load is predicted), the export prices it.
+    long = predicted_latency(busy, cm, "prefill", 256, 16, NOW, 8000.0)
+    assert long is not None and long > ttft[0]
+    mixed = CollectorRegistry()
+    mixed.register(SignalsCollector(busy, "qwen", lambda: cm, prompt_tokens=lambda: 8000.0))
+    assert (
+        f'pd_router_pool_predicted_seconds{{measure="ttft",role="prefill"}} {long}'
+        in generate_latest(mixed).decode()
+    )
     busy.admitted[:] = False  # no candidate: unknown, not zero
     text = generate_latest(registry).decode()
     assert "pd_router_pool_predicted_seconds{" not in text
