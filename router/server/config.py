@@ -800,11 +800,16 @@ class SignalsConfig(_Strict):
     )
     scale_down_window_s: NonNegative = Field(300.0, description="scale down only to the max need over this")
     level_window_s: Positive = Field(10.0, description="demand level: the mean over this")
-    trend_window_s: Positive = Field(120.0, description="demand trend: a least-squares slope over this")
+    trend_window_s: Positive = Field(
+        120.0,
+        description="request-rate trend: least-squares slopes of the arrivals counted per tick over this",
+    )
     max_growth: Annotated[float, Field(ge=1)] = Field(3.0, description="forecast at most this × the level")
     observed_window_s: Positive = Field(30.0, description="observed TTFT/TPOT: the p90 over this")
     trend_significance: NonNegative = Field(
-        2.0, description="extrapolate a demand trend only when its slope is this many standard errors above 0"
+        2.0,
+        description="extrapolate the request-rate trend only when its slope is this many standard errors "
+        "above 0",
     )
     min_rate_requests: Annotated[int, Field(ge=1)] = Field(
         32, description="the arrival rate spans at least this many requests (up to trend_window_s)"
