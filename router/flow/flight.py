@@ -532,7 +532,10 @@ class Flight:
         signals, decision, meter = self.flow.signals, self.decision, self.meter
         if signals is None or decision is None or meter is None or not meter.streaming or not self._teaches():
             return
-        signals.perf.observe_ttft(time.monotonic(), first_at - self.picked_at, decision.prediction.ttft_s)
+        prefill_leg = self.prefill_leg_s if decision.prefill is not None else None
+        signals.perf.observe_ttft(
+            time.monotonic(), first_at - self.picked_at, decision.prediction.ttft_s, prefill_leg
+        )
 
     def _teaches(self) -> bool:
         """Whether this answer's times are one engine's answer to a prompt: not after a failover,

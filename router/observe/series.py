@@ -577,8 +577,9 @@ LINK_LEARNED_BANDWIDTH = GaugeSeries(
 # -- Scaling: load per role and the replica recommendation (router/signals/scaling.py) -------------
 POOL_OBSERVED_SECONDS = GaugeSeries(
     "pd_router_pool_observed_seconds",
-    "p90 over the observation window of the TTFT (prefill) and TPOT (decode) streamed answers "
-    "saw; TPOT also of the answers still streaming (the larger).",
+    "p90 over the observation window of the TTFT (prefill, measure ttft), its prefill part (a P/D "
+    "pair's prefill leg; measure prefill, what the prefill load reads) and TPOT (decode) streamed "
+    "answers saw; TPOT also of the answers still streaming (the larger).",
     ("role", "measure"),
 )
 POOL_LOAD = GaugeSeries(

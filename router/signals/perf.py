@@ -227,6 +227,10 @@ class PerformanceModel:
             SampleBuckets(3, _TOKEN_EDGES * 8, settings.per_bucket),
         )
         self.ttft = RecentLatency(settings.observed_window_s)
+        # Each TTFT's prefill part, the prefill load's observed side: a P/D pair's prefill leg
+        # (its queue and compute on the prefill pod), the whole TTFT where one pod computed the
+        # prompt. A first token that waited for a decode slot says decode is short, not prefill.
+        self.prefill_part = RecentLatency(settings.observed_window_s)
         self.tpot = RecentLatency(settings.observed_window_s)
         # observed / predicted, per measure: the router's own accuracy, as a histogram.
         self.ratio_buckets = series.PREDICTION_RATIO.buckets
@@ -240,8 +244,13 @@ class PerformanceModel:
         """A prompt computed: ``work_tokens`` (queued ahead + its own uncached) took ``seconds``."""
         self.prefill.add(work_tokens, (1.0, work_tokens), seconds)
 
-    def observe_ttft(self, now: float, seconds: float, predicted: float) -> None:
+    def observe_ttft(
+        self, now: float, seconds: float, predicted: float, prefill_seconds: float | None = None
+    ) -> None:
+        """A TTFT against its prediction; ``prefill_seconds``: a P/D pair's prefill leg (None: the
+        prompt was computed where the answer came from, all of the TTFT is its prefill part)."""
         self.ttft.add(now, seconds)
+        self.prefill_part.add(now, seconds if prefill_seconds is None else prefill_seconds)
         self._ratio("ttft", seconds, predicted)
 
     def observe_tpot(

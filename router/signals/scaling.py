@@ -481,11 +481,13 @@ class PoolSignals:
         return max(known), min(known)
 
     def observed_latency(self, role: str, now: float) -> float | None:
-        """The p90 TTFT (prefill; each counted at its answer's first token) or TPOT (decode)
-        answers saw over the observation window; for decode also the streams still running (the
-        larger), so long generations count while they run, not once they end."""
+        """The p90 over the observation window of what answers saw: prefill — each TTFT's
+        prefill part (a P/D pair's prefill leg: a first token that waited for a decode slot is
+        decode's to answer; counted at the first token), as the prediction is; decode — the TPOT,
+        also of the streams still running (the larger), so long generations count while they run,
+        not once they end."""
         if role == "prefill":
-            return self.perf.ttft.p90(now)
+            return self.perf.prefill_part.p90(now)
         ended, running = self.perf.tpot.p90(now), self.streams.tpot_p90()
         return max((v for v in (ended, running) if v is not None), default=None)
 
@@ -630,8 +632,11 @@ class PoolSignals:
         yield from self.perf.collect()
         now = self.clock()
         observed = series.POOL_OBSERVED_SECONDS.family()
-        for role, measure in (("prefill", "ttft"), ("decode", "tpot")):
-            value = self.observed_latency(role, now)
+        for role, measure, value in (
+            ("prefill", "ttft", self.perf.ttft.p90(now)),
+            ("prefill", "prefill", self.observed_latency("prefill", now)),  # what the load reads
+            ("decode", "tpot", self.observed_latency("decode", now)),
+        ):
             if value is not None:
                 observed.add_metric([role, measure], value)
         yield observed

@@ -289,6 +289,25 @@ def test_the_prefill_load_is_predicted_for_the_recent_prompt_mix() -> None:
     assert signals.load("prefill") > 3 * predicted(None)  # the pool's average: the configured start
 
 
+def test_the_prefill_load_observes_each_ttfts_prefill_part_not_its_wait_for_decode() -> None:
+    """A P/D pair's first token also waits for a decode slot: with decode short of room the TTFT
+    breaks the SLO while the prefill legs are quick. The prefill load reads the legs, as its
+    prediction does, so no prefill replica is held (or its scale-down refused) for decode's
+    shortage."""
+    signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})  # TTFT SLO 1 s
+    for _ in range(20):
+        signals.perf.observe_ttft(clock.now, 5.0, 0.1, prefill_seconds=0.2)
+    assert signals.perf.ttft.p90(clock.now) == pytest.approx(5.0)
+    assert signals.observed_latency("prefill", clock.now) == pytest.approx(0.2)
+    load = signals.load("prefill")
+    assert load is not None and load < 1.0
+    # Prompts computed where their answers came from: the whole TTFT is the prefill part.
+    for _ in range(20):
+        signals.perf.observe_ttft(clock.now, 5.0, 0.1)
+    load = signals.load("prefill")
+    assert load is not None and load > 1.0
+
+
 def test_decode_demand_counts_sequences_past_their_prefill_at_the_tpot_slo() -> None:
     signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
     pool = signals.pool

@@ -79,7 +79,11 @@ def test_a_streamed_answers_ttft_counts_at_its_first_token_unless_it_was_moved()
 @pytest.mark.integration
 async def test_decode_load_rises_and_ttfts_count_while_long_answers_stream_not_after_them() -> None:
     specs = [EngineSpec("p0", "prefill"), EngineSpec("d0", "decode")]
-    sections = {"slo": {"ttft_ms": 2000, "tpot_ms": 1.0}, "signals": {"tick_ms": 50}}
+    sections = {
+        "slo": {"ttft_ms": 2000, "tpot_ms": 1.0},
+        "signals": {"tick_ms": 50},
+        "picker": {"allow_local_prefill": False},  # every answer a P/D pair: a prefill leg each
+    }
     read: list[int] = [0] * 6
     release = asyncio.Event()
     async with (
@@ -104,13 +108,19 @@ async def test_decode_load_rises_and_ttfts_count_while_long_answers_stream_not_a
             assert scaling.perf.tpot.p90(now) is None  # no answer has ended
             # Yet every answer's first token is in the observed TTFT (prefill load) already.
             assert scaling.perf.ttft.count == len(read)
-            assert scaling.observed_latency("prefill", now) is not None
+            # Each one's prefill part is its prefill leg, short of the TTFT (the decode leg's
+            # first token comes after it): what the prefill load reads.
+            assert scaling.perf.prefill_part.count == len(read)
+            prefill_part, ttft = scaling.observed_latency("prefill", now), scaling.perf.ttft.p90(now)
+            assert prefill_part is not None and ttft is not None and prefill_part < ttft
             observed = scaling.observed_latency("decode", now)
             assert observed is not None and observed > 0.001
             assert scaling.load("decode") >= observed / 0.001 * 0.99
             async with http.get(f"{base}/metrics") as resp:
                 text = await resp.text()
             assert 'pd_router_pool_observed_seconds{measure="tpot",role="decode"}' in text
+            prefill_series = 'pd_router_pool_observed_seconds{measure="prefill",role="prefill"}'
+            assert f"{prefill_series} {prefill_part}" in text
         finally:
             release.set()
             for task in tasks:
