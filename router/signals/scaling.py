@@ -380,8 +380,8 @@ class PoolSignals:
         self.tokens = TokenCalibration()
         self.recommender = Recommender(settings, settle_s=perf.settings.observed_window_s)
         self.levels = {role: Level(settings) for role in ROLES}  # per role, in replicas' worth
-        # The uncached prompt tokens a typical request brings now (the recent mix; None before
-        # any): what the prefill load is predicted for, as the capacity is.
+        # The uncached prompt tokens a typical request brings now (the recent mix, else the slow
+        # average; None before any), set each tick: the prefill capacity and load are for it.
         self.prompt_mix: float | None = None
         self.latest: dict[str, Recommendation] = {}
         # (time, prefill tokens routed so far, requests so far, max_tokens asked for so far) per
@@ -414,9 +414,10 @@ class PoolSignals:
             )
             if pooled.requests > 0:
                 per_request = pooled.prompt_tokens / pooled.requests
+        self.prompt_mix = per_request if per_request is not None else self.demand.typical_uncached
         growth = self.growth(horizon)  # the cause of both roles' demand
         decode = self._decode_state(now, answer_tokens_per_s * self.pool.answered_share)
-        prefill = self._prefill_state(now, horizon, tokens_per_s, per_request)
+        prefill = self._prefill_state(now, horizon, tokens_per_s)
         out = {}
         for role, (state, value) in {"prefill": prefill, "decode": decode}.items():
             # One mix per division: the trend holds each tick's demand over the capacity for that
@@ -491,22 +492,16 @@ class PoolSignals:
         ended, running = self.perf.tpot.p90(now), self.streams.tpot_p90()
         return max((v for v in (ended, running) if v is not None), default=None)
 
-    def _prefill_state(
-        self,
-        now: float,
-        horizon_s: float,
-        tokens_per_s: float,
-        per_request: float | None,
-    ) -> tuple[RoleState, float]:
+    def _prefill_state(self, now: float, horizon_s: float, tokens_per_s: float) -> tuple[RoleState, float]:
         """Demand: uncached prompt tokens per second, plus the queued backlog spread over the time
         a new replica needs to help (``backlog_drain_s`` at the soonest); capacity: at the SLO for
-        the uncached size of the very prompts that make the rate (``per_request``)."""
+        the uncached size of the very prompts that make the rate (``prompt_mix``), the size the
+        load is predicted for."""
         pool = self.pool
         slots = self._role_slots("prefill")
         queued = stage_signals(pool, "prefill", SaturationSettings(), now).queued_prompt_tokens
         demand = tokens_per_s + queued / max(self.settings.backlog_drain_s, horizon_s)
-        typical = per_request if per_request is not None else self.demand.typical_uncached
-        self.prompt_mix = typical
+        typical = self.prompt_mix
         capacity = prefill_capacity(
             self.perf,
             pool.typical_prompt_tokens if typical is None else max(typical, 1.0),

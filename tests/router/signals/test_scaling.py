@@ -357,7 +357,8 @@ def test_the_rate_spans_more_requests_than_the_mix_and_capacity_uses_the_new_mix
     assert requests == pytest.approx(16 / 80.0)
     assert tokens == pytest.approx(16 / 80.0 * 5000.0) and answers == pytest.approx(16 / 80.0 * 300)
     assert signals.demand.typical_uncached < 2000.0  # a slow average would still say short prompts
-    state, _ = signals._prefill_state(clock.now, 60.0, tokens, per_request)
+    signals.prompt_mix = per_request  # as the tick sets it
+    state, _ = signals._prefill_state(clock.now, 60.0, tokens)
     assert state.capacity == pytest.approx(prefill_capacity(signals.perf, 5000.0, 1.0, 0.85))
 
 
@@ -365,8 +366,8 @@ def test_the_backlog_is_spread_over_the_ready_time_when_that_is_longer() -> None
     signals, clock = pool_signals({n: Metrics() for n in ("p0", "p1", "d0", "d1")})
     pool = signals.pool
     pool.reserve(pool.endpoints["d0"].slot, pool.endpoints["p0"].slot, 60000.0, 60000.0)
-    short, _ = signals._prefill_state(clock.now, 10.0, 0.0, None)
-    long, _ = signals._prefill_state(clock.now, 600.0, 0.0, None)
+    short, _ = signals._prefill_state(clock.now, 10.0, 0.0)
+    long, _ = signals._prefill_state(clock.now, 600.0, 0.0)
     assert short.demand == pytest.approx(60000.0 / 30.0)  # backlog_drain_s
     assert long.demand == pytest.approx(60000.0 / 600.0)  # a new replica helps only after 600 s
 
