@@ -213,7 +213,7 @@ def command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser(
         "demo", help="simulated 2 prefill + 2 decode cluster, proxy and a workload, against least-loaded"
     )
-    demo.add_argument("--requests", type=int, default=120)
+    demo.add_argument("--requests", type=_at_least_one, default=120)
     demo.add_argument("--port", type=int, default=0, help="proxy port (0: any free port)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--keep", action="store_true", help="keep serving after the run, for curl")
@@ -221,6 +221,16 @@ def command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--no-baseline", dest="baseline", action="store_false", help="skip the least-loaded run"
     )
     demo.set_defaults(run=_run_demo, default_log_level="warning")
+
+
+def _at_least_one(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a whole number of requests, at least 1, not {value!r}")
+    return n
 
 
 def _run_demo(args: argparse.Namespace) -> int:

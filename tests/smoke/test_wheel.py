@@ -286,6 +286,13 @@ def test_demo_completes_a_short_run(installed: Installed) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "8 ok / 8 sent" in done.stdout
     assert "-> decode-" in done.stdout  # the chosen routes and why
+    assert done.stdout.count("8 ok / 8 sent") == 2  # pd-router's column and least-loaded's
+
+
+def test_demo_refuses_a_request_count_below_one(installed: Installed) -> None:
+    done = installed.run(installed.pd_router, "demo", "--requests", "0")
+    assert done.returncode == 2
+    assert "--requests: a whole number of requests, at least 1, not '0'" in done.stderr
 
 
 @dataclass
