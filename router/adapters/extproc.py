@@ -667,10 +667,16 @@ class ExtProcListener:
                 self.tls = await started(tls.cert_file, tls.key_file, tls.min_version, tls.reload_interval_s)
                 context = self.tls.context
             self.port = await server.start(
-                cfg.host, cfg.port, ssl=context, cleartext=context is None or cfg.tls.accept_cleartext
+                cfg.host,
+                cfg.port,
+                ssl=context,
+                cleartext=context is None or cfg.tls.accept_cleartext,
+                what="ext_proc listener",
             )
             self._servers.append((server, cfg.grace_s))
-            self.health_port = await health_server.start(cfg.host, cfg.health_port)
+            self.health_port = await health_server.start(
+                cfg.host, cfg.health_port, what="gRPC health listener"
+            )
             self._servers.append((health_server, None))
         except BaseException:
             await self.__aexit__()

@@ -31,6 +31,7 @@ from router.request.parse import API_PATHS, OTHER
 from router.request.rejections import UPSTREAM_DISCONNECTED, Rejection, UpstreamFailed
 from router.server.config import ProxyConfig
 from router.state.pool import Endpoint
+from router.transport.listen import binding
 from router.transport.tls import HTTP1_ALPN, ServerTls, started
 
 if TYPE_CHECKING:  # only with tracing on, through the flow's tracer
@@ -276,7 +277,8 @@ class ProxyListener:
                     tls.cert_file, tls.key_file, tls.min_version, tls.reload_interval_s, alpn=HTTP1_ALPN
                 )
                 context = self.tls.context
-            await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=context).start()
+            with binding("proxy listener", cfg.host, cfg.port):
+                await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, ssl_context=context).start()
         except BaseException:
             await self.__aexit__()
             raise

@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 import router.observe.series as series
 from router.http.server import bearer_ok, http_runner
 from router.server.config import Role
+from router.transport.listen import binding
 
 if TYPE_CHECKING:
     from router.request.types import RouteRequest
@@ -399,7 +400,9 @@ class MetricsListener:
         self._runner = http_runner(app, drain_timeout_s=1.0, cancel_on_disconnect=False)
         await self._runner.setup()
         try:
-            await web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True).start()
+            host, port = self.config.host, self.config.port
+            with binding("metrics listener", host, port):
+                await web.TCPSite(self._runner, host, port, reuse_address=True).start()
         except BaseException:
             await self._runner.cleanup()
             raise

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from router.server.config import ConfigError, PoolConfig, load_config
+from router.transport.listen import ListenError
 
 log = logging.getLogger("router")
 
@@ -255,14 +256,20 @@ async def until_signal(server: Any, *, lame_duck_s: float = 0.0) -> int:
 
 
 def run(coro: Coroutine[Any, Any, int | None]) -> int:
+    """Runs ``coro`` to its exit code; a listener that cannot bind its address (in use, say) is
+    one line on stderr and exit code 1, not a traceback."""
     try:
         import uvloop
     except ImportError:
         runner = asyncio.run
     else:
         runner = uvloop.run
-    with contextlib.suppress(KeyboardInterrupt):
-        return runner(coro) or 0
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            return runner(coro) or 0
+    except ListenError as exc:
+        print(f"pd-router: {exc.strerror}", file=sys.stderr)
+        return 1
     return 130
 
 

@@ -36,6 +36,7 @@ from router.http.session import upstream_session
 from router.request.parse import PD_PATHS, client_json
 from router.request.rejections import BadRequest, PrefillForbidden, Rejection, UpstreamFailed, answer
 from router.sidecar.allow import PrefillAllowList, first_prefiller, format_host_port, parse_host_port
+from router.transport.listen import binding
 from router.transport.tls import HTTP1_ALPN, started
 
 log = logging.getLogger(__name__)
@@ -282,7 +283,8 @@ class SidecarServer:
             stack.push_async_callback(tls.__aexit__)
             context = tls.context
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True, ssl_context=context)
-        await site.start()
+        with binding("sidecar listener", self.host, self.port):
+            await site.start()
         self.port = runner.addresses[0][1]
         log.info(
             "sidecar listening on %s://%s:%s in front of decode engine %s",

@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -279,6 +280,20 @@ def test_check_config_accepts_the_example_and_names_what_is_wrong_in_a_broken_fi
     assert "pd-router: invalid configuration:" in done.stderr
     assert "endpoints.1.role" in done.stderr and "'both'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_serve_on_a_port_in_use_says_which_listener_and_exits_1(installed: Installed) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        example = REPO / "examples" / "pool.yaml"
+        for flags, listener in ((["--port", str(port)], "proxy"), (["--grpc-port", str(port)], "ext_proc")):
+            done = installed.run(installed.pd_router, "serve", "--config", example, "--port", "0", *flags)
+            assert done.returncode == 1, done.stdout + done.stderr
+            said = f"the {listener} listener cannot listen on 127.0.0.1:{port}: Address already in use"
+            assert f"pd-router: {said}" in done.stderr
+            assert "Traceback" not in done.stderr
 
 
 def test_demo_completes_a_short_run(installed: Installed) -> None:

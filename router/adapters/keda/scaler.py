@@ -252,7 +252,7 @@ class KedaListener:
         self.port: int | None = None
 
     async def __aenter__(self) -> KedaListener:
-        self.port = await self.server.start(self.config.host, self.config.port)
+        self.port = await self.server.start(self.config.host, self.config.port, what="KEDA scaler listener")
         log.info("KEDA external scaler listening on %s:%s", self.config.host, self.port)
         return self
 

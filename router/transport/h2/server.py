@@ -46,6 +46,7 @@ from router.transport.h2.frames import (
     WINDOW_UPDATE,
 )
 from router.transport.h2.limits import DEFAULT_WINDOW, H2Limits
+from router.transport.listen import binding
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,13 @@ class H2GrpcServer:
         return self.limits.max_message_bytes
 
     async def start(
-        self, host: str, port: int, *, ssl: SSLContext | None = None, cleartext: bool = True
+        self,
+        host: str,
+        port: int,
+        *,
+        ssl: SSLContext | None = None,
+        cleartext: bool = True,
+        what: str = "gRPC listener",
     ) -> int:
         """Listen on ``host:port``; returns the bound port.
 
@@ -127,21 +134,25 @@ class H2GrpcServer:
         over TLS, and with ``cleartext`` as well, h2c on the same port: each connection's first
         byte tells which (a TLS record starts with 0x16, the HTTP/2 preface with ``P``), so a
         gateway configured either way is served. A connection speaking the other protocol than
-        the port serves is closed with a log line that says so.
+        the port serves is closed with a log line that says so. An address that cannot be bound
+        raises ``ListenError`` naming ``what``.
         """
         if ssl is None and not cleartext:
             raise ValueError("a listener needs TLS, cleartext or both")
         loop = asyncio.get_running_loop()
-        # "" (as asyncio reads it): every interface, IPv4 and IPv6.
-        infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        # Every address the host names ("localhost": ::1 and 127.0.0.1), as asyncio's servers do;
-        # with port 0, the others take the port the first one got.
         try:
-            addresses = list(dict.fromkeys(infos))
-            for family, kind, proto, _, address in addresses:
-                if self._listeners:
-                    address = (address[0], self._listeners[0].getsockname()[1], *address[2:])
-                self._listeners.append(self._listen(family, kind, proto, address, len(addresses) > 1))
+            with binding(what, host, port):
+                # "" (as asyncio reads it): every interface, IPv4 and IPv6.
+                infos = await loop.getaddrinfo(
+                    host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+                )
+                # Every address the host names ("localhost": ::1 and 127.0.0.1), as asyncio's
+                # servers do; with port 0, the others take the port the first one got.
+                addresses = list(dict.fromkeys(infos))
+                for family, kind, proto, _, address in addresses:
+                    if self._listeners:
+                        address = (address[0], self._listeners[0].getsockname()[1], *address[2:])
+                    self._listeners.append(self._listen(family, kind, proto, address, len(addresses) > 1))
         except BaseException:
             for listener in self._listeners:
                 listener.close()
