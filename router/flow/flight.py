@@ -532,10 +532,19 @@ class Flight:
         signals, decision, meter = self.flow.signals, self.decision, self.meter
         if signals is None or decision is None or meter is None or not meter.streaming or not self._teaches():
             return
-        prefill_leg = self.prefill_leg_s if decision.prefill is not None else None
         signals.perf.observe_ttft(
-            time.monotonic(), first_at - self.picked_at, decision.prediction.ttft_s, prefill_leg
+            time.monotonic(),
+            first_at - self.picked_at,
+            decision.prediction.ttft_s,
+            self._computed_in(decision, first_at),
         )
+
+    def _computed_in(self, decision: RouteDecision, first_at: float | None) -> float | None:
+        """How long the prompt took, pick to computed: a P/D pair's prefill leg, else the TTFT (one
+        pod computed it and answered); None while unknown (a pair's leg the sidecar ran)."""
+        if decision.prefill is not None:
+            return self.prefill_leg_s
+        return None if first_at is None else first_at - self.picked_at
 
     def _teaches(self) -> bool:
         """Whether this answer's times are one engine's answer to a prompt: not after a failover,
@@ -552,9 +561,7 @@ class Flight:
         perf, predicted, now = signals.perf, decision.prediction, time.monotonic()
         work = predicted.queued_tokens + self._uncached_computed(decision)
         first = None if meter is None or not meter.streaming else meter.first_at
-        computed_in = self.prefill_leg_s
-        if computed_in is None and first is not None and decision.prefill is None:
-            computed_in = first - self.picked_at
+        computed_in = self._computed_in(decision, first)
         speeds = self.flow.speeds
         if computed_in is not None:
             perf.observe_prefill(work, computed_in)

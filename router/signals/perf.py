@@ -245,12 +245,14 @@ class PerformanceModel:
         self.prefill.add(work_tokens, (1.0, work_tokens), seconds)
 
     def observe_ttft(
-        self, now: float, seconds: float, predicted: float, prefill_seconds: float | None = None
+        self, now: float, seconds: float, predicted: float, prefill_seconds: float | None
     ) -> None:
-        """A TTFT against its prediction; ``prefill_seconds``: a P/D pair's prefill leg (None: the
-        prompt was computed where the answer came from, all of the TTFT is its prefill part)."""
+        """A TTFT against its prediction; ``prefill_seconds``: its prefill part (a P/D pair's
+        prefill leg, the whole TTFT where one pod computed the prompt; None when a pair's leg was
+        not timed, as behind Envoy, where the sidecar runs it: not counted)."""
         self.ttft.add(now, seconds)
-        self.prefill_part.add(now, seconds if prefill_seconds is None else prefill_seconds)
+        if prefill_seconds is not None:
+            self.prefill_part.add(now, prefill_seconds)
         self._ratio("ttft", seconds, predicted)
 
     def observe_tpot(

@@ -19,8 +19,6 @@ def binding(what: str, host: str, port: int) -> Iterator[None]:
     listener it was."""
     try:
         yield
-    except ListenError:
-        raise
     except OSError as exc:
         # uvloop's message repeats the address: the errno's own words say it once (a host that
         # does not resolve has a negative getaddrinfo code and its own words)

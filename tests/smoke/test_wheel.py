@@ -304,7 +304,10 @@ def test_demo_completes_a_short_run(installed: Installed) -> None:
     assert done.stdout.count("8 ok / 8 sent") == 2  # pd-router's column and least-loaded's
 
 
-def test_demo_refuses_a_request_count_below_one(installed: Installed) -> None:
+def test_demo_without_the_baseline_and_below_one_request(installed: Installed) -> None:
+    done = installed.run(installed.pd_router, "demo", "--requests", "4", "--no-baseline")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("4 ok / 4 sent") == 1 and "least-loaded" not in done.stdout
     done = installed.run(installed.pd_router, "demo", "--requests", "0")
     assert done.returncode == 2
     assert "--requests: a whole number of requests, at least 1, not '0'" in done.stderr

@@ -43,7 +43,7 @@ def every_collector_with_a_sample() -> CollectorRegistry:
     perf = PerformanceModel(picker.cost_model.model)
     for n in range(1, 65):
         perf.observe_prefill(1000.0 * n, 0.001 + 0.0001 * n)
-    perf.observe_ttft(1000.0, 0.2, 0.1)
+    perf.observe_ttft(1000.0, 0.2, 0.1, 0.2)
     scaling = PoolSignals(pool, perf, lambda: picker.cost_model, lambda _: None, clock=lambda: 1000.0)
     scaling.tick()
     scaling.shared = SimpleNamespace(replicas=2, board=SimpleNamespace(errors=1))  # read by the export alone

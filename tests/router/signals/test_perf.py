@@ -183,7 +183,7 @@ def test_export_names_coefficients_fits_errors_and_prediction_ratios() -> None:
     model = PerformanceModel(CONFIGURED, LearnSettings(min_samples=4, prior_samples=0.0))
     for work in (200.0, 800.0, 3000.0, 6000.0, 12000.0):
         model.observe_prefill(work, 0.004 + work / 10000.0)
-    model.observe_ttft(0.0, 0.3, 0.1)  # three times slower than predicted
+    model.observe_ttft(0.0, 0.3, 0.1, 0.3)  # three times slower than predicted
     model.observe_tpot(0.0, 0.02, 0.02, 4.0, 4000.0)
     model.refit()
 
