@@ -15,8 +15,12 @@ which it FLUSHes), then:
    * ``all-64``: all 64 candidates hold the whole prompt (256 blocks x 64 fields, the worst case).
 
    A PING round trip is printed as the floor (client + loopback).
+4. **requests on shared prefixes**: ``--requests`` prompts of 256 blocks, the first 192 one of 8
+   system prompts, over 4 endpoints, each recorded and flushed alone (as at a low rate); Redis CPU
+   and HSETs per request when every prompt is written whole (``rewrite_after_s=0``, as before
+   ``RecentWrites``) and with the default, side by side in one run (alternating rounds).
 
-    python -m loadtests.bench.redis_index [--blocks 102400] [--calls 2000]
+    python -m loadtests.bench.redis_index [--blocks 102400] [--calls 2000] [--requests 2000]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -74,7 +79,7 @@ def redis_server(port: int | None) -> Iterator[int]:
             proc.wait()
 
 
-def make_index(client: aioredis.Redis, *, whole_prompts: bool = False) -> SharedPrefixIndex:
+def make_index(client: aioredis.Redis, *, whole_prompts: bool = False, **options: Any) -> SharedPrefixIndex:
     """``whole_prompts``: as the router builds it (its lookups may bisect); else they walk."""
     names = [f"ep{i}" for i in range(ENDPOINTS)]
     by_name = {n: i for i, n in enumerate(names)}
@@ -86,7 +91,31 @@ def make_index(client: aioredis.Redis, *, whole_prompts: bool = False) -> Shared
         max_pending=10_000_000,  # the warm-up enqueues everything before one flush
         lookup_timeout_s=1.0,
         write_timeout_s=30.0,
+        **options,
     )
+
+
+async def redis_cpu_s(client: aioredis.Redis) -> float:
+    cpu = await client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+async def shared_prefix_requests(
+    client: aioredis.Redis, requests: int, rewrite_after_s: float | None, namespace: str
+) -> tuple[float, float]:
+    """Redis CPU ms and HSETs per request for ``requests`` shared-prefix prompts (section 4)."""
+    rng = np.random.default_rng(11)
+    systems = rng.integers(0, 2**64, size=(8, 192), dtype=np.uint64)
+    index = make_index(client, whole_prompts=True, rewrite_after_s=rewrite_after_s, namespace=namespace)
+    await client.config_resetstat()
+    cpu = await redis_cpu_s(client)
+    for i in range(requests):
+        question = rng.integers(0, 2**64, size=PROMPT_BLOCKS - 192, dtype=np.uint64)
+        index.record(i % 4, np.concatenate([systems[i % 8], question]))
+        assert await index.flush()
+    cpu = await redis_cpu_s(client) - cpu
+    hsets = int((await client.info("commandstats")).get("cmdstat_hset", {}).get("calls", 0))
+    return cpu / requests * 1e3, hsets / requests
 
 
 async def used_memory(client: aioredis.Redis) -> int:
@@ -177,6 +206,22 @@ async def main(args: argparse.Namespace) -> None:
                 (f"  sync match {case} on the mirror afterwards", f"p50 {p50:.1f} µs, p99 {p99:.1f} µs")
             )
         assert all(r.fallback_lookups == 0 and r.redis_errors == 0 for r in readers.values())
+
+        # 4. shared-prefix requests, every prompt written whole against RecentWrites, alternating.
+        measured: dict[str, list[tuple[float, float]]] = {"whole": [], "recent": []}
+        for turn in range(3):
+            for how, rewrite_after_s in (("whole", 0.0), ("recent", None)):
+                namespace = f"req{turn}{how}"
+                measured[how].append(
+                    await shared_prefix_requests(client, args.requests, rewrite_after_s, namespace)
+                )
+        rows.append((f"{args.requests} requests on 8 shared 192-block prefixes (medians of 3)", ""))
+        cpu_ms = {how: float(np.median([m[0] for m in runs])) for how, runs in measured.items()}
+        labels = {"whole": "every prompt written whole", "recent": "blocks written lately left out"}
+        for how, label in labels.items():
+            hsets = float(np.median([m[1] for m in measured[how]]))
+            rows.append((f"  {label}", f"Redis CPU {cpu_ms[how]:.3f} ms, {hsets:.0f} HSETs per request"))
+        rows.append(("  left out / whole, Redis CPU", f"{cpu_ms['recent'] / cpu_ms['whole']:.2f}"))
         await client.aclose()
 
     width = max(len(name) for name, _ in rows)
@@ -193,6 +238,7 @@ def cli() -> None:
     )
     parser.add_argument("--blocks", type=int, default=102_400)
     parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=2000, help="section 4's requests per round")
     parser.add_argument("--port", type=int, default=None, help="use a running redis-server (it is FLUSHed)")
     asyncio.run(main(parser.parse_args()))
 

@@ -185,6 +185,9 @@ async def test_removed_drops_single_blocks_everywhere(
     assert await a.flush()
     assert (await b.lookup(prompt, b_cand)).tolist() == [2]
     assert b.match(prompt, b_cand).tolist() == [2]  # B's mirror corrected by the lookup
+    a.stored(A_SLOTS["e3"], keys(33))  # the engine cached it again: A writes it again, however lately
+    assert await a.flush()
+    assert (await b.lookup(prompt, b_cand)).tolist() == [4]
 
 
 async def test_lookup_trusts_the_mirror_for_writes_not_flushed_yet(
@@ -247,9 +250,14 @@ async def test_script_is_reloaded_after_script_flush(
     assert b.redis_errors == 0 and b.healthy
 
 
+async def server_count(client: aioredis.Redis, section: str, stat: str, field: str) -> int:
+    """One counter of ``INFO <section>`` (0 while Redis has none): errors, or a command's calls."""
+    stats = await client.info(section)
+    return int(stats.get(stat, {}).get(field, 0))
+
+
 async def noscript_errors(client: aioredis.Redis) -> int:
-    stats = await client.info("errorstats")
-    return int(stats.get("errorstat_NOSCRIPT", {}).get("count", 0))
+    return await server_count(client, "errorstats", "errorstat_NOSCRIPT", "count")
 
 
 async def test_a_flush_of_one_script_call_is_one_round_trip(
@@ -724,3 +732,52 @@ def test_a_malformed_push_applies_nothing_of_itself() -> None:
         assert receiver.match(keys(1, 2, 3), candidates).tolist() == [0, 0]  # not even e0's op
     receiver._receive(good)
     assert receiver.match(keys(1, 2, 3), candidates).tolist() == [2, 3]
+
+
+async def test_blocks_written_lately_are_not_written_again(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    raw = clients[1]
+    a = make_index(clients[0], A_SLOTS, whole_prompts=True)
+    b = make_index(raw, B_SLOTS, whole_prompts=True)
+    system = [101, 102, 103]  # a shared prefix every request carries
+    await raw.config_resetstat()
+    for question in (7, 8, 9):
+        a.record(A_SLOTS["e0"], keys(*system, question))
+        assert await a.flush()  # a flush per request: nothing coalesces them
+    # 3 prefix blocks once, then one new block a request (12 with every prompt written whole): an
+    # HSET per block an apply script wrote.
+    assert await server_count(raw, "commandstats", "cmdstat_hset", "calls") == 6
+    for question in (7, 8, 9):
+        assert (await b.lookup(keys(*system, question), slots_of(B_SLOTS, "e0"))).tolist() == [4]
+
+
+async def test_blocks_are_written_again_once_rewrite_after_s_has_passed(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    raw = clients[1]
+    a = make_index(clients[0], A_SLOTS, ttl_s=1.0, rewrite_after_s=0.1)
+    a.record(A_SLOTS["e0"], keys(1, 2))
+    assert await a.flush()
+    block_key = b"pdr:b:" + keys(1).astype(">u8").tobytes()
+    first_ttl = await raw.pttl(block_key)
+    await asyncio.sleep(0.25)  # past rewrite_after_s: the TTL must be refreshed, not left to run out
+    a.record(A_SLOTS["e0"], keys(1, 2))
+    assert await a.flush()
+    assert await raw.pttl(block_key) > first_ttl
+
+
+async def test_a_clear_seen_in_a_lookup_makes_the_blocks_written_again(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    a, b = make_index(clients[0], A_SLOTS), make_index(clients[1], B_SLOTS)
+    prompt = keys(21, 22, 23)
+    a.record(A_SLOTS["e0"], prompt)
+    assert await a.flush()
+    b.cleared(B_SLOTS["e0"])  # e0 restarted: another replica bumps its generation
+    assert await b.flush()
+    # A's next request on e0 asks first: the new generation makes A forget what it wrote under the old.
+    assert (await a.lookup(prompt, slots_of(A_SLOTS, "e0"))).tolist() == [0]
+    a.record(A_SLOTS["e0"], prompt)
+    assert await a.flush()
+    assert (await b.lookup(prompt, slots_of(B_SLOTS, "e0"))).tolist() == [3]
