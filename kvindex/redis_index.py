@@ -27,9 +27,10 @@ Cluster), ``<ns>`` = ``namespace``:
   the raw big-endian uint64 (binary-safe keys: 14 bytes instead of 26 as decimal, and Lua slices
   the request blob instead of formatting numbers). Each write refreshes the key's TTL (``ttl_s``),
   so a block nobody wrote for ``ttl_s`` disappears: key count <= ttl x distinct-block write rate,
-  and fields per key <= endpoints. A replica does not write again a block it wrote for the same
-  endpoint less than ``rewrite_after_s`` ago (``RecentWrites``): a shared system prompt or a
-  conversation's history, carried by every request, costs Redis one write per block per
+  and fields per key <= endpoints. A replica fed whole prompts does not write again a block it
+  wrote for the same endpoint less than ``rewrite_after_s`` ago (``RecentWrites``; it sends it
+  with the generation it was written under, written again only if that changed): a shared system
+  prompt or a conversation's history, carried by every request, costs Redis one write per block per
   ``rewrite_after_s`` instead of one per request, and its TTL still never lapses while it is used.
 * ``<ns>:gen:<name>`` -> STRING, the endpoint's current generation. A HASH field counts only when
   its value equals it, so ``cleared`` is ONE ``INCR`` and stale fields are skipped on read (and
@@ -103,6 +104,7 @@ _DOWN_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 _ADD = b"a"
+_ADD_IF_CLEARED = b"f"  # + the generation the blocks were written under
 _DEL = b"d"
 _CLEAR = b"c"
 
@@ -200,8 +202,10 @@ if alive > 0 and n > 0 and not (ARGV[5] == '1' and bisect()) then walk() end
 return {table.concat(depth, ','), table.concat(gens, ',')}
 """
 
-# ARGV: block-key prefix, gen-key prefix, ttl ms, then (op, name, blob) triples; op a/d/c.
-# Returns the generation each add wrote under ("" for other ops).
+# ARGV: block-key prefix, gen-key prefix, ttl ms, then (op, name, blob) triples; op a/d/c, or f<gen>:
+# blocks this replica wrote lately under generation <gen>, written again only if the endpoint's
+# generation is no longer <gen> (another replica cleared it meanwhile). Returns the generation each
+# add wrote under ("" for other ops).
 _APPLY_LUA = """
 local bp, gp, ttl = ARGV[1], ARGV[2], ARGV[3]
 local out = {}
@@ -211,19 +215,21 @@ for j = 4, #ARGV, 3 do
   local g = ''
   if op == 'c' then
     if redis.call('EXISTS', gk) == 1 then redis.call('INCR', gk) end
-  elseif op == 'a' then
+  elseif op == 'a' or string.sub(op, 1, 1) == 'f' then
     g = redis.call('GET', gk)
-    if not g then
-      -- string concat, not arithmetic: Lua numbers are doubles and would print as 1.7e+15
-      local t = redis.call('TIME')
-      g = t[1] .. string.format('%06d', tonumber(t[2]))
-      redis.call('SET', gk, g)
-    end
-    redis.call('PEXPIRE', gk, ttl)
-    for i = 1, #blob, 8 do
-      local k = bp .. string.sub(blob, i, i + 7)
-      redis.call('HSET', k, name, g)
-      redis.call('PEXPIRE', k, ttl)
+    if op == 'a' or g ~= string.sub(op, 2) then
+      if not g then
+        -- string concat, not arithmetic: Lua numbers are doubles and would print as 1.7e+15
+        local t = redis.call('TIME')
+        g = t[1] .. string.format('%06d', tonumber(t[2]))
+        redis.call('SET', gk, g)
+      end
+      redis.call('PEXPIRE', gk, ttl)
+      for i = 1, #blob, 8 do
+        local k = bp .. string.sub(blob, i, i + 7)
+        redis.call('HSET', k, name, g)
+        redis.call('PEXPIRE', k, ttl)
+      end
     end
   else
     for i = 1, #blob, 8 do redis.call('HDEL', bp .. string.sub(blob, i, i + 7), name) end
@@ -248,9 +254,9 @@ class RecentWrites:
 
     Two generations of sets, the younger becoming the older every ``rewrite_after_s / 2``: a key
     counts as written while it is in either, so it is left out for at most ``rewrite_after_s``.
-    Beyond ``cap`` keys everything is forgotten (the next flushes write in full). Whoever changes
-    what Redis holds for a name behind these sets (a clear, a new generation, a removal, a restart)
-    must ``forget`` it."""
+    Beyond ``cap`` keys everything is forgotten (the next flushes write in full). A clear or a new
+    generation seen here, and a Redis outage, ``forget``; a clear by another replica not seen yet
+    is caught by Redis itself (the flush's ``f<gen>`` op)."""
 
     def __init__(self, rewrite_after_s: float, cap: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._half = rewrite_after_s / 2
@@ -261,19 +267,22 @@ class RecentWrites:
         self._size = 0  # keys in both generations (one written twice counts twice)
         self._turn_at = clock() + self._half
 
-    def unwritten(self, name: str, keys: np.ndarray) -> np.ndarray:
-        """``keys`` (distinct) without those written lately for ``name``, in no particular order."""
+    def split(self, name: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``keys`` (distinct) as (not written lately for ``name``, written lately), each in no
+        particular order."""
         self._turn()
         younger, older = self._younger.get(name), self._older.get(name)
         if not younger and not older:
-            return keys
-        left = set(keys.tolist())
+            return keys, keys[:0]
+        given = set(keys.tolist())
+        left = given.copy()
         for held in (younger, older):
             if held:
                 left -= held
         if len(left) == keys.shape[0]:
-            return keys
-        return np.fromiter(left, dtype=np.uint64, count=len(left))
+            return keys, keys[:0]
+        lately = given - left
+        return _array(left), _array(lately)
 
     def wrote(self, name: str, keys: np.ndarray) -> None:
         self._turn()
@@ -313,6 +322,10 @@ class RecentWrites:
         self._younger = {}
         self._size = sum(map(len, self._older.values()))
         self._turn_at = now + self._half
+
+
+def _array(keys: set[int]) -> np.ndarray:
+    return np.fromiter(keys, dtype=np.uint64, count=len(keys))
 
 
 class SharedPrefixIndex:
@@ -704,25 +717,29 @@ class SharedPrefixIndex:
         current: list[bytes | str] = [a for name in clears for a in (_CLEAR, name, b"")]
         room = self._batch_blocks
         written: list[tuple[str, np.ndarray]] = []
-        recent = self._recent
+        # Only for an index fed whole prompts: a removal (the KV-event path) is not a generation,
+        # so a block another replica removed could not be told from one still held.
+        recent = self._recent if self._bisect == b"1" else None
         for name, name_ops in per_name.items():
             for op, coalesced in self._coalesce(name_ops):
-                keys = coalesced
-                if recent is not None:
-                    if op == _ADD:
-                        keys = recent.unwritten(name, coalesced)
-                        written.append((name, keys))
-                    else:
-                        recent.forget(name, coalesced)
-                start = 0
-                while start < keys.shape[0]:
-                    take = keys[start : start + room]
-                    current += (op, name, take.astype(">u8").tobytes())
-                    start += take.shape[0]
-                    room -= take.shape[0]
-                    if room == 0:
-                        calls.append(current)
-                        current, room = [], self._batch_blocks
+                parts = [(op, coalesced)]
+                if recent is not None and op == _ADD:
+                    gen = self._gens.get(name)  # what the blocks written lately were written under
+                    new, lately = recent.split(name, coalesced) if gen else (coalesced, coalesced[:0])
+                    parts = [(_ADD, new)]
+                    if gen and lately.shape[0]:
+                        parts.append((_ADD_IF_CLEARED + gen, lately))
+                    written.append((name, new))
+                for kind, keys in parts:
+                    start = 0
+                    while start < keys.shape[0]:
+                        take = keys[start : start + room]
+                        current += (kind, name, take.astype(">u8").tobytes())
+                        start += take.shape[0]
+                        room -= take.shape[0]
+                        if room == 0:
+                            calls.append(current)
+                            current, room = [], self._batch_blocks
         if current:
             calls.append(current)
         if recent is None:

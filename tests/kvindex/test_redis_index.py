@@ -756,15 +756,19 @@ async def test_blocks_are_written_again_once_rewrite_after_s_has_passed(
     clients: tuple[aioredis.Redis, aioredis.Redis],
 ) -> None:
     raw = clients[1]
-    a = make_index(clients[0], A_SLOTS, ttl_s=1.0, rewrite_after_s=0.1)
-    a.record(A_SLOTS["e0"], keys(1, 2))
-    assert await a.flush()
+    a = make_index(clients[0], A_SLOTS, whole_prompts=True, ttl_s=2.0, rewrite_after_s=0.2)
     block_key = b"pdr:b:" + keys(1).astype(">u8").tobytes()
-    first_ttl = await raw.pttl(block_key)
-    await asyncio.sleep(0.25)  # past rewrite_after_s: the TTL must be refreshed, not left to run out
     a.record(A_SLOTS["e0"], keys(1, 2))
     assert await a.flush()
-    assert await raw.pttl(block_key) > first_ttl
+    await asyncio.sleep(0.1)
+    a.record(A_SLOTS["e0"], keys(1, 2))  # within rewrite_after_s: left out, the TTL runs on
+    assert await a.flush()
+    assert await raw.pttl(block_key) <= 1900
+    await asyncio.sleep(0.3)  # past it: written again, the TTL full again
+    before = await raw.pttl(block_key)
+    a.record(A_SLOTS["e0"], keys(1, 2))
+    assert await a.flush()
+    assert await raw.pttl(block_key) > before + 200
 
 
 async def test_a_clear_seen_in_a_lookup_makes_the_blocks_written_again(
