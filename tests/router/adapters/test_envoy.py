@@ -294,6 +294,8 @@ async def test_a_sidecar_in_front_of_every_pod_serves_pairs_through_envoy(tmp_pa
             envoy_with_picker(tmp_path, pool, picker=picker) as (app, url),
             aiohttp.ClientSession() as http,
         ):
+            # On a loaded machine a gate's first scrape can time out (retried a second later).
+            await eventually(lambda: len(app.parts.pool.candidate_slots()) == 2, what="both pods admitted")
             for i in range(4):
                 body = completion(f"pair {i} " * 40, stream=i % 2 == 0)
                 async with http.post(f"{url}/v1/completions", json=body) as resp:
