@@ -354,6 +354,7 @@ class SharedPrefixIndex:
         push: bool = False,
         rewrite_after_s: float | None = None,  # None: a tenth of ttl_s, at most 30 s; 0: every time
         recent_writes_cap: int = 262_144,  # keys remembered (~20 MB), beyond which all are forgotten
+        clock: Callable[[], float] = time.monotonic,  # what rewrite_after_s is measured on
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
@@ -403,7 +404,9 @@ class SharedPrefixIndex:
         # Queued or in-flight ops per name: while > 0 the mirror may know more than Redis.
         self._unflushed: Counter[str] = Counter()
         self._gens: dict[str, bytes] = {}  # name -> generation last seen in Redis
-        self._recent = RecentWrites(rewrite_after_s, recent_writes_cap) if rewrite_after_s > 0 else None
+        self._recent = (
+            RecentWrites(rewrite_after_s, recent_writes_cap, clock) if rewrite_after_s > 0 else None
+        )
         self._known_slots: set[int] = set()  # slots whose mirror contents a resync pushes
         self._run_id: str | None = None
         self._dropped_when_down = 0

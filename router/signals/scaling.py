@@ -145,13 +145,9 @@ class Level:
         while self.points[0][0] < now - self.settings.level_window_s:
             self.points.popleft()
 
-    def level(self, now: float) -> float:
-        """The mean of the last ``level_window_s`` (the last point if none is that recent)."""
-        if not self.points:
-            return 0.0
-        t, v = np.array(self.points).T
-        recent = v[t >= now - self.settings.level_window_s]
-        return float(recent.mean()) if recent.size else float(v[-1])
+    def level(self) -> float:
+        """The mean as of the last ``add`` (it keeps only the window's points)."""
+        return sum(value for _, value in self.points) / len(self.points) if self.points else 0.0
 
 
 def rate_growth(
@@ -426,7 +422,7 @@ class PoolSignals:
             needed = value / state.capacity if state.capacity > 0 else 0.0
             level = self.levels[role]
             level.add(now, needed)
-            forecast = max(level.level(now) * growth, needed) * state.capacity
+            forecast = max(level.level() * growth, needed) * state.capacity
             out[role] = self.recommender.recommend(now, role, state, forecast, horizon)
         self.latest = out
         return out

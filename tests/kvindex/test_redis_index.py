@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,18 +54,18 @@ def client_for(server: RedisServer) -> aioredis.Redis:
 
 
 def make_index(
-    client: aioredis.Redis, table: dict[str, int], *, whole_prompts: bool = False, **kwargs: float
+    client: aioredis.Redis, table: dict[str, int], *, whole_prompts: bool = False, **kwargs: Any
 ) -> SharedPrefixIndex:
     """``whole_prompts``: a mirror fed whole prompts only, as the router's (Redis may bisect)."""
     by_slot = {slot: name for name, slot in table.items()}
-    options: dict[str, float] = {"flush_interval_s": 0.01, "probe_interval_s": 0.05, "lookup_timeout_s": 0.5}
+    options: dict[str, Any] = {"flush_interval_s": 0.01, "probe_interval_s": 0.05, "lookup_timeout_s": 0.5}
     options.update(kwargs)
     return SharedPrefixIndex(
         client,
         MemoryPrefixIndex(4096, max_slots=64, whole_prompts=whole_prompts),
         slot_names=by_slot.__getitem__,
         slot_of=table.get,
-        **options,  # type: ignore[arg-type]
+        **options,
     )
 
 
@@ -258,6 +259,11 @@ async def server_count(client: aioredis.Redis, section: str, stat: str, field: s
 
 async def noscript_errors(client: aioredis.Redis) -> int:
     return await server_count(client, "errorstats", "errorstat_NOSCRIPT", "count")
+
+
+async def hsets(raw: aioredis.Redis) -> int:
+    """HSETs Redis ran since the last CONFIG RESETSTAT: one per block an apply script wrote."""
+    return await server_count(raw, "commandstats", "cmdstat_hset", "calls")
 
 
 async def test_a_flush_of_one_script_call_is_one_round_trip(
@@ -745,9 +751,8 @@ async def test_blocks_written_lately_are_not_written_again(
     for question in (7, 8, 9):
         a.record(A_SLOTS["e0"], keys(*system, question))
         assert await a.flush()  # a flush per request: nothing coalesces them
-    # 3 prefix blocks once, then one new block a request (12 with every prompt written whole): an
-    # HSET per block an apply script wrote.
-    assert await server_count(raw, "commandstats", "cmdstat_hset", "calls") == 6
+    # 3 prefix blocks once, then one new block a request (12 with every prompt written whole).
+    assert await hsets(raw) == 6
     for question in (7, 8, 9):
         assert (await b.lookup(keys(*system, question), slots_of(B_SLOTS, "e0"))).tolist() == [4]
 
@@ -756,25 +761,41 @@ async def test_blocks_are_written_again_once_rewrite_after_s_has_passed(
     clients: tuple[aioredis.Redis, aioredis.Redis],
 ) -> None:
     raw = clients[1]
-    a = make_index(clients[0], A_SLOTS, whole_prompts=True, ttl_s=2.0, rewrite_after_s=0.2)
-    block_key = b"pdr:b:" + keys(1).astype(">u8").tobytes()
+    now = [0.0]
+    a = make_index(clients[0], A_SLOTS, whole_prompts=True, rewrite_after_s=10.0, clock=lambda: now[0])
     a.record(A_SLOTS["e0"], keys(1, 2))
     assert await a.flush()
-    await asyncio.sleep(0.1)
-    a.record(A_SLOTS["e0"], keys(1, 2))  # within rewrite_after_s: left out, the TTL runs on
+    await raw.config_resetstat()
+    now[0] = 4.0
+    a.record(A_SLOTS["e0"], keys(1, 2))  # within rewrite_after_s: left out, its TTL runs on
     assert await a.flush()
-    assert await raw.pttl(block_key) <= 1900
-    await asyncio.sleep(0.3)  # past it: written again, the TTL full again
-    before = await raw.pttl(block_key)
-    a.record(A_SLOTS["e0"], keys(1, 2))
+    assert await hsets(raw) == 0
+    now[0] = 10.0
+    a.record(A_SLOTS["e0"], keys(1, 2))  # past it: written again, the TTL full again
     assert await a.flush()
-    assert await raw.pttl(block_key) > before + 200
+    assert await hsets(raw) == 2
+
+
+async def test_a_clear_not_seen_yet_is_caught_by_redis(
+    clients: tuple[aioredis.Redis, aioredis.Redis],
+) -> None:
+    a, b = make_index(clients[0], A_SLOTS, whole_prompts=True), make_index(clients[1], B_SLOTS)
+    prompt = keys(61, 62)
+    a.record(A_SLOTS["e1"], prompt)
+    assert await a.flush()
+    b.cleared(B_SLOTS["e1"])
+    assert await b.flush()
+    # A has not looked since: it sends the blocks with the generation it wrote them under, and
+    # Redis, whose generation for e1 is newer, writes them again.
+    a.record(A_SLOTS["e1"], prompt)
+    assert await a.flush()
+    assert (await b.lookup(prompt, slots_of(B_SLOTS, "e1"))).tolist() == [2]
 
 
 async def test_a_clear_seen_in_a_lookup_makes_the_blocks_written_again(
     clients: tuple[aioredis.Redis, aioredis.Redis],
 ) -> None:
-    a, b = make_index(clients[0], A_SLOTS), make_index(clients[1], B_SLOTS)
+    a, b = make_index(clients[0], A_SLOTS, whole_prompts=True), make_index(clients[1], B_SLOTS)
     prompt = keys(21, 22, 23)
     a.record(A_SLOTS["e0"], prompt)
     assert await a.flush()
