@@ -8,6 +8,11 @@ process on the quality harness's virtual clock over the same simulated engines; 
 to them round robin; Redis is an in-process fakeredis server the N share, so every run is
 deterministic. Each row: TTFT p50/p90/p99 and goodput, and p90 over one replica's in the same run.
 
+Near saturation a router's own seed (how it breaks exact ties) moves a run's p90 as much as a
+workload seed does: one replica's (b) p90 on workload seed 4 is 332–582 ms over four router seeds.
+``--router-seeds N`` runs every workload seed with N router seeds and pools them, so a row's ratio
+to one replica is not one draw of that spread; the per-run p90s (min–max) go to stderr.
+
 ``--envoy`` runs the same comparison as processes on the wall clock: each replica a
 ``pd-router serve`` process, one real Envoy whose ext_proc cluster has every replica as a host
 (round robin, the example configuration), a real redis-server for the shared setups, the engines
@@ -18,6 +23,7 @@ spent per request while the requests ran (``/proc``). ``--lone`` adds one replic
 
     python -m loadtests.bench.replicas                        # (a) and (b), 1/2/4 replicas
     python -m loadtests.bench.replicas --scenarios b --replicas 1,2 --seeds 0,1
+    python -m loadtests.bench.replicas --seeds 0,1,2,3,4,5 --router-seeds 3  # 18 runs a row
     python -m loadtests.bench.replicas --envoy --scenarios ab --replicas 1,2,4
     python -m loadtests.bench.replicas --envoy --scenarios a --replicas 1,4 --lone --no-independent
 """
@@ -123,6 +129,7 @@ async def _run(
     hop_s: float,
     redis_settings: Mapping[str, Any],
     requests: int,
+    router_seed: int = 0,
 ) -> Summary:
     workload = scn.workload(requests, scn.rate, seed)
     physical, links = scaled_links(scn.links, tm.speed), router_links(scn, tm.speed)
@@ -143,7 +150,7 @@ async def _run(
                 proxies = []
                 for i in range(setup.replicas):
                     config = parse_config(json.loads(json.dumps(data)), list(VIRTUAL_OVERRIDES))
-                    parts = build(config, seed=seed * 100 + i, redis=fake_redis)
+                    parts = build(config, seed=_router_seed(seed, router_seed, i), redis=fake_redis)
                     app = await stack.enter_async_context(App(parts))
                     cfg = config.proxy
                     exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)
@@ -157,6 +164,12 @@ async def _run(
                 return await _drive(router, workload, setup.name)
 
 
+def _router_seed(seed: int, router_seed: int, replica: int) -> int:
+    """Replica ``replica``'s seed: distinct per workload seed, router seed and replica (router
+    seed 0 keeps the seeds every earlier run of this benchmark used)."""
+    return seed * 100 + replica + 1_000_000 * router_seed
+
+
 def run_setup(
     scn: Scenario,
     setup: Setup,
@@ -165,11 +178,15 @@ def run_setup(
     hop_s: float = HOP_S,
     redis_settings: Mapping[str, Any] | None = None,
     requests: int | None = None,
+    router_seed: int = 0,
 ) -> Summary:
     """One setup on one scenario (``requests``: the scenario's own count by default) in a fresh
     virtual loop; ``redis_settings``: the shared setups' ``index.redis`` beyond its URL (such as
-    ``share_load_ms``; the defaults otherwise)."""
-    run = _run(scn, setup, seed, TimeModel(), hop_s, redis_settings or {}, requests or scn.requests)
+    ``share_load_ms``; the defaults otherwise); ``router_seed``: which draw of the routers' own
+    seeds."""
+    run = _run(
+        scn, setup, seed, TimeModel(), hop_s, redis_settings or {}, requests or scn.requests, router_seed
+    )
     return run_virtual(run, seed=seed)
 
 
@@ -330,6 +347,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="add one replica given a Redis (a deployment scaled down to one), beside one without",
     )
+    parser.add_argument(
+        "--router-seeds",
+        type=int,
+        default=1,
+        help="router seeds per workload seed, pooled per row (virtual only; default 1)",
+    )
     parser.add_argument("--requests", type=int, help="requests per run (default: the scenario's)")
     parser.add_argument(
         "--envoy", action="store_true", help="processes behind a real Envoy on the wall clock instead"
@@ -342,6 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead")
     args = parser.parse_args(argv)
+    if args.router_seeds < 1:
+        parser.error("--router-seeds must be at least 1")
+    if args.envoy and args.router_seeds > 1:
+        parser.error("--router-seeds is for the virtual runs: behind Envoy each run's timing differs anyway")
     counts = sorted({int(n) for n in args.replicas.split(",")} | {1})
     seeds = [int(s) for s in args.seeds.split(",")]
     redis: dict[str, Any] = {} if args.share_load_ms is None else {"share_load_ms": args.share_load_ms}
@@ -374,8 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 }
             else:
                 summaries = [
-                    run_setup(scn, setup, seed, redis_settings=redis, requests=args.requests)
+                    run_setup(scn, setup, seed, redis_settings=redis, requests=args.requests, router_seed=r)
                     for seed in seeds
+                    for r in range(args.router_seeds)
                 ]
             result = {**row(scn, setup, summaries, one_p90), **costs}
             if setup == Setup(1, False):
@@ -383,7 +411,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result["p90_vs_one"] = 1.0
             rows.append(result)
             if not args.json:
-                print(f"  [{key}] {setup.name}: p90 TTFT {result['ttft_p90_ms']:.1f} ms", file=sys.stderr)
+                each = [s.pct("ttft_s", 0.9) * MS for s in summaries]
+                print(
+                    f"  [{key}] {setup.name}: p90 TTFT {result['ttft_p90_ms']:.1f} ms"
+                    f" (runs: {min(each):.1f}–{max(each):.1f})",
+                    file=sys.stderr,
+                )
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

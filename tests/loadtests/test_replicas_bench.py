@@ -38,6 +38,25 @@ def test_the_command_prints_one_row_per_setup(capsys: pytest.CaptureFixture[str]
     assert rows[0]["p90_vs_one"] == 1.0 and all(r["ok"] == "40/40" for r in rows)
 
 
+def test_router_seeds_are_pooled_per_row_and_move_the_tie_breaks(capsys: pytest.CaptureFixture[str]) -> None:
+    scn = SCENARIOS["b"]
+
+    def routes(router_seed: int) -> list[str]:
+        summary = run_setup(scn, Setup(1, False), 0, requests=20, router_seed=router_seed)
+        return [r.decode for r in summary.results]
+
+    # An idle pool's pods tie exactly: the router's own seed decides, and so moves the whole run.
+    assert routes(0) == routes(0)
+    assert routes(0) != routes(1)
+    argv = ["--scenarios", "b", "--replicas", "2", "--requests", "20", "--router-seeds", "2"]
+    assert main([*argv, "--no-independent", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["ok"] for r in rows] == ["40/40", "40/40"]  # two router seeds pooled in each row
+    with pytest.raises(SystemExit):
+        main([*argv, "--envoy"])
+    assert "--router-seeds is for the virtual runs" in capsys.readouterr().err
+
+
 def test_behind_a_real_envoy_every_replica_setup_answers(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--envoy", "--scenarios", "b", "--replicas", "2", "--requests", "30", "--lone", "--json"]
     assert main(argv) == 0
