@@ -95,6 +95,12 @@ def make_index(client: aioredis.Redis, *, whole_prompts: bool = False, **options
     )
 
 
+async def flushed(index: SharedPrefixIndex) -> None:
+    """A flush that must reach Redis (not an ``assert``: ``python -O`` would skip the flush too)."""
+    if not await index.flush():
+        raise RuntimeError("the flush to Redis failed: the figures would be wrong")
+
+
 async def redis_cpu_s(client: aioredis.Redis) -> float:
     cpu = await client.info("cpu")
     return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
@@ -112,7 +118,7 @@ async def shared_prefix_requests(
     for i in range(requests):
         question = rng.integers(0, 2**64, size=PROMPT_BLOCKS - 192, dtype=np.uint64)
         index.record(i % 4, np.concatenate([systems[i % 8], question]))
-        assert await index.flush()
+        await flushed(index)
     cpu = await redis_cpu_s(client) - cpu
     hsets = int((await client.info("commandstats")).get("cmdstat_hset", {}).get("calls", 0))
     return cpu / requests * 1e3, hsets / requests
@@ -151,7 +157,7 @@ async def main(args: argparse.Namespace) -> None:
             writer.record(i % ENDPOINTS, prompt)
         t_enq = time.perf_counter() - t0
         t0 = time.perf_counter()
-        assert await writer.flush()
+        await flushed(writer)
         t_flush = time.perf_counter() - t0
         one = await used_memory(client) - base
         rows.append(("record() on the caller, per 256-block prompt", f"{t_enq / len(prompts) * 1e6:.1f} µs"))
@@ -159,7 +165,7 @@ async def main(args: argparse.Namespace) -> None:
         for i, prompt in enumerate(prompts):  # a second holder on every block
             writer.record((i + 1) % ENDPOINTS, prompt)
         t0 = time.perf_counter()
-        assert await writer.flush()
+        await flushed(writer)
         t_flush2 = time.perf_counter() - t0
         two = await used_memory(client) - base
         rows.append(
@@ -185,7 +191,7 @@ async def main(args: argparse.Namespace) -> None:
         for slot in range(ENDPOINTS):
             writer.record(slot, full)
         cases["all-64"] = full
-        assert await writer.flush()
+        await flushed(writer)
 
         p50, p99 = await percentiles(client.ping, args.calls)
         rows.append(("PING round trip (floor)", f"p50 {p50:.0f} µs, p99 {p99:.0f} µs"))
@@ -240,7 +246,11 @@ def cli() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=2000, help="section 4's requests per round")
     parser.add_argument("--port", type=int, default=None, help="use a running redis-server (it is FLUSHed)")
-    asyncio.run(main(parser.parse_args()))
+    args = parser.parse_args()
+    for option in ("blocks", "calls", "requests"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} must be at least 1")
+    asyncio.run(main(args))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``RecentWrites``: which blocks a flush may leave out, on a clock the test moves."""
+"""``RecentWrites``: which blocks a flush sends as written lately (not written again unless their
+endpoint's generation changed), on a clock the test moves."""
 
 from __future__ import annotations
 

@@ -767,7 +767,7 @@ async def test_blocks_are_written_again_once_rewrite_after_s_has_passed(
     assert await a.flush()
     await raw.config_resetstat()
     now[0] = 4.0
-    a.record(A_SLOTS["e0"], keys(1, 2))  # within rewrite_after_s: left out, its TTL runs on
+    a.record(A_SLOTS["e0"], keys(1, 2))  # within rewrite_after_s: not written, its TTL runs on
     assert await a.flush()
     assert await hsets(raw) == 0
     now[0] = 10.0

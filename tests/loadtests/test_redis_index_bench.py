@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import sys
 
 import pytest
 
-from loadtests.bench.redis_index import main
+from loadtests.bench.redis_index import cli, main
 from loadtests.servers.redis import available
 
 pytestmark = [
@@ -31,3 +32,14 @@ def test_the_benchmark_prints_fewer_writes_when_recent_writes_are_not_rewritten(
     assert int(whole.group(1)) == 256
     assert int(lately.group(1)) == round((8 * 192 + 16 * 64) / 16)
     assert "not rewritten / whole, Redis CPU" in out
+
+
+@pytest.mark.parametrize("option", ["--blocks", "--calls", "--requests"])
+def test_a_count_below_one_is_refused_by_name(
+    option: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "argv", ["redis_index", option, "0"])
+    with pytest.raises(SystemExit) as exited:
+        cli()
+    assert exited.value.code == 2
+    assert f"{option} must be at least 1" in capsys.readouterr().err

@@ -299,7 +299,6 @@ def test_serve_on_a_port_in_use_says_which_listener_and_exits_1(installed: Insta
 def test_demo_completes_a_short_run(installed: Installed) -> None:
     done = installed.run(installed.pd_router, "demo", "--requests", "8")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "8 ok / 8 sent" in done.stdout
     assert "-> decode-" in done.stdout  # the chosen routes and why
     assert done.stdout.count("8 ok / 8 sent") == 2  # pd-router's column and least-loaded's
 
