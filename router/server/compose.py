@@ -406,7 +406,7 @@ def build(
         shared_load = SharedLoad(
             clients[-1], shared_redis.namespace, pool, interval_s=interval_s, push=shared_redis.push
         )
-        pool.on_load_change = shared_load.changed
+        pool.on_reserve = shared_load.reserved
         producers.append(FreshLoad(shared_load, shared_redis.lookup_timeout_ms / 1000.0))
     if shared_redis is not None:
         clients.append(redis_client(shared_redis.url, password))

@@ -386,9 +386,9 @@ class RedisConfig(_Strict):
     share_load_ms: Annotated[float, Field(ge=0, le=10_000, allow_inf_nan=False)] = Field(
         50.0,
         description="replicas exchange their in-flight reservations per endpoint at least this often "
-        "(also when they change, at most every 5 ms, and before each pick, while it knows of others), so "
-        "each routes on what all have in flight; a replica silent for three intervals drops out (0: each "
-        "sees only its own)",
+        "(also when a pick reserves more, at most every 5 ms, and before each pick, while it knows of "
+        "others; what a replica gives back goes with its next exchange), so each routes on what all "
+        "have in flight; a replica silent for three intervals drops out (0: each sees only its own)",
     )
     push: bool = Field(
         False,

@@ -99,7 +99,6 @@ class Reservation:
                 self.pool.queued_prefill_tokens[slot] -= self.prefill_tokens
                 self.pool.queued_prefill_requests[slot] -= 1
             self.pool.on_free()
-            self.pool.on_load_change()
 
     def release(self) -> None:
         if self.open:
@@ -118,7 +117,6 @@ class Reservation:
                 self.pool.reserved_kv_tokens[self.decode_slot] -= self.kv_tokens
                 self.pool.inflight_requests[self.decode_slot] -= 1
             self.pool.on_free()
-            self.pool.on_load_change()
 
 
 class Pool:
@@ -154,8 +152,9 @@ class Pool:
         self.answered_share = 1.0
         # Called whenever a reservation gives something back (flow control binds held requests).
         self.on_free: Callable[[], None] = _nothing
-        # Called whenever reservations change at all (other replicas are told: shared_load.py).
-        self.on_load_change: Callable[[], None] = _nothing
+        # Called whenever a pick reserves more (other replicas are told at once: shared_load.py;
+        # what is given back goes with this replica's next exchange).
+        self.on_reserve: Callable[[], None] = _nothing
         # A slot's endpoint left the pool: what was learned about it (cached prefixes) must go
         # before the slot serves another endpoint.
         self.on_removed: Callable[[int], None] = _forget
@@ -308,7 +307,7 @@ class Pool:
         self.reserved_kv_tokens[decode_slot] += kv_tokens
         self.inflight_requests[decode_slot] += 1
         self.outstanding += 1
-        self.on_load_change()
+        self.on_reserve()
         generation = self.generation
         return Reservation(
             self,

@@ -7,9 +7,13 @@ Every ``interval_s`` a replica writes its own reservations per endpoint into the
 flight, its queued prompt tokens, reserved KV tokens and decoding requests) and reads everyone's;
 the sum of the others' fresh entries lands in the pool's ``others_*`` arrays, which
 ``Pool.candidates`` adds to its own. So another replica's picks are at most one interval (plus a
-round trip) old, never unseen; a replica also exchanges as soon as its own reservations change (at
-most every ``min_gap_s``) and right before a pick (``refresh``, from a producer), so at a high
-request rate the others' view lags by a round trip, not an interval. A replica that stops writing
+round trip) old, never unseen; a replica also exchanges as soon as a pick reserves more (at most
+every ``min_gap_s``) and right before a pick (``refresh``, from a producer), so at a high request
+rate the others' view of new reservations lags by a round trip, not an interval. What a replica
+gives back (a prefill done, a request ended) goes with its next exchange, not one of its own: the
+others overestimate its load for a moment, never miss a pick. Telling every change cost ~3.8
+exchanges per request instead of ~2.3, each a round trip and a wake-up of every reader, for no
+better routing (docs/deployment.md). A replica that stops writing
 (killed, partitioned) drops out after ``stale_after_s`` and the next reader deletes its field; the
 hash expires once nobody writes. Redis trouble never stops routing: the others' share is then zero
 (each replica sees its own, as without sharing), the outage is logged once and the failed exchanges
@@ -75,20 +79,20 @@ class SharedLoad:
         self._read_once = False  # since Redis last failed: whether ``_others`` says who is there
         self.replicas = 1  # replicas whose reservations the pool's view includes (this one too)
         self.min_gap_s = min_gap_s
-        self._changed = asyncio.Event()
+        self._grew = asyncio.Event()
         self._running: asyncio.Task[None] | None = None
         self._last = -math.inf  # monotonic time the last exchange started
 
-    def changed(self) -> None:
-        """This replica's reservations changed: tell the others soon (``Pool.on_load_change``)."""
-        self._changed.set()
+    def reserved(self) -> None:
+        """This replica reserved more (``Pool.on_reserve``): tell the others soon."""
+        self._grew.set()
 
     async def run(self) -> None:
-        """Exchange when this replica's reservations change (at most every ``min_gap_s``; not while
+        """Exchange when this replica reserves more (at most every ``min_gap_s``; not while
         ``alone``), and at least every ``interval_s``."""
         while True:
             heartbeat = not await self._change_to_tell()
-            self._changed.clear()
+            self._grew.clear()
             wait = self._last + self.min_gap_s - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
@@ -101,13 +105,13 @@ class SharedLoad:
                 await self.board.exchange(self.own(), read=False)
 
     async def _change_to_tell(self) -> bool:
-        """True once this replica's reservations changed with another replica to tell, False
+        """True once this replica reserved more with another replica to tell, False
         when ``interval_s`` passed first (the heartbeat)."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.interval_s):
                 while True:
-                    await self._changed.wait()
-                    self._changed.clear()
+                    await self._grew.wait()
+                    self._grew.clear()
                     if not self.alone:
                         return True
         return False

@@ -142,7 +142,7 @@ async def test_a_change_is_told_at_once_not_at_the_next_interval(redis_client: R
     pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
     a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0)  # the heartbeat alone would take 30 s
     b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0)
-    pool_a.on_load_change = a.changed
+    pool_a.on_reserve = a.reserved
     await a.exchange()  # A announces itself,
     await b.exchange()  # B finds A,
     await a.exchange()  # and A finds B (at their heartbeats): neither is alone
@@ -162,10 +162,39 @@ async def test_a_change_is_told_at_once_not_at_the_next_interval(redis_client: R
             await task
 
 
+async def test_what_a_replica_gives_back_goes_with_its_next_exchange(redis_client: Redis) -> None:
+    pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
+    a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0, min_gap_s=0.0)  # no heartbeat here
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0, min_gap_s=0.0)
+    pool_a.on_reserve = a.reserved
+    await a.exchange()
+    await b.exchange()
+    await a.exchange()  # each knows of the other
+    task = asyncio.create_task(a.run())
+    try:
+        held = pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=700.0, kv_tokens=800.0)
+        assert a._grew.is_set()  # a pick is told at once
+        await eventually(lambda: not a._grew.is_set(), what="A's loop taking the pick")
+        await b.refresh()
+        assert load_on(pool_b, "e0") == (700.0, 800.0, 1)
+        held.finish_prefill()
+        held.release()
+        assert not a._grew.is_set()  # giving back asks for no exchange of its own
+        await b.refresh()
+        assert load_on(pool_b, "e0") == (700.0, 800.0, 1)  # B overestimates A for a moment
+        await a.refresh()  # A's next pick (or heartbeat) carries it
+        await b.refresh()
+        assert load_on(pool_b, "e0") == (0.0, 0.0, 0)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def test_a_lone_replica_tells_nobody_its_changes_until_another_appears(redis_client: Redis) -> None:
     pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
     a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0, min_gap_s=0.0)  # no heartbeat here
-    pool_a.on_load_change = a.changed
+    pool_a.on_reserve = a.reserved
     producer = FreshLoad(a, timeout_s=0.5)
     exchanges = 0
     real = a.board.exchange
@@ -184,11 +213,11 @@ async def test_a_lone_replica_tells_nobody_its_changes_until_another_appears(red
     try:
         pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=10.0, kv_tokens=20.0)
         await a.refresh()
-        await eventually(lambda: not a._changed.is_set(), what="the loop taking the change")
+        await eventually(lambda: not a._grew.is_set(), what="the loop taking the change")
         # A second change is taken only once the loop waits again: after any exchange the first
         # one made (with another replica there, it would have written at once).
-        a.changed()
-        await eventually(lambda: not a._changed.is_set(), what="the loop waiting again")
+        a.reserved()
+        await eventually(lambda: not a._grew.is_set(), what="the loop waiting again")
         assert exchanges == 1
         b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0)
         await b.exchange()  # B starts
@@ -299,7 +328,7 @@ async def test_while_pushed_a_change_is_written_without_reading_the_others(
     pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
     a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0, push=True)  # no heartbeat in the test
     b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0, push=True)
-    pool_a.on_load_change = a.changed
+    pool_a.on_reserve = a.reserved
     tasks = [asyncio.create_task(a.follow()), asyncio.create_task(b.follow())]
     observer = Redis(host="127.0.0.1", port=redis.port)
     try:
