@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from helpers import eventually, router_for
+from helpers import all_admitted, router_for
 
 from loadtests.servers.envoy import (
     free_port,
@@ -84,17 +84,7 @@ async def gateway(
     async with SimCluster(specs) as cluster:
         endpoints = [{"address": cluster.address(s.name), "role": s.role, "name": s.name} for s in specs]
         async with envoy_with_picker(tmp_path, endpoints, mode, **options) as (app, url):
-            # A gate round that timed out on a busy machine is retried after the start: wait for
-            # it, or a test's first request finds no pod admitted (503).
-            pool = app.parts.pool
-            await eventually(
-                lambda: (
-                    len(pool.endpoints) == len(specs)
-                    and all(pool.admitted[e.slot] for e in pool.endpoints.values())
-                ),
-                30.0,
-                "every simulated engine admitted",
-            )
+            await all_admitted(app, len(specs))  # else a first request may find no pod (503)
             yield Gateway(cluster, app, url)
 
 

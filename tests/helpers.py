@@ -216,15 +216,7 @@ async def router_on_sim(
         ]
         data = {"endpoints": endpoints, "engine": engine_model_for(time_model, specs[0].kv_bytes_per_token)}
         async with router_for({**data, **sections}, tracer_provider=tracer_provider) as (app, base):
-            pool = app.parts.pool
-            await eventually(
-                lambda: (
-                    len(pool.endpoints) == len(specs)
-                    and all(pool.admitted[e.slot] for e in pool.endpoints.values())
-                ),
-                30.0,
-                "every simulated engine admitted",
-            )
+            await all_admitted(app, len(specs))
             yield cluster, app, base
 
 
@@ -240,6 +232,17 @@ async def router_for(
     data = {"model": "sim-model", "scrape": scrape, "proxy": proxy, **sections}
     async with App(build(parse_config(data), seed=0, tracer_provider=tracer_provider)) as app:
         yield app, f"http://127.0.0.1:{app.proxy_port}"
+
+
+async def all_admitted(app: Any, count: int) -> None:
+    """Wait until the router's pool has ``count`` endpoints, every one admitted (a gate round that
+    timed out on a busy machine is retried after the start)."""
+    pool = app.parts.pool
+    await eventually(
+        lambda: len(pool.endpoints) == count and all(pool.admitted[e.slot] for e in pool.endpoints.values()),
+        30.0,
+        "every simulated engine admitted",
+    )
 
 
 async def eventually(
