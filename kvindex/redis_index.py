@@ -326,6 +326,30 @@ def _array(keys: set[int]) -> np.ndarray:
     return np.fromiter(keys, dtype=np.uint64, count=len(keys))
 
 
+class _Calls:
+    """Apply-script calls: (op, name, blob) triples, at most ``blocks`` keys per call."""
+
+    def __init__(self, blocks: int, first: list[bytes | str]) -> None:
+        self._blocks = blocks
+        self._room = blocks
+        self._current = first
+        self._calls: list[list[bytes | str]] = []
+
+    def add(self, op: bytes, name: str, keys: np.ndarray) -> None:
+        start = 0
+        while start < keys.shape[0]:
+            take = keys[start : start + self._room]
+            self._current += (op, name, take.astype(">u8").tobytes())
+            start += take.shape[0]
+            self._room -= take.shape[0]
+            if self._room == 0:
+                self._calls.append(self._current)
+                self._current, self._room = [], self._blocks
+
+    def done(self) -> list[list[bytes | str]]:
+        return [*self._calls, self._current] if self._current else self._calls
+
+
 class SharedPrefixIndex:
     """``PrefixIndex`` over a local mirror, replicated through Redis; see the module docstring.
 
@@ -364,6 +388,8 @@ class SharedPrefixIndex:
             rewrite_after_s = min(ttl_s / 10, 30.0)
         if not 0 <= rewrite_after_s <= ttl_s / 2:
             raise ValueError(f"rewrite_after_s: must be within 0..ttl_s/2, got {rewrite_after_s}")
+        if recent_writes_cap < 1:
+            raise ValueError(f"recent_writes_cap: must be >= 1, got {recent_writes_cap}")
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("client: needs decode_responses=False (the scripts return bytes)")
         self._client = client
@@ -714,45 +740,31 @@ class SharedPrefixIndex:
         per_name: dict[str, list[tuple[bytes, np.ndarray]]] = {}
         for name, op, keys in ops:
             per_name.setdefault(name, []).append((op, keys))
-        calls: list[list[bytes | str]] = []
-        current: list[bytes | str] = [a for name in clears for a in (_CLEAR, name, b"")]
-        room = self._batch_blocks
+        calls = _Calls(self._batch_blocks, [a for name in clears for a in (_CLEAR, name, b"")])
         written: list[tuple[str, np.ndarray]] = []
         # Only for an index fed whole prompts: a removal (the KV-event path) is not a generation,
         # so a block another replica removed could not be told from one still held.
         recent = self._recent if self._bisect == b"1" else None
         for name, name_ops in per_name.items():
-            for op, coalesced in self._coalesce(name_ops):
-                parts = [(op, coalesced)]
-                if recent is not None and op == _ADD:
-                    gen = self._gens.get(name)  # what the blocks written lately were written under
-                    new = coalesced
-                    if gen:  # else no generation to hold them to: all written
-                        new, lately = recent.split(name, coalesced)
-                        if lately.shape[0]:
-                            parts = [(_ADD, new), (_ADD_IF_CLEARED + gen, lately)]
-                    written.append((name, new))
-                for kind, keys in parts:
-                    start = 0
-                    while start < keys.shape[0]:
-                        take = keys[start : start + room]
-                        current += (kind, name, take.astype(">u8").tobytes())
-                        start += take.shape[0]
-                        room -= take.shape[0]
-                        if room == 0:
-                            calls.append(current)
-                            current, room = [], self._batch_blocks
-        if current:
-            calls.append(current)
+            for op, keys in self._coalesce(name_ops):
+                if recent is None or op != _ADD:
+                    calls.add(op, name, keys)
+                    continue
+                gen = self._gens.get(name)  # what the blocks written lately were written under
+                new, lately = recent.split(name, keys) if gen else (keys, keys[:0])
+                calls.add(_ADD, name, new)
+                if gen and lately.shape[0]:
+                    calls.add(_ADD_IF_CLEARED + gen, name, lately)
+                written.append((name, new))
         if recent is None:
-            await self._run_calls(calls)
+            await self._run_calls(calls.done())
             return
         # Counted as written before the await, so a clear or a new generation seen meanwhile
         # (which forgets the name) wins; taken back if the calls fail.
         for name, keys in written:
             recent.wrote(name, keys)
         try:
-            await self._run_calls(calls)
+            await self._run_calls(calls.done())
         except BaseException:
             for name, keys in written:
                 recent.forget(name, keys)

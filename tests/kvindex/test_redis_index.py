@@ -740,6 +740,19 @@ def test_a_malformed_push_applies_nothing_of_itself() -> None:
     assert receiver.match(keys(1, 2, 3), candidates).tolist() == [2, 3]
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"rewrite_after_s": -1.0}, "rewrite_after_s: must be within 0..ttl_s/2"),
+        ({"rewrite_after_s": 400.0, "ttl_s": 600.0}, "rewrite_after_s: must be within 0..ttl_s/2"),
+        ({"recent_writes_cap": 0}, "recent_writes_cap: must be >= 1"),
+    ],
+)
+def test_the_rewrite_window_and_its_cap_are_checked(option: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_index(aioredis.Redis(), A_SLOTS, whole_prompts=True, **option)
+
+
 async def test_blocks_written_lately_are_not_written_again(
     clients: tuple[aioredis.Redis, aioredis.Redis],
 ) -> None:

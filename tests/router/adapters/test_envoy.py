@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 from gateway import SINGLE, envoy_with_picker, example_config, gateway, run_envoy
-from helpers import anthropic_body, eventually, keep_busy, responses_body, router_for
+from helpers import all_admitted, anthropic_body, eventually, keep_busy, responses_body, router_for
 
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
@@ -294,8 +294,7 @@ async def test_a_sidecar_in_front_of_every_pod_serves_pairs_through_envoy(tmp_pa
             envoy_with_picker(tmp_path, pool, picker=picker) as (app, url),
             aiohttp.ClientSession() as http,
         ):
-            # On a loaded machine a gate's first scrape can time out (retried a second later).
-            await eventually(lambda: len(app.parts.pool.candidate_slots()) == 2, what="both pods admitted")
+            await all_admitted(app, len(pool))  # a gate's first scrape can time out on a loaded machine
             for i in range(4):
                 body = completion(f"pair {i} " * 40, stream=i % 2 == 0)
                 async with http.post(f"{url}/v1/completions", json=body) as resp:
