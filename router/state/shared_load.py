@@ -13,7 +13,7 @@ rate the others' view of new reservations lags by a round trip, not an interval.
 gives back (a prefill done, a request ended) goes with its next exchange, not one of its own: the
 others overestimate its load for a moment, never miss a pick. Telling every change cost ~3.8
 exchanges per request instead of ~2.3, each a round trip and a wake-up of every reader, for no
-better routing (docs/deployment.md). A replica that stops writing
+better routing (docs/benchmarks.md, "Picker replicas"). A replica that stops writing
 (killed, partitioned) drops out after ``stale_after_s`` and the next reader deletes its field; the
 hash expires once nobody writes. Redis trouble never stops routing: the others' share is then zero
 (each replica sees its own, as without sharing), the outage is logged once and the failed exchanges
@@ -27,7 +27,8 @@ A replica whose last read found no other (``alone``: one replica given a Redis, 
 left) writes only at the heartbeat and refreshes nothing before a pick: its changes have no reader,
 and a replica that joins is seen at the next heartbeat, within the ``interval_s`` every view is
 bounded by anyway. Exchanging at every change (and with a pipeline of three commands) a lone
-replica given a Redis spent ~1.4x the CPU per request it does now behind Envoy (docs/deployment.md).
+replica given a Redis spent ~1.4x the CPU per request it does now behind Envoy
+(docs/benchmarks.md, "Picker replicas").
 """
 
 from __future__ import annotations
