@@ -13,6 +13,10 @@ workload seed does: one replica's (b) p90 on workload seed 4 is 332–582 ms ove
 ``--router-seeds N`` runs every workload seed with N router seeds and pools them, so a row's ratio
 to one replica is not one draw of that spread; the per-run p90s (min–max) go to stderr.
 
+One workload seed can be ten times another's p90 near saturation, so a pooled p90 mostly says
+which seeds saturate. ``paired`` compares each run with one replica's run of the same workload
+(and router) seed instead: the median of the per-run p90 ratios.
+
 ``--envoy`` runs the same comparison as processes on the wall clock: each replica a
 ``pd-router serve`` process, one real Envoy whose ext_proc cluster has every replica as a host
 (round robin, the example configuration), a real redis-server for the shared setups, the engines
@@ -35,6 +39,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import statistics
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -302,21 +307,32 @@ def row(scn: Scenario, setup: Setup, summaries: list[Summary], one_p90: float | 
     }
 
 
+def paired_ratio(runs: Sequence[float], one_replica: Sequence[float] | None) -> float:
+    """The median over runs of each run's p90 over one replica's run of the same seeds: the
+    workloads' own spread (one seed saturates, another does not) stays out of each ratio, and one
+    wild run moves the median less than it moves a pooled p90."""
+    if not one_replica or len(runs) != len(one_replica):
+        return float("nan")
+    ratios = [mine / one for mine, one in zip(runs, one_replica, strict=True) if one > 0]
+    return float(statistics.median(ratios)) if ratios else float("nan")
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    """TTFT p50/p90/p99 ms, goodput, p90 over one replica's; behind Envoy also the replicas' time
-    per decision and the CPU the replicas (all of them) and Redis spent per request."""
+    """TTFT p50/p90/p99 ms, goodput, p90 over one replica's (pooled, and paired run by run); behind
+    Envoy also the replicas' time per decision and the CPU the replicas (all of them) and Redis spent
+    per request."""
 
     def ms(r: dict[str, Any], key: str) -> str:
         return "" if r.get(key) is None else f"{r[key]:.2f}"
 
     print(
         f"  {'scenario':<9}{'setup':<26}{'ok':>10}{'p50':>9}{'p90':>9}{'p99':>9}{'goodput':>9}{'p90/1':>8}"
-        f"{'decision ms':>13}{'CPU ms/req':>12}{'Redis ms/req':>14}"
+        f"{'paired':>8}{'decision ms':>13}{'CPU ms/req':>12}{'Redis ms/req':>14}"
     )
     for r in rows:
         print(
             f"  {r['scenario']:<9}{r['setup']:<26}{r['ok']:>10}{r['ttft_p50_ms']:>9.1f}"
-            f"{r['ttft_p90_ms']:>9.1f}{r['ttft_p99_ms']:>9.1f}{r['goodput']:>8.1%}{r['p90_vs_one']:>8.2f}"
+            f"{r['ttft_p90_ms']:>9.1f}{r['ttft_p99_ms']:>9.1f}{r['goodput']:>8.1%}{r['p90_vs_one']:>8.2f}{r['paired_vs_one']:>8.2f}"
             f"{ms(r, 'decision_ms'):>13}{ms(r, 'router_cpu_ms'):>12}{ms(r, 'redis_cpu_ms'):>14}"
         )
 
@@ -376,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for key in args.scenarios:
         scn = SCENARIOS[key]
-        one_p90 = None
+        one_p90: float | None = None
+        one_runs: list[float] | None = None
         for setup in setups(counts, push, independent=not args.no_independent, lone=args.lone):
             costs: dict[str, float] = {}
             if args.envoy:
@@ -406,12 +423,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for r in range(args.router_seeds)
                 ]
             result = {**row(scn, setup, summaries, one_p90), **costs}
+            each = [s.pct("ttft_s", 0.9) * MS for s in summaries]
             if setup == Setup(1, False):
-                one_p90 = result["ttft_p90_ms"]
+                one_p90, one_runs = result["ttft_p90_ms"], each
                 result["p90_vs_one"] = 1.0
+            result["run_p90_ms"] = each
+            result["paired_vs_one"] = paired_ratio(each, one_runs)
             rows.append(result)
             if not args.json:
-                each = [s.pct("ttft_s", 0.9) * MS for s in summaries]
                 print(
                     f"  [{key}] {setup.name}: p90 TTFT {result['ttft_p90_ms']:.1f} ms"
                     f" (runs: {min(each):.1f}–{max(each):.1f})",

@@ -4,10 +4,12 @@ through Redis keeps them close to one replica, and without it they route blind t
 from __future__ import annotations
 
 import json
+import math
+import statistics
 
 import pytest
 
-from loadtests.bench.replicas import Setup, main, row, run_setup
+from loadtests.bench.replicas import Setup, main, paired_ratio, row, run_setup
 from loadtests.bench.scenarios import SCENARIOS
 
 REQUESTS = 300
@@ -36,6 +38,27 @@ def test_the_command_prints_one_row_per_setup(capsys: pytest.CaptureFixture[str]
     rows = json.loads(capsys.readouterr().out)
     assert [r["setup"] for r in rows] == ["1 replica", "2 replicas, shared", "2 replicas, independent"]
     assert rows[0]["p90_vs_one"] == 1.0 and all(r["ok"] == "40/40" for r in rows)
+
+
+def test_paired_compares_each_run_with_one_replicas_run_of_the_same_seeds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--scenarios", "b", "--replicas", "2", "--requests", "30", "--seeds", "0,1"]
+    assert main([*argv, "--router-seeds", "2", "--no-independent", "--json"]) == 0
+    one, shared = json.loads(capsys.readouterr().out)
+    assert len(one["run_p90_ms"]) == len(shared["run_p90_ms"]) == 4  # 2 workload × 2 router seeds
+    assert one["paired_vs_one"] == 1.0
+    ratios = [mine / theirs for mine, theirs in zip(shared["run_p90_ms"], one["run_p90_ms"], strict=True)]
+    assert shared["paired_vs_one"] == pytest.approx(statistics.median(ratios))
+
+
+def test_paired_ratio_holds_each_run_to_its_own_seeds() -> None:
+    # Seed 1 saturates (ten times seed 0's p90): pooled, it decides; paired, each seed is its own yardstick.
+    one = [100.0, 1000.0, 120.0]
+    assert paired_ratio([110.0, 1100.0, 132.0], one) == pytest.approx(1.1)
+    assert paired_ratio([1100.0, 110.0, 132.0], one) == pytest.approx(1.1)  # the median of 11, 0.11, 1.1
+    assert paired_ratio([1000.0, 100.0, 90.0], one) == pytest.approx(0.75)  # 10, 0.1, 0.75: by seed
+    assert math.isnan(paired_ratio([1.0], None)) and math.isnan(paired_ratio([1.0], [1.0, 2.0]))
 
 
 def test_router_seeds_are_pooled_per_row_and_move_the_tie_breaks(capsys: pytest.CaptureFixture[str]) -> None:
