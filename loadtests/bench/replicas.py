@@ -332,7 +332,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         print(
             f"  {r['scenario']:<9}{r['setup']:<26}{r['ok']:>10}{r['ttft_p50_ms']:>9.1f}"
-            f"{r['ttft_p90_ms']:>9.1f}{r['ttft_p99_ms']:>9.1f}{r['goodput']:>8.1%}{r['p90_vs_one']:>8.2f}{r['paired_vs_one']:>8.2f}"
+            f"{r['ttft_p90_ms']:>9.1f}{r['ttft_p99_ms']:>9.1f}{r['goodput']:>8.1%}{r['p90_vs_one']:>8.2f}"
+            f"{r['paired_vs_one']:>8.2f}"
             f"{ms(r, 'decision_ms'):>13}{ms(r, 'router_cpu_ms'):>12}{ms(r, 'redis_cpu_ms'):>14}"
         )
 

@@ -174,9 +174,13 @@ async def test_what_a_replica_gives_back_goes_with_its_next_exchange(redis_clien
     try:
         held = pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=700.0, kv_tokens=800.0)
         assert a._grew.is_set()  # a pick is told at once
-        await eventually(lambda: not a._grew.is_set(), what="A's loop taking the pick")
-        await b.refresh()
-        assert load_on(pool_b, "e0") == (700.0, 800.0, 1)
+
+        async def b_sees_the_pick() -> bool:
+            await b.refresh()  # A's loop writes on its own: B sees it once that write lands
+            return load_on(pool_b, "e0") == (700.0, 800.0, 1)
+
+        assert await poll(b_sees_the_pick, 5.0), "B never saw A's pick"
+        assert not a._grew.is_set()  # A's loop took it
         held.finish_prefill()
         held.release()
         assert not a._grew.is_set()  # giving back asks for no exchange of its own
