@@ -325,8 +325,10 @@ def _model_of(
     model = body.get("model")
     if model is None and default is not None:
         model = default
-    elif not isinstance(model, str) or not model:
+    elif model is None:
         raise BadRequest("missing required field 'model'")
+    elif not isinstance(model, str) or not model:
+        raise BadRequest(f"'model' must be a non-empty string, got {_shown(model)}")
     requested, rule = None, ""
     if rewrites is not None:
         try:

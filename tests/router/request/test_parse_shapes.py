@@ -3,6 +3,7 @@ Responses API, batched completions prompts, and the APIs it does not read."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -206,6 +207,9 @@ def test_a_strict_pool_routes_other_apis_only_when_their_model_is_its_own() -> N
         parse_request(b"\x00RIFF", LIMITS, path="/v1/audio/transcriptions", pool_model="m")
     with pytest.raises(BadRequest, match="missing required field 'model'"):
         parse_request(b'{"input": "a"}', LIMITS, path="/v1/embeddings", pool_model="m")
+    for wrong, shown in ((b"7", "7"), (b'""', "''"), (b'["m"]', "['m']")):
+        with pytest.raises(BadRequest, match=re.escape(f"'model' must be a non-empty string, got {shown}")):
+            parse_request(b'{"model": ' + wrong + b', "prompt": "a"}', LIMITS, path="/v1/completions")
     with pytest.raises(UnknownModel):
         parse_request(b'{"model": "x", "input": "a"}', LIMITS, path="/v1/embeddings", pool_model="m")
     with pytest.raises(BadRequest, match="kv_transfer_params"):
