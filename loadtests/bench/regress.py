@@ -17,7 +17,7 @@ A line per regression follows the tables (exit status 1 when there is one): TTFT
 ``P90_WORSE`` of a tree's, goodput ``GOODPUT_WORSE`` below it, or in a scaling scenario more
 violation, or more replica-minutes without less violation, or fewer scenarios meeting the target.
 
-    python -m loadtests.bench.regress --against HEAD~1 --against 4aec685        # ~3 minutes
+    python -m loadtests.bench.regress --against HEAD~1 --against 4aec685        # ~6 minutes
     python -m loadtests.bench.regress --against HEAD --scenarios bde --no-scaling
 """
 
@@ -131,7 +131,12 @@ def scaling(tree: Path, args: argparse.Namespace) -> tuple[dict[str, Scaling], s
     cmd += ["--jobs", str(args.jobs)]
     if args.scaling_scenarios:
         cmd += ["--scenarios", args.scaling_scenarios]
-    return parse_verdicts(_run(cmd, tree, {"PYTHONPATH": str(tree)}))
+    # The replay exits 1 when any policy failed requests, which the threshold policies do by design
+    # (rolling-upgrade): what counts is that it printed its verdicts.
+    try:
+        return parse_verdicts(_run(cmd, tree, {"PYTHONPATH": str(tree)}, ok=(0, 1)))
+    except ValueError as exc:
+        raise SystemExit(f"the replay in {tree}: {exc}") from None
 
 
 _ROW = re.compile(r"^\| ([\w-]+) \| ([\d.]+), ([\d.]+) \| ([^|]+) \| (PASS|FAIL) \|")
@@ -152,9 +157,9 @@ def parse_verdicts(text: str) -> tuple[dict[str, Scaling], str]:
     return rows, summary
 
 
-def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, ok: tuple[int, ...] = (0,)) -> str:
     done = subprocess.run(cmd, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True)
-    if done.returncode != 0:
+    if done.returncode not in ok:
         raise SystemExit(f"{' '.join(cmd[:4])} … in {cwd} failed ({done.returncode}):\n{done.stderr[-2000:]}")
     return done.stdout
 
