@@ -111,7 +111,7 @@ def routing(tree: Path | None, args: argparse.Namespace, policies: str) -> dict[
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "loadtests.bench.quality", "--scenarios", args.scenarios]
         cmd += ["--seeds", args.seeds, "--jobs", str(args.jobs), "--policies", policies]
-        cmd += ["--no-reference", "--json", out.name]
+        cmd += ["--no-reference", "--json", out.name, *(["--requests", "100"] if args.quick else [])]
         if tree is not None:
             cmd += ["--router-tree", str(tree)]
         _run(cmd, HERE)
@@ -131,6 +131,8 @@ def scaling(tree: Path, args: argparse.Namespace) -> tuple[dict[str, Scaling], s
     cmd += ["--jobs", str(args.jobs)]
     if args.scaling_scenarios:
         cmd += ["--scenarios", args.scaling_scenarios]
+    if args.quick:
+        cmd.append("--quick")
     # The replay exits 1 when any policy failed requests, which the threshold policies do by design
     # (rolling-upgrade): what counts is that it printed its verdicts.
     try:
@@ -252,6 +254,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scaling-scenarios", default="", help="replay scenarios (default: all)")
     parser.add_argument("--no-scaling", action="store_true", help="the routing table only")
     parser.add_argument("--jobs", type=int, default=2, help="processes per benchmark (default: %(default)s)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 100 requests a routing scenario, the replay's --quick (the numbers mean little)",
+    )
     args = parser.parse_args(argv)
     with worktrees(list(dict.fromkeys(args.against))) as trees:
         lines, found = report(args, trees)

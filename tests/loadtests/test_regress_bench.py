@@ -87,7 +87,7 @@ def test_a_short_run_against_head_prints_both_tables_and_leaves_no_worktree(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     before = _worktrees()
-    argv = ["--against", "HEAD", "--scenarios", "e", "--seeds", "0", "--jobs", "1"]
+    argv = ["--against", "HEAD", "--scenarios", "e", "--seeds", "0", "--jobs", "1", "--quick"]
     status = main([*argv, "--scaling-seeds", "0", "--scaling-scenarios", "short-burst"])
     out = capsys.readouterr().out
     assert _worktrees() == before
