@@ -30,20 +30,28 @@ def text_block_keys(text: str, block_chars: int) -> np.ndarray:
     """uint64 chained keys of every full ``block_chars``-character block of ``text``."""
     data = text.encode("utf-8", "surrogatepass")
     n_blocks = len(text) // block_chars
-    keys = np.empty(n_blocks, dtype=np.uint64)
-    parent = _ROOT
     # Slice the UTF-8 bytes per character block: encode once, then cut where the text cuts.
     if len(data) == len(text):
-        cuts = range(0, n_blocks * block_chars + 1, block_chars)
+        cuts: Sequence[int] = range(0, n_blocks * block_chars + 1, block_chars)
     else:
         cuts = _utf8_cuts(text, block_chars, n_blocks)
-    starts = iter(cuts)
-    start = next(starts)
-    for i, end in enumerate(starts):
-        parent = hashlib.blake2b(parent + data[start:end], digest_size=8).digest()
-        keys[i] = int.from_bytes(parent, "little")
+    return _chained(_ROOT, data, cuts)
+
+
+def _chained(root: bytes, data: bytes, cuts: Sequence[int]) -> np.ndarray:
+    """Key i is the 8-byte BLAKE2b of key i-1 (``root`` for the first) and ``data[cuts[i]:cuts[i+1]]``,
+    read as a little-endian uint64. The digests are joined and read as one array: per block, only
+    the hash is left in Python (a uint64 set item by item cost a third of the time, 4k-token prompts
+    being 256 blocks on every request)."""
+    blake2b = hashlib.blake2b
+    parent = root
+    digests = []
+    start = cuts[0]
+    for end in cuts[1:]:
+        parent = blake2b(parent + data[start:end], digest_size=8).digest()
+        digests.append(parent)
         start = end
-    return keys
+    return np.frombuffer(b"".join(digests), dtype="<u8").astype(np.uint64)
 
 
 def _utf8_cuts(text: str, block_chars: int, n_blocks: int) -> list[int]:
@@ -60,9 +68,4 @@ def token_block_keys(ids: Sequence[int], block_tokens: int) -> np.ndarray:
     n_blocks = len(ids) // block_tokens
     data = np.asarray(ids[: n_blocks * block_tokens], dtype="<u4").tobytes()
     width = 4 * block_tokens
-    keys = np.empty(n_blocks, dtype=np.uint64)
-    parent = _IDS_ROOT
-    for i in range(n_blocks):
-        parent = hashlib.blake2b(parent + data[i * width : (i + 1) * width], digest_size=8).digest()
-        keys[i] = int.from_bytes(parent, "little")
-    return keys
+    return _chained(_IDS_ROOT, data, range(0, n_blocks * width + 1, width))
