@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvindex.base import PrefixIndex
 from router.flow.flight import RequestFlow
@@ -331,3 +332,31 @@ async def keep_busy(http: Any, cluster: Any, app: Any, home: str) -> asyncio.Tas
     slot = app.parts.pool.endpoints[home].slot
     await eventually(lambda: app.parts.pool.running[slot] >= 1, 5, "the home pod seen busy")
     return long
+
+
+class FakeCall:
+    """What ``ExtProcCall`` needs of the transport's ``Call``: the messages sent (as bytes), the
+    status, and ``events``, the order of sends, the finish and flushes."""
+
+    def __init__(self) -> None:
+        self.raw: list[bytes] = []
+        self.status: tuple[int, str] | None = None
+        self.events: list[str] = []
+
+    @property
+    def sent(self) -> list[pb.ProcessingResponse]:
+        """The messages sent, as ``ProcessingResponse``s."""
+        return [pb.ProcessingResponse.FromString(message) for message in self.raw]
+
+    def send(self, message: bytes) -> None:
+        assert self.status is None, "sent after finish"
+        self.raw.append(message)
+        self.events.append("send")
+
+    def finish(self, code: int = 0, message: str = "") -> None:
+        assert self.status is None, "finished twice"
+        self.status = (code, message)
+        self.events.append("finish")
+
+    def flush(self) -> None:
+        self.events.append("flush")

@@ -32,6 +32,7 @@ from google.protobuf.message import DecodeError
 from helpers import (
     PD_TWO_RACKS,
     SINGLE_PODS,
+    FakeCall,
     eventually,
     make_config,
     make_flow,
@@ -309,22 +310,6 @@ def test_an_odd_status_header_is_no_status_not_a_crash(status: bytes) -> None:
 # -- the gRPC call: bytes in ---------------------------------------------------------------------
 
 
-class FakeCall:
-    """What ``ExtProcCall`` needs of the transport's ``Call``: what was sent and the final status."""
-
-    def __init__(self) -> None:
-        self.sent: list[bytes] = []
-        self.status: tuple[int, str] | None = None
-
-    def send(self, message: bytes) -> None:
-        assert self.status is None, "sent after finish"
-        self.sent.append(message)
-
-    def finish(self, code: int = 0, message: str = "") -> None:
-        assert self.status is None, "finished twice"
-        self.status = (code, message)
-
-
 def _varint(value: int) -> bytes:
     out = bytearray()
     while True:
@@ -384,7 +369,7 @@ def run_call(setup: Setup, data: list[bytes]) -> tuple[FakeCall, ExtProcCall]:
     if call.status is None:
         handler.on_end()
     assert call.status is not None
-    for sent in call.sent:
+    for sent in call.raw:
         assert pb.ProcessingResponse.FromString(sent).WhichOneof("response") is not None
     return call, handler
 
@@ -408,7 +393,7 @@ def test_unknown_fields_change_nothing(messages: list[tuple[pb.ProcessingRequest
     plain, extended = Setup(SINGLE_PODS, True), Setup(SINGLE_PODS, True)
     a, _ = run_call(plain, [m.SerializeToString() for m, _ in messages])
     b, _ = run_call(extended, [m.SerializeToString() + extra for m, extra in messages])
-    assert (a.sent, a.status) == (b.sent, b.status)
+    assert (a.raw, a.status) == (b.raw, b.status)
     assert plain.pool.outstanding == extended.pool.outstanding == 0
 
 

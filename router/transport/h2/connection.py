@@ -148,6 +148,12 @@ class Call:
             self.trailers = RESPONSE_HEADERS + trailers_block(code, message)
         self.conn.drain(self)
 
+    def flush(self) -> None:
+        """Write what is queued now. Frames written outside a read (by a handler that awaited)
+        otherwise leave at the end of the loop's turn, behind the callbacks queued before them,
+        such as the pick's index record."""
+        self.conn.flush()
+
 
 class Connection(asyncio.Protocol):
     """One HTTP/2 connection: frames in, calls dispatched, frames out batched per read."""

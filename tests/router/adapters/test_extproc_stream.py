@@ -12,7 +12,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
-from helpers import SINGLE_PODS, Metrics, eventually, make_config, make_flow, make_pool, outcomes
+from helpers import SINGLE_PODS, FakeCall, Metrics, eventually, make_config, make_flow, make_pool, outcomes
 
 from router.adapters.extproc import MAX_CHUNK, ExtProcCall, ExtProcSettings, ExtProcStream
 from router.http.headers import ROUTER_HEADERS as OWNED_HEADERS
@@ -350,22 +350,6 @@ def test_without_response_processing_a_full_duplex_response_is_still_followed() 
 # -- ExtProcCall: the stream on a gRPC call, with the app's prepare step --------------------------
 
 
-class FakeCall:
-    """What ``ExtProcCall`` needs of the transport's ``Call``: records what was sent and the status."""
-
-    def __init__(self) -> None:
-        self.sent: list[pb.ProcessingResponse] = []
-        self.status: tuple[int, str] | None = None
-
-    def send(self, message: bytes) -> None:
-        assert self.status is None, "sent after finish"
-        self.sent.append(pb.ProcessingResponse.FromString(message))
-
-    def finish(self, code: int = 0, message: str = "") -> None:
-        assert self.status is None, "finished twice"
-        self.status = (code, message)
-
-
 class GatedPrepare:
     """A producer that waits until the test opens it, and records what it saw."""
 
@@ -415,6 +399,25 @@ async def test_call_waits_for_prepare_then_routes_and_finishes_at_half_close() -
     assert set_headers(call.sent[0])["x-gateway-destination-endpoint"].startswith("10.0.1.")
     assert streamed(call.sent)[0] == BODY
     assert call.status == (0, "") and pool.outstanding == 0  # released at the end of the call
+
+
+async def test_a_resumed_call_flushes_its_answers_before_the_picks_index_record() -> None:
+    # The service records a pick in the index on the loop's next turn (``Picker.defer``); frames a
+    # call writes outside a read would wait behind it unless flushed.
+    prepare = GatedPrepare()
+    handler, call, _ = make_call(prepare)
+    loop = asyncio.get_running_loop()
+
+    def after_pick(fn, *args) -> None:
+        loop.call_soon(lambda: (call.events.append("record"), fn(*args)))
+
+    handler.stream.flow.picker.defer = after_pick
+    handler.on_message(headers().SerializeToString())
+    handler.on_message(body(BODY, eos=True).SerializeToString())
+    prepare.gate.set()
+    await eventually(lambda: "record" in call.events, what="the pick's record ran")
+    routed = call.events.index("record")
+    assert "send" in call.events[:routed] and call.events[routed - 1] == "flush"
 
 
 def test_a_request_no_producer_wants_is_answered_at_once_without_pausing() -> None:

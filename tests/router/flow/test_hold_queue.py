@@ -19,6 +19,7 @@ from google.protobuf import struct_pb2
 from helpers import (
     SATURATING_FLOW_CONTROL,
     SINGLE_PODS,
+    FakeCall,
     Metrics,
     eventually,
     long_completion,
@@ -287,20 +288,6 @@ async def test_a_saturated_pool_holds_requests_in_the_router_and_serves_them_all
 
 
 # -- ext_proc: the stream asks flow control before it pauses ---------------------------------------
-
-
-class FakeCall:
-    """What ``ExtProcCall`` needs of the transport's ``Call``: records what was sent and the status."""
-
-    def __init__(self) -> None:
-        self.sent: list[pb.ProcessingResponse] = []
-        self.status: tuple[int, str] | None = None
-
-    def send(self, message: bytes) -> None:
-        self.sent.append(pb.ProcessingResponse.FromString(message))
-
-    def finish(self, code: int = 0, message: str = "") -> None:
-        self.status = (code, message)
 
 
 class ExtProcOnFlowControl:
