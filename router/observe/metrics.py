@@ -6,6 +6,7 @@ path only increments counters. Every series is declared in ``router/observe/seri
 
 from __future__ import annotations
 
+import platform
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -41,6 +42,7 @@ class RouterMetrics:
         self.prefill_fallback_local = series.PREFILL_FALLBACK_LOCAL.instrument(r)
         # Model-name rewrites under both reference names: a dashboard of either keeps working.
         self.rewrites = _instruments(series.MODEL_REWRITE_DECISIONS, r)
+        series.BUILD_INFO.instrument(r).labels(series.version(), platform.python_version()).set(1)
         r.register(_PoolCollector(pool, pool_name))
         self.per_request = RequestMetrics(r)
         self.slo_requests = series.SLO_REQUESTS.instrument(r)

@@ -11,6 +11,7 @@ names, a pair declares both: (llm-d's, the Inference Extension's).
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
@@ -393,6 +394,23 @@ ENDPOINTS = GaugeSeries(
     "Ready), admitted (the group's current epoch passed the gate).",
     ("role", "stage"),
 )
+
+
+def version() -> str:
+    """The installed pd-router's version, what ``BUILD_INFO`` and ``pd-router --version`` say
+    ("unknown" when run from a tree that was never installed)."""
+    try:
+        return importlib.metadata.version("pd-router")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+BUILD_INFO = GaugeSeries(
+    "pd_router_build_info",
+    "1, labelled with the running pd-router's version and Python's: which replicas run what in a rollout.",
+    ("version", "python"),
+)
+
 
 # -- Each endpoint now: our bookkeeping (the pool collector) ----------------------------------------
 _ENDPOINT = ("endpoint", "role")

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from router.observe.series import version
 from router.server.config import ConfigError, PoolConfig, load_config
 from router.transport.listen import ListenError
 
@@ -55,6 +56,7 @@ def setup_logging(level: str) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-router", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"pd-router {version()}")
     parser.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="default: info (demo: warning)"
     )

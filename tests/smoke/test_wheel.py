@@ -27,6 +27,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import signal
@@ -263,6 +264,14 @@ def test_every_sub_command_is_smoked(installed: Installed) -> None:
     assert set(choices.group(1).split(",")) == SMOKED_COMMANDS
 
 
+def test_version_is_the_wheels(installed: Installed) -> None:
+    done = installed.run(installed.pd_router, "--version")
+    assert done.returncode == 0, done.stderr
+    read = "import importlib.metadata as m; print(m.version('pd-router'))"
+    wheel = installed.run(installed.python, "-c", read).stdout.strip()
+    assert done.stdout.strip() == f"pd-router {wheel}" and wheel != "unknown"
+
+
 def test_check_config_accepts_the_example_and_names_what_is_wrong_in_a_broken_file(
     installed: Installed,
 ) -> None:
@@ -371,6 +380,11 @@ def test_serve_answers_health_a_completion_and_the_debug_view(
         assert json.loads(answer)["choices"][0]["text"]
         # What docs/admission.md's `curl …/debug/pool | jq '.groups[] | {key, state, …}'` reads.
         view = ok_json(f"http://127.0.0.1:{metrics_port}/debug/pool")
+        version = installed.run(installed.pd_router, "--version").stdout.split()[-1]
+        _, _, exposition = http("GET", f"http://127.0.0.1:{metrics_port}/metrics")
+    assert f'pd_router_build_info{{python="{platform.python_version()}",version="{version}"}} 1.0' in (
+        exposition.decode()
+    )
     assert view is not None and view["groups"]
     for group in view["groups"]:
         assert {"key", "state", "epoch", "last_failure"} <= group.keys()
