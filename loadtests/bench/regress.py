@@ -1,8 +1,8 @@
 """This checkout's routing and scaling against other commits', side by side in one run.
 
-The brief's rule for any change that touches routing, learning or scaling ("never get worse
-quietly"): run the routing and the scaling benchmark beside the commit before and the last release
-point, in the same run. Each ``--against REV`` becomes a temporary ``git worktree`` (removed at the
+A change that touches routing, learning or scaling is compared with the commit before it and with
+the last release point (the last landed commit) in the same run (docs/quality.md, "Before a change
+lands"). Each ``--against REV`` becomes a temporary ``git worktree`` (removed at the
 end); then
 
 * **routing**: ``loadtests.bench.quality`` (virtual time, deterministic) with this checkout's
@@ -15,7 +15,8 @@ end); then
 
 A line per regression follows the tables (exit status 1 when there is one): TTFT p90 over
 ``P90_WORSE`` of a tree's, goodput ``GOODPUT_WORSE`` below it, or in a scaling scenario more
-violation, or more replica-minutes without less violation, or fewer scenarios meeting the target.
+violation, or more replica-minutes without less violation, or a scenario that no longer meets the
+target.
 
     python -m loadtests.bench.regress --against HEAD~1 --against 4aec685        # ~6 minutes
     python -m loadtests.bench.regress --against HEAD --scenarios bde --no-scaling
