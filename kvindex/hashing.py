@@ -45,7 +45,7 @@ def _chained(root: bytes, data: bytes, cuts: Sequence[int]) -> np.ndarray:
     being 256 blocks on every request)."""
     blake2b = hashlib.blake2b
     parent = root
-    digests = []
+    digests: list[bytes] = []
     start = cuts[0]
     for end in cuts[1:]:
         parent = blake2b(parent + data[start:end], digest_size=8).digest()

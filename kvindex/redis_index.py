@@ -753,7 +753,7 @@ class SharedPrefixIndex:
                 gen = self._gens.get(name)  # what the blocks written lately were written under
                 new, lately = recent.split(name, keys) if gen else (keys, keys[:0])
                 calls.add(_ADD, name, new)
-                if gen and lately.shape[0]:
+                if lately.shape[0]:  # none without a generation
                     calls.add(_ADD_IF_CLEARED + gen, name, lately)
                 written.append((name, new))
         if recent is None:

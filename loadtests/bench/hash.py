@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -34,12 +35,7 @@ TEXT_BLOCK_CHARS = 64  # 16 tokens of 4 characters
 IDS_BLOCK = 16
 
 
-def time_keys(hasher: VllmBlockHasher, prompts: list[list[int]]) -> np.ndarray:
-    """Seconds per ``hasher.keys`` call, one call per prompt."""
-    return time_calls(hasher.keys, prompts)
-
-
-def time_calls(keys: Callable[[object], object], prompts: Sequence[object]) -> np.ndarray:
+def time_calls(keys: Callable[[Any], np.ndarray], prompts: Sequence[Any]) -> np.ndarray:
     """Seconds per ``keys`` call, one call per prompt (the first also once before, untimed)."""
     keys(prompts[0])  # warm-up: first-call costs are not per-request costs
     out = np.empty(len(prompts))
@@ -50,26 +46,18 @@ def time_calls(keys: Callable[[object], object], prompts: Sequence[object]) -> n
     return out
 
 
-def approximate_cases(
-    module: ModuleType, prompts: list[list[int]]
-) -> dict[str, tuple[Callable[[object], object], list[object], int]]:
-    """``{name: (keys function, its prompts, blocks a prompt)}`` for ``module``'s approximate keys."""
-    ascii_texts: list[object] = [" ".join(map(str, p))[: 4 * len(p)] for p in prompts]
-    other_texts: list[object] = ["Grüße aus 東京! " + str(t)[14:] for t in ascii_texts]  # as long
-    ids: list[object] = list(prompts)
-    n = len(prompts[0])
+Case = tuple[Callable[[Any], np.ndarray], list[Any], int]  # keys of a prompt, the prompts, block size
+
+
+def approximate_cases(module: ModuleType, prompts: list[list[int]]) -> dict[str, Case]:
+    """``{name: (keys function, its prompts, block size)}`` for ``module``'s approximate keys."""
+    ascii_texts = [" ".join(map(str, p))[: 4 * len(p)] for p in prompts]
+    other_texts = ["Grüße aus 東京! " + t[14:] for t in ascii_texts]  # as long, not ASCII
+    by_text = TEXT_BLOCK_CHARS
     return {
-        "text": (
-            lambda t: module.text_block_keys(t, TEXT_BLOCK_CHARS),
-            ascii_texts,
-            4 * n // TEXT_BLOCK_CHARS,
-        ),
-        "text, non-ASCII": (
-            lambda t: module.text_block_keys(t, TEXT_BLOCK_CHARS),
-            other_texts,
-            4 * n // TEXT_BLOCK_CHARS,
-        ),
-        "token ids": (lambda p: module.token_block_keys(p, IDS_BLOCK), ids, n // IDS_BLOCK),
+        "text": (lambda t: module.text_block_keys(t, by_text), ascii_texts, by_text),
+        "text, non-ASCII": (lambda t: module.text_block_keys(t, by_text), other_texts, by_text),
+        "token ids": (lambda p: module.token_block_keys(p, IDS_BLOCK), list(prompts), IDS_BLOCK),
     }
 
 
@@ -90,17 +78,20 @@ def against(tree: Path, prompts: list[list[int]], rounds: int) -> None:
     new = approximate_cases(hashing, prompts)
     print(f"approximate keys, {len(prompts[0])}-token prompts: p50 µs per prompt, median of {rounds} rounds")
     print(f"{'keys':<16} {'blocks':>6} {'old':>9} {'new':>9} {'new/old':>8}")
-    for name, (keys, cases, blocks) in new.items():
+    for name, (keys, cases, block) in new.items():
         old_keys, old_cases, _ = old[name]
-        if not np.array_equal(keys(cases[0]), old_keys(old_cases[0])):  # type: ignore[arg-type]
+        if not np.array_equal(keys(cases[0]), old_keys(old_cases[0])):
             print(f"{name:<16} the two trees' keys differ")
             continue
-        timed: dict[str, list[float]] = {"old": [], "new": []}
+        before: list[float] = []
+        after: list[float] = []
         for _ in range(rounds):  # in turns, so both see the machine alike
-            timed["old"].append(float(np.median(time_calls(old_keys, old_cases))) * 1e6)
-            timed["new"].append(float(np.median(time_calls(keys, cases))) * 1e6)
-        before, after = statistics.median(timed["old"]), statistics.median(timed["new"])
-        print(f"{name:<16} {blocks:>6} {before:>9.1f} {after:>9.1f} {after / before:>7.2f}×")
+            before.append(float(np.median(time_calls(old_keys, old_cases))) * 1e6)
+            after.append(float(np.median(time_calls(keys, cases))) * 1e6)
+        old_us, new_us = statistics.median(before), statistics.median(after)
+        print(
+            f"{name:<16} {len(cases[0]) // block:>6} {old_us:>9.1f} {new_us:>9.1f} {new_us / old_us:>7.2f}×"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -111,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--against", metavar="TREE", help="the approximate keys beside another checkout's")
     parser.add_argument("--rounds", type=int, default=7, help="with --against: rounds per row")
     args = parser.parse_args(argv)
+    for flag in ("tokens", "calls", "rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag}: at least 1")
 
     rng = random.Random(args.seed)
     # Token ids of a ~150k-entry vocabulary, like recent Llama/Qwen tokenizers.
@@ -122,11 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     for algo in HashAlgo:
         for block_size in (16, 64):
             hasher = VllmBlockHasher(algo, block_size)
-            secs = time_keys(hasher, prompts) * 1e6
+            secs = time_calls(hasher.keys, prompts) * 1e6
             _row(algo.value, block_size, args.tokens // block_size, secs)
-    for name, (keys, cases, blocks) in approximate_cases(hashing, prompts).items():
-        block = TEXT_BLOCK_CHARS if name.startswith("text") else IDS_BLOCK
-        _row(f"approx {name}", block, blocks, time_calls(keys, cases) * 1e6)
+    for name, (keys, cases, block) in approximate_cases(hashing, prompts).items():
+        _row(f"approx {name}", block, len(cases[0]) // block, time_calls(keys, cases) * 1e6)
 
 
 def _row(name: str, block: int, blocks: int, secs: np.ndarray) -> None:

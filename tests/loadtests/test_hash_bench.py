@@ -38,3 +38,10 @@ def test_against_a_tree_with_the_same_keys_gives_a_ratio_per_row(capsys: pytest.
 def test_against_a_tree_without_the_module_says_so(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"no kvindex/hashing\.py"):
         main(["--tokens", "256", "--calls", "3", "--against", str(tmp_path)])
+
+
+@pytest.mark.parametrize("flag", ["--tokens", "--calls", "--rounds"])
+def test_a_count_below_one_is_refused_by_name(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([flag, "0"])
+    assert exit_.value.code == 2 and f"{flag}: at least 1" in capsys.readouterr().err
