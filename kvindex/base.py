@@ -41,6 +41,11 @@ class PrefixIndex(Protocol):
         the least recently used, and record no more than what remains for it."""
         ...
 
+    def limit(self, slot: int, blocks: int | None) -> None:
+        """``slot``'s engine holds at most ``blocks`` blocks (its whole KV cache; None: not known):
+        record no more than that for it, forgetting the least recently used first."""
+        ...
+
     def drop_slot(self, slot: int) -> None:
         """Forget everything about ``slot`` (endpoint removed, restarted or cache reset)."""
         ...

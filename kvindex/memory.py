@@ -5,8 +5,9 @@ Layout (chosen by measurement, see ``python -m loadtests.bench.kvindex``):
 * ``owners``: ``dict[block_key, int]`` whose value is a *bitmask of slots* (a Python int used as a
   bitset) holding that block. A lookup of one block answers for every candidate at once, so a
   match is one dict probe and one ``&`` per prompt block, whatever the number of candidates.
-* one ``OrderedDict`` LRU per slot, bounded by ``capacity_blocks_per_slot``. Eviction is per slot
-  and clears only that slot's bit; a key whose mask reaches 0 leaves ``owners``.
+* one ``OrderedDict`` LRU per slot, bounded by ``capacity_blocks_per_slot`` and, lower, by what
+  the slot's engine can hold (``limit``: its KV cache) or proved to hold (``shrink``). Eviction is
+  per slot and clears only that slot's bit; a key whose mask reaches 0 leaves ``owners``.
 
 ``match`` has two ways, with identical answers where both apply:
 
@@ -99,6 +100,7 @@ class MemoryPrefixIndex:
         "_hints",
         "_holes",
         "_last_slots",
+        "_limits",
         "_lru",
         "_max_slots",
         "_owners",
@@ -114,6 +116,7 @@ class MemoryPrefixIndex:
             raise ValueError(f"max_slots: must be >= 1, got {max_slots}")
         self._capacity = capacity_blocks_per_slot
         self._caps: dict[int, int] = {}  # slots whose engine proved to hold less (``shrink``)
+        self._limits: dict[int, int] = {}  # slots whose engine said how much it can hold (``limit``)
         self._max_slots = max_slots
         self._owners: dict[int, int] = {}
         self._lru: dict[int, OrderedDict[int, None]] = {}
@@ -274,7 +277,7 @@ class MemoryPrefixIndex:
                 mask = owners.get(key)
                 owners[key] = bit if mask is None else mask | bit
         self._entries += len(lru) - before
-        self._evict_over(slot, lru, self._caps.get(slot, self._capacity))
+        self._evict_over(slot, lru, self._cap(slot))
 
     def shrink(self, slot: int, blocks: int) -> None:
         """``slot``'s engine holds ``blocks`` fewer blocks than recorded (it said so): drop that
@@ -282,8 +285,27 @@ class MemoryPrefixIndex:
         lru = self._lru.get(slot)
         if lru is None or blocks <= 0:
             return
-        cap = self._caps[slot] = max(len(lru) - blocks, 1)
-        self._evict_over(slot, lru, cap)
+        self._caps[slot] = max(len(lru) - blocks, 1)
+        self._evict_over(slot, lru, self._cap(slot))
+
+    def limit(self, slot: int, blocks: int | None) -> None:
+        """``slot``'s engine holds at most ``blocks`` blocks (its whole KV cache; None: not known,
+        as when its endpoint left): hold no more than that for it, least recently used first out.
+        Kept across ``drop_slot`` (an emptied cache is as big as before)."""
+        if blocks is None:
+            self._limits.pop(slot, None)
+            return
+        if blocks < 1:
+            raise ValueError(f"limit: a slot holds at least 1 block, got {blocks}")
+        self._limits[slot] = blocks
+        lru = self._lru.get(slot)
+        if lru is not None:
+            self._evict_over(slot, lru, self._cap(slot))
+
+    def _cap(self, slot: int) -> int:
+        """How many blocks ``slot`` may hold: the least of the default, what its engine proved
+        (``shrink``) and what it can hold (``limit``)."""
+        return min(self._caps.get(slot, self._capacity), self._limits.get(slot, self._capacity))
 
     def _evict_over(self, slot: int, lru: OrderedDict[int, None], cap: int) -> None:
         over = len(lru) - cap

@@ -464,6 +464,10 @@ class SharedPrefixIndex:
         the same from their own answers."""
         self._local.shrink(slot, blocks)
 
+    def limit(self, slot: int, blocks: int | None) -> None:
+        """The local mirror only, as ``shrink``: every replica scrapes the engines itself."""
+        self._local.limit(slot, blocks)
+
     def drop_slot(self, slot: int) -> None:
         """Forget ``slot`` here and clear its endpoint in Redis for every replica.
 

@@ -83,6 +83,10 @@ class DictIndex:
         for _ in range(min(blocks, len(held))):
             held.pop()
 
+    def limit(self, slot: int, blocks: int | None) -> None:
+        if blocks is not None:
+            self.shrink(slot, len(self.blocks.get(slot, ())) - blocks)
+
     def drop_slot(self, slot: int) -> None:
         self.blocks.pop(slot, None)
 

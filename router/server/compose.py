@@ -8,6 +8,7 @@ domain modules take plain values in seconds and never see the configuration's sh
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -368,6 +369,15 @@ def build(
             subscriptions.left(slot)
 
     pool.on_removed = forget_slot
+
+    def bound_index(slot: int, kv_tokens: float) -> None:
+        # An engine keeps no more of what was routed to it than its KV cache holds; unbounded,
+        # the approximate index kept every prompt a pod was ever sent, and on a busy pool whose
+        # prefixes outgrow the caches picks went to pods that had long evicted them.
+        blocks = None if math.isnan(kv_tokens) else max(1, int(kv_tokens // config.limits.block_tokens))
+        index.limit(slot, blocks)
+
+    pool.on_capacity = bound_index
     if subscriptions is not None:
         pool.on_added = subscriptions.joined
     # Link bandwidths from answered pairs: always observed and exported, applied per signals.learn.

@@ -404,7 +404,9 @@ class IndexConfig(_Strict):
     """Prefix locality: which endpoint holds which prompt blocks."""
 
     capacity_blocks_per_endpoint: Annotated[int, Field(gt=0)] = Field(
-        65536, description="blocks remembered per endpoint (LRU); at least its KV cache in blocks"
+        65536,
+        description="blocks remembered per endpoint (LRU); an endpoint whose engine reports its KV "
+        "cache size (vllm:cache_config_info) is held to that size too",
     )
     redis: RedisConfig | None = Field(None, description="share the approximate index through Redis")
     precise: PreciseConfig | None = Field(

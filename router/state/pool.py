@@ -160,6 +160,9 @@ class Pool:
         self.on_removed: Callable[[int], None] = _forget
         # An endpoint joined (its KV-event stream, if any, is subscribed to: router/state/kv_sink.py).
         self.on_added: Callable[[Endpoint], None] = _joined
+        # A slot's KV cache size in tokens changed (NaN: no longer known, as when its endpoint
+        # left): the approximate index holds no more for it than that (router/server/compose.py).
+        self.on_capacity: Callable[[int, float], None] = _resized
         self._free_slots: list[int] = []
         self.lora = LoraState(0)  # adapters per slot: a matrix, not a feature column
         self.response_homes = ResponseHomes()  # the Responses API's answers, by the engine that gave each
@@ -235,8 +238,10 @@ class Pool:
             on_host.discard(slot)
             if not on_host:
                 del self.slots_by_host[host]
+        capacity = self.kv_capacity_tokens[slot]
         for feature in FEATURES:
             getattr(self, feature.name)[slot] = feature.empty
+        self._tell_capacity(slot, capacity)
         for name in SHARED:
             getattr(self, f"others_{name}")[slot] = 0
         self.lora.forget(slot)
@@ -376,9 +381,16 @@ class Pool:
         self.last_scrape_ok[slot] = now
         self.advance_decode(slot, now)  # so far they counted what the last scrape said
         values = metrics.values
+        capacity = self.kv_capacity_tokens[slot]
         for name in SCRAPED:
             getattr(self, name)[slot] = _or_nan(values.get(name))
+        self._tell_capacity(slot, capacity)
         self.lora.observe(slot, metrics.lora)
+
+    def _tell_capacity(self, slot: int, before: float) -> None:
+        now = self.kv_capacity_tokens[slot]
+        if now != before and not (math.isnan(now) and math.isnan(before)):
+            self.on_capacity(slot, float(now))
 
     def eject(self, endpoint: Endpoint, reason: str) -> None:
         """Take an endpoint out of the candidates now (connect refused); the next good scrape returns it."""
@@ -416,6 +428,10 @@ def _nothing() -> None:
 
 
 def _forget(slot: int) -> None:
+    pass
+
+
+def _resized(slot: int, kv_tokens: float) -> None:
     pass
 
 

@@ -223,12 +223,19 @@ def test_remove_forgets_only_those_blocks_of_that_slot() -> None:
     assert index.match(keys, np.array([1])).tolist() == [0]
 
 
-def test_shrink_drops_the_least_recently_used_and_caps_the_slot() -> None:
+def _two_prompts_on_slot_0_and_the_old_on_1() -> tuple[MemoryPrefixIndex, np.ndarray, np.ndarray]:
+    """An index of up to 100 blocks a slot: slot 0 holds a 40-block prompt, then a 20-block one
+    (60 blocks), slot 1 the 40-block one."""
     index = MemoryPrefixIndex(capacity_blocks_per_slot=100)
     old, new = np.arange(1, 41, dtype=np.uint64), np.arange(1001, 1021, dtype=np.uint64)
     index.record(0, old)
     index.record(0, new)
     index.record(1, old)
+    return index, old, new
+
+
+def test_shrink_drops_the_least_recently_used_and_caps_the_slot() -> None:
+    index, old, new = _two_prompts_on_slot_0_and_the_old_on_1()
     index.shrink(0, 30)  # the engine holds 30 blocks fewer than the 60 recorded
     assert len(index) == 30 + 40  # slot 1 keeps its 40
     assert index.match(new, np.array([0]))[0] == 20  # the recent prompt stays
@@ -240,3 +247,27 @@ def test_shrink_drops_the_least_recently_used_and_caps_the_slot() -> None:
     index.record(0, old)
     index.record(0, new)
     assert len(index) == 60 + 40  # a restarted engine starts with the full capacity again
+
+
+def test_limit_holds_a_slot_to_its_engines_cache_and_outlives_a_drop() -> None:
+    index, old, new = _two_prompts_on_slot_0_and_the_old_on_1()
+    index.limit(0, 30)  # its engine's KV cache holds 30 blocks: the least recently used go now
+    assert len(index) == 30 + 40
+    assert index.match(old, np.array([0, 1])).tolist() == [10, 40]
+    index.record(0, np.arange(2001, 2051, dtype=np.uint64))  # a prompt as big as the cache and more
+    assert len(index) == 30 + 40
+    assert index.match(new, np.array([0]))[0] == 0  # pushed out by what came after
+    index.drop_slot(0)  # a cache reset: as big as before
+    index.record(0, old)
+    assert len(index) == 30 + 40
+    index.shrink(0, 10)  # what an engine proved holds where it is below the limit
+    index.limit(0, 100)
+    index.record(0, new)
+    assert len(index) == 20 + 40
+    index.limit(0, None)  # not known any more (its endpoint left): the default again
+    index.drop_slot(0)
+    index.record(0, old)
+    index.record(0, new)
+    assert len(index) == 60 + 40
+    with pytest.raises(ValueError, match="at least 1 block"):
+        index.limit(0, 0)
