@@ -865,6 +865,11 @@ async def main_async(args: argparse.Namespace) -> int:
         unloaded = await unloaded_ttft(scn, tm, args.seed)
         for rate in rates:
             workload = scn.workload(n, rate, args.seed)
+            if args.after_s and not any(item.at_s >= args.after_s for item in workload.items):
+                sys.stderr.write(
+                    f"routing.py: error: --after-s {args.after_s:g}: no request arrives that late\n"
+                )
+                return 2
             runs = []
             for policy in policies:
                 t0 = time.perf_counter()
@@ -872,7 +877,9 @@ async def main_async(args: argparse.Namespace) -> int:
                     scn, policy, workload, tm, args.seed, args.run_timeout, args.misconfigure
                 )
                 summary = run.summary
-                failed += len(summary.results) - len(summary.ok)
+                failed += len(summary.results) - len(summary.ok)  # a failure fails the run, warm-up or not
+                if args.after_s:
+                    summary.results = [r for r in summary.results if r.at_s >= args.after_s]
                 sys.stderr.write(
                     f"  [{key}] {policy} @ {rate:g} req/s: {len(summary.ok)}/{len(summary.results)} ok, "
                     f"p50 TTFT {summary.pct('ttft_s', 0.5) * MS:.1f} ms, goodput "
@@ -923,12 +930,21 @@ def main(argv: list[str] | None = None) -> int:
         "written); adds pd-router-learning (signals.learn on) and pd-router-static (off)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--after-s",
+        type=float,
+        default=0.0,
+        help="report only the requests that arrived this many seconds into the run or later (a "
+        "warm-up left out of the percentiles and goodput; a failure anywhere still fails the run)",
+    )
     parser.add_argument("--run-timeout", type=float, default=120.0, help="per-request client timeout, s")
     parser.add_argument("--png", default="", help="write a TTFT bar chart here (needs matplotlib)")
     args = parser.parse_args(argv)
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s) {sorted(unknown)}; choose from {sorted(SCENARIOS)}")
+    if args.after_s < 0:
+        parser.error(f"--after-s: at least 0, got {args.after_s:g}")
     args.policies = [p for p in args.policies.split(",") if p]
     bad = set(args.policies) - set(POLICIES)
     if bad:

@@ -15,6 +15,7 @@ import pytest
 from helpers import eventually
 
 from loadtests.bench import routing
+from loadtests.bench.scenarios import SCENARIOS
 from router.server.app import App
 from router.server.compose import build
 from simulator.engine import EngineSnapshot, EngineSpec, SimCluster, SimJob, TimeModel
@@ -136,3 +137,17 @@ def test_smoke_decode_bound_scenario(capsys: pytest.CaptureFixture[str]) -> None
     assert "goodput" in out and "p99/ref" in out
     assert re.search(r"pd-router: observed / predicted TTFT p10 [\d.>]+, p50 [\d.>]+, p90", out), out
     assert "reference: observed (client) / predicted TTFT" in out
+
+
+def test_after_s_reports_only_the_requests_that_arrived_that_late(capsys: pytest.CaptureFixture[str]) -> None:
+    scn = SCENARIOS["e"]
+    arrivals = [item.at_s for item in scn.workload(20, scn.rate, 0).items]
+    after = arrivals[12]
+    late = sum(at >= after for at in arrivals)
+    argv = ["--scenarios", "e", "--requests", "20", "--speed", "4", "--policies", "pd-router"]
+    assert routing.main([*argv, "--after-s", str(after)]) == 0
+    assert re.search(rf"^  pd-router +{late}/{late} ", capsys.readouterr().out, re.M)
+    assert routing.main([*argv, "--after-s", str(arrivals[-1] + 1)]) == 2
+    assert "no request arrives that late" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        routing.main([*argv, "--after-s", "-1"])
