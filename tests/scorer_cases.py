@@ -32,6 +32,8 @@ def cands(n: int = 3, **features: list[float]) -> Candidates:
         "slowness": np.ones(n),
         "reserved_kv_tokens": np.zeros(n),
         "inflight_requests": np.zeros(n, dtype=np.int64),
+        "decoding_requests": np.zeros(n, dtype=np.int64),
+        "decoding_kv_tokens": np.zeros(n),
         "link_index": np.zeros(n, dtype=np.int64),
         "can_decode": np.zeros(n, dtype=bool),
         "can_prefill": np.ones(n, dtype=bool),

@@ -101,8 +101,8 @@ FEATURES: tuple[Feature, ...] = (
         "inflight_requests", 0, np.int64, shared=True, doc="requests routed here, from the pick to their end"
     ),
     Feature("queued_prefill_requests", 0, np.int64, candidate=False),
-    Feature("decoding_requests", 0, np.int64, candidate=False, doc="ours past their prefill: decoding here"),
-    Feature("decoding_kv_tokens", 0.0, candidate=False, doc="KV tokens reserved by those decoding here"),
+    Feature("decoding_requests", 0, np.int64, doc="ours past their prefill: decoding here"),
+    Feature("decoding_kv_tokens", 0.0, doc="KV tokens reserved by those decoding here"),
     # The decode batch and resident KV integrated over time (``Pool.advance_decode``): a stream's
     # time per token depends on their means while it decoded, not on their values at its pick.
     Feature("batch_seconds", 0.0, candidate=False, doc="∫ decode batch dt since the endpoint joined"),

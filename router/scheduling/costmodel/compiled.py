@@ -23,6 +23,7 @@ import numpy as np
 
 from router.scheduling.costmodel.matrix import CostModel, Layout, PairCosts
 from router.scheduling.costmodel.terms.load import awaited_tokens
+from router.scheduling.costmodel.terms.step import STEPS_TO_COMPUTE
 from router.scheduling.costmodel.view import (
     ADAPTER_EVICTS,
     ADAPTER_NOT_SERVED,
@@ -33,7 +34,16 @@ from router.scheduling.costmodel.view import (
 )
 
 # The built-in terms the loops know, by the code they use for each.
-TERM_CODES = {"queue": 0, "prefill": 1, "interference": 2, "load": 3, "kv": 4, "absorb": 5, "lora": 6}
+TERM_CODES = {
+    "queue": 0,
+    "prefill": 1,
+    "interference": 2,
+    "load": 3,
+    "kv": 4,
+    "absorb": 5,
+    "lora": 6,
+    "step": 7,
+}
 # Who pays each (``view.CostTerm.side``): 0 prefill, 1 decode, 2 both.
 _SIDE_CODES = {"prefill": 0, "decode": 1, "both": 2}
 _NO_ADAPTER = np.zeros(0, dtype=np.int8)
@@ -49,6 +59,8 @@ _FEATURES = (
     "reserved_kv_tokens",
     "can_decode",
     "can_prefill",
+    "decoding_requests",
+    "decoding_kv_tokens",
 )
 
 
@@ -116,6 +128,8 @@ def _costs(
     reserved_kv_tokens_of: np.ndarray,
     can_decode_of: np.ndarray,
     can_prefill_of: np.ndarray,
+    decoding_requests_of: np.ndarray,
+    decoding_kv_tokens_of: np.ndarray,
     adapter_state: np.ndarray,
     prompt: float,
     max_tokens: float,
@@ -159,6 +173,8 @@ def _costs(
     reserved_kv_tokens = reserved_kv_tokens_of[at]
     can_decode = can_decode_of[at]
     can_prefill = can_prefill_of[at]
+    decoding_requests = decoding_requests_of[at]
+    decoding_kv_tokens = decoding_kv_tokens_of[at]
     tps, step_base, per_seq, per_kv = scalars[0], scalars[1], scalars[2], scalars[3]
     tpot_weight, kv_penalty_s, kv_soft = scalars[4], scalars[5], scalars[6]
     max_skew, prefix_trust = scalars[7], scalars[8]
@@ -223,6 +239,9 @@ def _costs(
                     s = np.inf
             elif code == 5:  # absorb
                 s = 0.0 if all_decode or can_decode[i] else absorb_step * max(waiting_known[i], 1.0)
+            elif code == 7:  # step
+                own = step_base + per_seq * decoding_requests[i] + per_kv * decoding_kv_tokens[i]
+                s = 0.0 if can_decode[i] else STEPS_TO_COMPUTE * own * slowness[i]
             else:  # lora
                 s = 0.0
                 if has_adapter:
@@ -582,14 +601,15 @@ def warm() -> None:
         return
     k, zeros, yes = 2, np.zeros(2), np.ones(2, dtype=np.bool_)
     codes = np.arange(len(TERM_CODES), dtype=np.int64)
-    sides = np.array([0, 0, 0, 1, 1, 1, 2], dtype=np.int64)
+    sides = np.array([0, 0, 0, 1, 1, 1, 2, 0], dtype=np.int64)
     index = np.arange(k, dtype=np.int64)
     rows = np.zeros((2, k))
     chosen = np.zeros((2, k), dtype=np.int64)
     sums = np.empty((3, k))
     _costs(
         np.zeros(k, dtype=np.int32), index, zeros, zeros, zeros, zeros, index, zeros, zeros, zeros, yes, yes,
-        _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides, np.ones(len(codes)),
+        index, zeros, _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides,
+        np.ones(len(codes)),
         index, index, ~yes, index[None, :], np.ones((1, k)), np.ones((1, k)), np.ones(7),
         np.empty((8, k)), np.empty((len(codes), k)), sums, rows, chosen, np.empty((2, k)),
         np.empty((1, k)), np.empty((2, k)),

@@ -2,7 +2,8 @@
 
 Row 0 is "no prefill leg" (decode pod d computes the prompt itself). The other rows are prefill
 link classes. With ``route(X)`` the weighted sum of the prefill-side terms on pod X (by default
-``queue`` wait + ``prefill`` compute + ``interference`` stall) and ``column(D)`` the weighted sum of
+``queue`` wait + ``prefill`` compute + ``interference`` stall + a prefill pod's own ``step``) and
+``column(D)`` the weighted sum of
 the decode-side terms on D (by default ``load`` and ``kv``), a pair (P, D) predicts::
 
     ttft = route(P) + w_link * transfer(link(P) -> D) + 2 * tpot(D) + step_base + leg overhead
@@ -10,8 +11,10 @@ the decode-side terms on D (by default ``load`` and ``kv``), a pair (P, D) predi
 and the local row ``ttft = route(D)``. With continuous batching a request that reaches an engine
 mid-step waits about half a step before it joins; a pair reaches D twice (the decode leg, then the
 arrived KV) and its first token needs one more D step, hence ``2 * tpot(D)`` where the local route
-pays it inside its own wait and step. ``step_base`` is P's own engine step; the leg overhead the
-extra HTTP exchange and the second tokenisation of the prompt. With
+pays it inside its own wait and step. ``step_base`` is one more of D's (the KV lands while a step
+runs and is computed from the step after it); the wait for P's step is P's ``step`` term, on a pod
+that decodes only by role the ``interference`` term. The leg overhead is the extra HTTP exchange and
+the second tokenisation of the prompt. With
 ``pair_waits_for_decode_queue`` a pair also waits for what is left of D's queued prompts when its
 KV arrives (D's queue drains while P computes)::
 

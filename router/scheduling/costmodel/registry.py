@@ -23,6 +23,7 @@ DEFAULT_WEIGHTS = {
     "kv": 1.0,
     "absorb": 1.0,
     "lora": 1.0,
+    "step": 1.0,
 }
 # Who pays a term (``view.CostTerm``).
 _SIDES = ("prefill", "decode", "both")

@@ -56,6 +56,8 @@ def _pool(rng: np.random.Generator, k: int) -> Candidates:
         "slowness": rng.choice([1.0, 0.8, 1.7], size=k),
         "reserved_kv_tokens": rng.choice([0.0, 1000.0, 30000.0], size=k),
         "inflight_requests": rng.integers(0, 40, size=k).astype(np.int64),
+        "decoding_requests": rng.integers(0, 30, size=k).astype(np.int64),
+        "decoding_kv_tokens": rng.choice([0.0, 7000.0, 40000.0], size=k),
         "link_index": rng.integers(0, int(rng.integers(1, 5)), size=k).astype(np.int64),
         "can_prefill": role != 1,
         "can_decode": role != 0,

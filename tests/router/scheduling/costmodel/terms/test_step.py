@@ -1,0 +1,25 @@
+import numpy as np
+from scorer_cases import MODEL, cands, view
+
+from router.scheduling.costmodel.terms import step
+
+
+def test_a_prefill_pod_pays_a_step_and_a_half_of_the_decodes_it_serves() -> None:
+    c = cands(
+        3,
+        decoding_requests=[0, 20, 20],
+        decoding_kv_tokens=[0.0, 5000.0, 5000.0],
+        slowness=[1.0, 1.0, 2.0],
+        running=[8, 28, 28],  # scraped: its prompts in progress too, which the queue term prices
+    )
+    seconds = step.term().seconds(view(c))
+    idle = 1.5 * MODEL.decode_step_base_s
+    busy = 1.5 * (MODEL.decode_step_base_s + 20 * MODEL.decode_s_per_seq + 5000 * MODEL.decode_s_per_kv_token)
+    np.testing.assert_allclose(seconds, [idle, busy, 2 * busy])
+
+
+def test_pods_that_decode_by_role_pay_nothing_here() -> None:
+    # Their running batch is priced against a local prefill by the interference term.
+    c = cands(2, decoding_requests=[20, 20], can_decode=[True, False])
+    seconds = step.term().seconds(view(c))
+    assert seconds[0] == 0.0 and seconds[1] > 0.0
