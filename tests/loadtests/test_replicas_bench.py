@@ -32,10 +32,9 @@ def test_replicas_that_share_their_index_and_load_route_better_than_those_that_d
 
 @pytest.mark.xfail(
     strict=True,
-    reason="since 26dc485 one replica's index holds no more than a pod's KV cache, which (b)'s 300 "
-    "requests fill on one replica (p90 84.0 -> 78.4 ms) but not on each of two (90.6 ms both "
-    "before and after): each mirror records half a pod's prompts, and the holders it learns from "
-    "Redis are not bounded yet (1.16x one replica; 1.08x before)",
+    reason="since 26dc485 one replica's index holds no more than a pod's KV cache (p90 84.0 -> "
+    "78.4 ms) while two stay at 90.6 ms, 1.16x (1.08x before); bounding Redis's holders alike "
+    "changed nothing: docs/quality.md, 'The index held to each engine's KV cache'",
 )
 def test_replicas_that_share_their_load_route_nearly_as_one() -> None:
     one, shared = _p90(Setup(1, False)), _p90(Setup(2, True))
