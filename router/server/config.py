@@ -927,7 +927,8 @@ class PoolConfig(_Strict):
     weights: dict[str, NonNegative] = Field(
         default_factory=dict,
         description="multiplier per cost term (router/scheduling/costmodel/terms/<name>.py; 0 turns one "
-        "off, a term's filter stays), plus prefix (locality trust, 0..1) and link; unset ones are 1",
+        "off, a term's filter stays), plus prefix (locality trust, 0..1) and link; an unset one weighs "
+        "its default: absorb 0.5, the others 1",
     )
     picker: PickerConfig = Field(PickerConfig(), description="how a pair is chosen")
     limits: LimitsConfig = Field(LimitsConfig(), description="request limits and size estimates")
@@ -974,10 +975,11 @@ class PoolConfig(_Strict):
         return weights
 
     def weight(self, name: str) -> float:
-        return self.weights.get(name, 1.0)
+        return self.weights.get(name, DEFAULT_WEIGHTS.get(name, 1.0))
 
     def term_weights(self) -> dict[str, float]:
-        """Every cost term and its weight: the built-ins (default 1), then any others configured."""
+        """Every cost term and its weight: the built-ins (``DEFAULT_WEIGHTS``), then any others
+        configured."""
         merged = {**DEFAULT_WEIGHTS, **self.weights}
         return {name: w for name, w in merged.items() if name not in MODEL_WEIGHTS}
 

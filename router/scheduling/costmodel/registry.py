@@ -21,7 +21,9 @@ DEFAULT_WEIGHTS = {
     "interference": 1.0,
     "load": 1.0,
     "kv": 1.0,
-    "absorb": 1.0,
+    # Half the seconds its formula counts: at 1, prefill pods decoded too little where the decode
+    # pods were the bottleneck (docs/quality.md, "The absorb term at half weight").
+    "absorb": 0.5,
     "lora": 1.0,
     "step": 1.0,
 }

@@ -5,7 +5,10 @@ can serve a whole request) a prefill pod is also a decode column, for requests i
 decodes itself (no pair). Its own job is prompts, so the decode counts against it: for each of the
 request's ``max_tokens`` steps the pod's step grows by what one more sequence costs
 (``per_seq + per_kv_token × context``), and every prompt waiting there (at least the next one)
-waits that much longer. ``0`` on pods whose role decodes. Units: seconds of others' TTFT.
+waits that much longer. ``0`` on pods whose role decodes. Units: seconds of others' TTFT. Weighted
+0.5 by default (``registry.DEFAULT_WEIGHTS``): the prompts a decode delays are those computed while it
+runs, which ``max(waiting, 1)`` over-counts, and at 1 prefill pods served too few whole requests
+where the decode pods were the bottleneck (docs/quality.md, "The absorb term at half weight").
 Consumes: ``can_decode``, ``waiting``.
 """
 
