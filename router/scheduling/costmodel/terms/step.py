@@ -9,7 +9,9 @@ steps grow with them, and every prompt it computes waits for that::
 
 ``decoding`` and ``decoding_kv`` are the requests this router sent there that are past their
 prefill, and the KV they hold: a prefill pod's scraped ``running`` also counts the prompts it is
-computing, which the ``queue`` and ``prefill`` terms already price. On the routing benchmark's
+computing, which the ``queue`` and ``prefill`` terms already price. With several picker replicas
+each counts only its own (they are not among the reservations shared through Redis), so a pod
+looks less busy to each than it is. On the routing benchmark's
 decode-bound scenario (e), the prefill pods' whole requests came in at 1.48× their predicted TTFT
 without this term and 1.03× with it (docs/quality.md, "A prefill pod's own step").
 

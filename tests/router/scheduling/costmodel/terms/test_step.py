@@ -1,6 +1,7 @@
 import numpy as np
-from scorer_cases import MODEL, cands, view
+from scorer_cases import LINKS, MODEL, cands, cost_model, ctx, view
 
+from router.scheduling.costmodel.matrix import CostModel, derive, pair_costs
 from router.scheduling.costmodel.terms import step
 
 
@@ -23,3 +24,25 @@ def test_pods_that_decode_by_role_pay_nothing_here() -> None:
     c = cands(2, decoding_requests=[20, 20], can_decode=[True, False])
     seconds = step.term().seconds(view(c))
     assert seconds[0] == 0.0 and seconds[1] > 0.0
+
+
+def test_a_pair_leaves_the_prefill_pod_busy_decoding_whole_requests() -> None:
+    # Two prefill pods alike but for the whole requests the first is decoding (no queue on either),
+    # and a decode pod: the pair's prefill leg goes to the idle one. Without the term the two tie
+    # and the first wins.
+    c = cands(
+        3,
+        decoding_requests=[30, 0, 0],
+        decoding_kv_tokens=[30000.0, 0.0, 0.0],
+        can_prefill=[True, True, False],
+        can_decode=[False, False, True],
+    )
+    is_prefill, is_decode = c.can_prefill, c.can_decode
+    table = LINKS.table({"default": 0})
+
+    def prefill_pod(cm: CostModel) -> int:
+        return int(pair_costs(derive(c, ctx(), cm), is_prefill, is_decode, cm, table).prefill_of[1, 0])
+
+    cm = cost_model()
+    assert prefill_pod(cm) == 1
+    assert prefill_pod(cost_model(terms=tuple(w for w in cm.terms if w.term.name != "step"))) == 0
