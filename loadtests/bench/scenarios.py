@@ -500,6 +500,9 @@ POLICIES: dict[str, dict[str, Any]] = {
     "round-robin": {"policy": "round-robin"},
     "least-loaded": {"policy": "least-loaded"},
     "independent": {"policy": "independent"},
+    # The SGLang / vLLM routers' default policy and the llm-d router's default scoring profile.
+    "cache-aware": {"policy": "cache-aware"},
+    "weighted-score": {"policy": "weighted-score"},
     "pd-router": {"policy": "joint"},
     # Without role-flexible P/D (the default lets prefill pods serve whole requests).
     "pd-router-rigid": {"policy": "joint", "prefill_may_decode": False},

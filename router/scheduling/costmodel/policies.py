@@ -8,7 +8,12 @@ decode pod each by its own key, separately: that is what makes them baselines.
 * ``RoundRobin`` — decode pods (and prefill pods) in turn.
 * ``LeastLoaded`` — fewest running+waiting on decode, fewest queued tokens on prefill.
 * ``IndependentChoice`` — best prefill pod alone (queue wait + uncached prefill) and best decode
-  pod alone (decode-side terms), no link term: what llm-d / SGLang routers do.
+  pod alone (decode-side terms), no link term: pd-router's own prices, chosen one leg at a time.
+* ``CacheAware`` — the SGLang and vLLM routers' default (``cache_aware``): the pod holding the
+  longest prefix when it covers enough of the prompt, the least loaded otherwise or when the pool
+  is imbalanced.
+* ``WeightedScore`` — the llm-d router's default scoring profile: prefix match 3, queue 2, free KV
+  2, highest total wins.
 
 Baselines pair only dedicated prefill pods (they never split a request across two
 ``prefill-decode`` pods: that is a pd-router-only move) and always pair when such pods exist and
@@ -228,10 +233,89 @@ class IndependentChoice(_Separable):
         return np.where(pairs, key, key + costs.route_s[costs.decode])
 
 
+def _prefix_share(costs: PairCosts) -> np.ndarray:
+    """Per candidate: the share of the prompt its cached prefix covers (the index's guess)."""
+    return costs.view.cached / max(costs.view.ctx.prompt_tokens, 1)
+
+
+class CacheAware(_Separable):
+    """The SGLang and vLLM routers' default policy (``cache_aware``), on this router's index and
+    in-flight counts. The pool is *imbalanced* when the busiest pod has more than
+    ``BALANCE_ABS`` requests over the idlest and more than ``BALANCE_REL`` times as many: then the
+    least loaded pod. Otherwise the pod whose cached prefix covers the largest share of the prompt
+    when that share is above ``CACHE_THRESHOLD``, else the least loaded (where the older routers
+    took the pod with the smallest prefix tree). Load is requests in flight through the router, as
+    theirs counts. Prefill and decode are chosen alike and apart (their P/D mode runs one policy
+    per role); the decode leg of a pair has no prompt to match, so it is the least loaded."""
+
+    name = "cache-aware"
+    # The routers' command-line defaults (their library structs ship others: 0.5, 32, 1.1).
+    CACHE_THRESHOLD = 0.3
+    BALANCE_ABS = 64
+    BALANCE_REL = 1.5
+
+    def prefill_key(self, costs: PairCosts, prefill: np.ndarray) -> np.ndarray:
+        return self._key(costs, prefill)
+
+    def decode_key(self, costs: PairCosts, pairs: np.ndarray) -> np.ndarray:
+        decode = costs.decode
+        local = self._key(costs, decode)
+        load = costs.view.cand.inflight_requests[decode].astype(np.float64)
+        return np.where(pairs, load + _TIE * self._rng.random(len(decode)), local)
+
+    def _key(self, costs: PairCosts, positions: np.ndarray) -> np.ndarray:
+        load = costs.view.cand.inflight_requests[positions].astype(np.float64)
+        jitter = _TIE * self._rng.random(len(positions))
+        most, least = float(load.max()), float(load.min())
+        imbalanced = most - least > self.BALANCE_ABS and most > self.BALANCE_REL * least
+        share = _prefix_share(costs)[positions]
+        if imbalanced or float(share.max()) <= self.CACHE_THRESHOLD:
+            return load + jitter
+        # The longest match first; among equal matches, the less loaded (lower key wins).
+        return -share + _TIE * (load + jitter)
+
+
+class WeightedScore(_Separable):
+    """The llm-d router's default scoring profile, on this router's index and scrapes: each pod
+    scores ``PREFIX × matched share of the prompt + QUEUE × queue score + KV × (1 − KV usage)``,
+    the highest total wins. The queue score is ``(most − waiting) / (most − least)`` over the
+    candidates' scraped waiting requests, 1 when they all wait alike; an unknown scrape scores as
+    the worst. A pair's decode pod is scored without the prefix (it computes no prompt), as the
+    llm-d P/D profile does."""
+
+    name = "weighted-score"
+    PREFIX, QUEUE, KV = 3.0, 2.0, 2.0
+
+    def prefill_key(self, costs: PairCosts, prefill: np.ndarray) -> np.ndarray:
+        return -self._score(costs, prefill, prefix=True)
+
+    def decode_key(self, costs: PairCosts, pairs: np.ndarray) -> np.ndarray:
+        decode = costs.decode
+        with_prefix = self._score(costs, decode, prefix=True)
+        without = self._score(costs, decode, prefix=False)
+        return -np.where(pairs, without, with_prefix)
+
+    def _score(self, costs: PairCosts, positions: np.ndarray, *, prefix: bool) -> np.ndarray:
+        cand = costs.view.cand
+        waiting = cand.waiting[positions]
+        known = waiting[np.isfinite(waiting)]
+        waiting = np.where(np.isfinite(waiting), waiting, known.max() if known.size else 0.0)
+        most, least = float(waiting.max()), float(waiting.min())
+        queue_score = (most - waiting) / (most - least) if most > least else np.ones(len(positions))
+        usage = cand.kv_usage[positions]
+        kv_score = np.where(np.isfinite(usage), 1.0 - np.clip(usage, 0.0, 1.0), 0.0)
+        score = self.QUEUE * queue_score + self.KV * kv_score
+        if prefix:
+            score = score + self.PREFIX * _prefix_share(costs)[positions]
+        return score + _TIE * self._rng.random(len(positions))
+
+
 # The pair pickers by name: ``picker.policy`` accepts exactly these keys (router/server/config.py).
 POLICIES: dict[str, type[JointArgmin] | type[_Separable]] = {
     "joint": JointArgmin,
     "round-robin": RoundRobin,
     "least-loaded": LeastLoaded,
     "independent": IndependentChoice,
+    "cache-aware": CacheAware,
+    "weighted-score": WeightedScore,
 }

@@ -301,7 +301,7 @@ def test_what_the_picker_keeps_between_picks_follows_sidecars_roles_and_candidat
 @given(
     st.lists(st.tuples(st.integers(0, 80), st.integers(0, 20), st.integers(0, 249)), min_size=3, max_size=3),
     st.lists(st.booleans(), min_size=3, max_size=3),
-    st.sampled_from(["joint", "independent", "least-loaded", "round-robin"]),
+    st.sampled_from(["joint", "independent", "least-loaded", "round-robin", "cache-aware", "weighted-score"]),
     st.booleans(),
 )
 def test_no_pair_ever_ends_on_a_pod_without_a_sidecar_behind_a_gateway(
