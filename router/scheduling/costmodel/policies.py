@@ -216,7 +216,7 @@ class LeastLoaded(_Separable):
 
 
 class IndependentChoice(_Separable):
-    """Best prefill pod alone and best decode pod alone, with no link term (llm-d / SGLang style).
+    """Best prefill pod alone and best decode pod alone, no link term: pd-router's prices, leg by leg.
 
     Prefill: pd-router's prefill-side terms (queue wait + uncached prefill, locality and fairness
     cap included). Decode: pd-router's decode-side terms (+inf where the request would not fit);
