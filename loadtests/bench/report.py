@@ -93,12 +93,14 @@ COLOURS = {
     "round-robin": "#8c8c8c",
     "least-loaded": "#e69f00",
     "independent": "#cc79a7",
+    "cache-aware": "#009e73",
+    "weighted-score": "#d55e00",
     "pd-router": "#0072b2",
     "pd-router-rigid": "#56b4e9",
     "pd-router-static": "#a6761d",
     "reference": "#000000",
 }
-BASELINES = ("round-robin", "least-loaded", "independent")
+BASELINES = ("round-robin", "least-loaded", "independent", "cache-aware")
 JOINT = "pd-router"
 
 # Decision kinds, in stacking order (the decode pod's role and the two pods' links tell them apart).
@@ -842,8 +844,10 @@ def _routing_section(report: Report, images: dict[str, str] | str, folder: str) 
         "",
         "`loadtests.bench.routing`: every policy gets exactly the same seeded requests at the same "
         "arrival times against a fresh simulated cluster (empty caches). `pd-router` is the joint "
-        "prefill/decode picker; `round-robin`, `least-loaded` and `independent` (prefill and decode "
-        "pods chosen separately) are its baselines; `reference` is a full-information picker that "
+        "prefill/decode picker; `round-robin`, `least-loaded`, `independent` (prefill and decode "
+        "pods chosen separately, on pd-router's prices) and `cache-aware` (the SGLang and vLLM "
+        "routers' default policy: the longest cached prefix over 0.3 of the prompt, else the least "
+        "loaded) are its baselines; `reference` is a full-information picker that "
         "reads the simulator's exact state and plays each engine forward — the bound to measure "
         "against, not a deployable policy; `pd-router-rigid` is pd-router without role-flexible "
         "P/D (prefill pods never serve whole requests); `pd-router-learning` and "

@@ -208,7 +208,7 @@ def _lora_scenario(key: str, adapters: int, rate: float) -> Scenario:
         f"({key}) 4 × prefill-decode, {adapters} LoRA adapters (Zipf), {G_MAX_LORAS} slots per pod",
         _lora_pool(adapters),
         _lora_traffic(adapters),
-        ["round-robin", "least-loaded", "pd-router"],
+        ["round-robin", "least-loaded", "cache-aware", "pd-router"],
         rate=rate,
         requests=800,
         params=(
@@ -303,7 +303,7 @@ SCENARIOS: dict[str, Scenario] = {
         "(a) 4 × prefill-decode, shared-prefix",
         _pd_pool,
         _shared(A_PREFIXES, A_PREFIX_TOKENS, A_SUFFIX_TOKENS, A_MAX_TOKENS),
-        ["round-robin", "least-loaded", "pd-router", "reference"],
+        ["round-robin", "least-loaded", "cache-aware", "pd-router", "reference"],
         rate=40.0,
         requests=600,
         params=(
@@ -316,7 +316,7 @@ SCENARIOS: dict[str, Scenario] = {
         "(b) 4 × prefill-decode, multi-turn chat",
         _pd_pool,
         _chat,
-        ["round-robin", "least-loaded", "pd-router", "reference"],
+        ["round-robin", "least-loaded", "cache-aware", "pd-router", "reference"],
         rate=50.0,
         requests=600,
         params=(
@@ -329,7 +329,7 @@ SCENARIOS: dict[str, Scenario] = {
         "(c) 2 prefill + 2 decode on 2 racks, long shared prefixes",
         _two_racks,
         _shared(C_PREFIXES, C_PREFIX_TOKENS, C_SUFFIX_TOKENS, C_MAX_TOKENS),
-        ["round-robin", "independent", "pd-router", "reference"],
+        ["round-robin", "independent", "cache-aware", "pd-router", "reference"],
         rate=10.0,
         requests=300,
         links=C_LINKS,
@@ -346,7 +346,7 @@ SCENARIOS: dict[str, Scenario] = {
         "(d) 4 × prefill-decode, bursty multi-turn chat",
         _pd_pool,
         _bursty_chat,
-        ["round-robin", "least-loaded", "pd-router", "reference"],
+        ["round-robin", "least-loaded", "cache-aware", "pd-router", "reference"],
         rate=28.0,
         requests=720,
         params=(
@@ -360,7 +360,7 @@ SCENARIOS: dict[str, Scenario] = {
         "(e) 2 prefill + 2 decode, long outputs (decode-bound)",
         _one_rack_pd,
         _long_outputs,
-        ["round-robin", "least-loaded", "pd-router", "pd-router-rigid", "reference"],
+        ["round-robin", "least-loaded", "cache-aware", "pd-router", "pd-router-rigid", "reference"],
         rate=22.0,
         requests=300,
         links={"same": C_LINKS["same"]},
