@@ -7,8 +7,9 @@ end); then
 
 * **routing**: ``loadtests.bench.quality`` (virtual time, deterministic) with this checkout's
   harness, pd-router of this checkout and of each worktree (``--router-tree``), and least-loaded
-  as the baseline; pooled over ``--seeds``. ``decisions`` says whether a tree routed every request
-  as this checkout did (the run's digest of its routes);
+  and cache-aware (the SGLang and vLLM routers' default) as the baselines; pooled over
+  ``--seeds``. ``decisions`` says whether a tree routed every request as this checkout did (the
+  run's digest of its routes);
 * **scaling**: each tree's own ``loadtests.bench.scaling`` replay (its harness and its router:
   the replay drives the router's internals, which change with it), the verdict table on the means
   over ``--scaling-seeds``.
@@ -38,6 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[2]
 THIS = "this checkout"
+BASELINES = ("least-loaded", "cache-aware")
 P90_WORSE = 1.05  # the quality gate's own runs agree to the digit; 5 % is a real change
 GOODPUT_WORSE = 0.01  # one point of the requests within both SLOs
 VIOLATION_WORSE_S = 1.0  # violation area, simulated seconds (means over seeds)
@@ -193,13 +195,13 @@ def report(args: argparse.Namespace, trees: dict[str, Path]) -> tuple[list[str],
     lines = [f"{THIS}: {this_commit()}", ""]
     lines += [f"routing, virtual time, seeds {args.seeds} pooled: TTFT p50 / p90 / p99 ms, goodput", ""]
     found: list[str] = []
-    ours = routing(None, args, "least-loaded,pd-router")
+    ours = routing(None, args, "least-loaded,cache-aware,pd-router")
     runs = {THIS: ours, **{rev: routing(path, args, "pd-router") for rev, path in trees.items()}}
-    head = ["scenario", "least-loaded", *labels, *(f"p90 ÷ {rev}, decisions" for rev in trees)]
+    head = ["scenario", *BASELINES, *labels, *(f"p90 ÷ {rev}, decisions" for rev in trees)]
     lines += [_row(head), _row(["---"] * len(head))]
     for scenario in ours:
         mine = ours[scenario]["pd-router"]
-        cells = [scenario, ours[scenario]["least-loaded"].cell()]
+        cells = [scenario, *(ours[scenario][name].cell() for name in BASELINES)]
         cells += [runs[label][scenario]["pd-router"].cell() for label in labels]
         for rev in trees:
             theirs = runs[rev][scenario]["pd-router"]

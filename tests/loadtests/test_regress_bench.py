@@ -96,9 +96,9 @@ def test_a_short_run_against_head_prints_both_tables_and_leaves_no_worktree(
     routing_row = re.search(r"^\| e \| (.+) \|$", out, re.MULTILINE)
     assert routing_row is not None
     cells = routing_row[1].split(" | ")
-    assert len(cells) == 4  # least-loaded, this checkout, HEAD, p90 ratio and decisions
-    assert all(re.fullmatch(r"[\d.]+ / [\d.]+ / [\d.]+, [\d.]+ %", cell) for cell in cells[:3])
-    assert re.fullmatch(r"[\d.]+, (same|differ)", cells[3])
+    assert len(cells) == 5  # least-loaded, cache-aware, this checkout, HEAD, p90 ratio and decisions
+    assert all(re.fullmatch(r"[\d.]+ / [\d.]+ / [\d.]+, [\d.]+ %", cell) for cell in cells[:4])
+    assert re.fullmatch(r"[\d.]+, (same|differ)", cells[4])
     scaling_row = re.search(r"^\| short-burst \| (.+) \|$", out, re.MULTILINE)
     assert scaling_row is not None
     mine, head, best = scaling_row[1].split(" | ")
