@@ -101,6 +101,12 @@ FEATURES: tuple[Feature, ...] = (
         "inflight_requests", 0, np.int64, shared=True, doc="requests routed here, from the pick to their end"
     ),
     Feature("queued_prefill_requests", 0, np.int64, candidate=False),
+    Feature(
+        "waiting_ours",
+        0.0,
+        doc="our requests not past their prefill here when it was last scraped: the share of its "
+        "scraped waiting that is ours",
+    ),
     Feature("decoding_requests", 0, np.int64, doc="ours past their prefill: decoding here"),
     Feature("decoding_kv_tokens", 0.0, doc="KV tokens reserved by those decoding here"),
     # The decode batch and resident KV integrated over time (``Pool.advance_decode``): a stream's

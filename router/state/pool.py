@@ -380,6 +380,8 @@ class Pool:
         self.ejected[slot] = False
         self.last_scrape_ok[slot] = now
         self.advance_decode(slot, now)  # so far they counted what the last scrape said
+        # Which of the waiting requests it reports can be ours (the queue term counts ours exactly).
+        self.waiting_ours[slot] = self.queued_prefill_requests[slot]
         values = metrics.values
         capacity = self.kv_capacity_tokens[slot]
         for name in SCRAPED:

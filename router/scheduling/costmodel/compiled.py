@@ -61,6 +61,7 @@ _FEATURES = (
     "can_prefill",
     "decoding_requests",
     "decoding_kv_tokens",
+    "waiting_ours",
 )
 
 
@@ -130,6 +131,7 @@ def _costs(
     can_prefill_of: np.ndarray,
     decoding_requests_of: np.ndarray,
     decoding_kv_tokens_of: np.ndarray,
+    waiting_ours_of: np.ndarray,
     adapter_state: np.ndarray,
     prompt: float,
     max_tokens: float,
@@ -175,6 +177,7 @@ def _costs(
     can_prefill = can_prefill_of[at]
     decoding_requests = decoding_requests_of[at]
     decoding_kv_tokens = decoding_kv_tokens_of[at]
+    waiting_ours = waiting_ours_of[at]
     tps, step_base, per_seq, per_kv = scalars[0], scalars[1], scalars[2], scalars[3]
     tpot_weight, kv_penalty_s, kv_soft = scalars[4], scalars[5], scalars[6]
     max_skew, prefix_trust = scalars[7], scalars[8]
@@ -190,7 +193,8 @@ def _costs(
     nan_wait = False
     for i in range(k):
         cached[i] = min(cached_blocks[i] * block_tokens, cap_prompt)
-        wait[i] = _maximum(queued_prefill_tokens[i], waiting_known[i] * typical_prompt) / tps * slowness[i]
+        elsewhere = _maximum(waiting_known[i] - waiting_ours[i], 0.0)
+        wait[i] = _maximum(queued_prefill_tokens[i], elsewhere * typical_prompt) / tps * slowness[i]
         if math.isnan(wait[i]):
             nan_wait = True
         elif wait[i] < least_wait:
@@ -608,7 +612,7 @@ def warm() -> None:
     sums = np.empty((3, k))
     _costs(
         np.zeros(k, dtype=np.int32), index, zeros, zeros, zeros, zeros, index, zeros, zeros, zeros, yes, yes,
-        index, zeros, _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides,
+        index, zeros, zeros, _NO_ADAPTER, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, np.full(11, 0.5), codes, sides,
         np.ones(len(codes)),
         index, index, ~yes, index[None, :], np.ones((1, k)), np.ones((1, k)), np.ones(7),
         np.empty((8, k)), np.empty((len(codes), k)), sums, rows, chosen, np.empty((2, k)),

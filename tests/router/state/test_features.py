@@ -55,3 +55,18 @@ def test_an_endpoint_nobody_measured_is_unknown_not_idle() -> None:
     for feature in FEATURES:
         if feature.scraped is not None:
             assert math.isnan(getattr(pool, feature.name)[slot]), feature.name
+
+
+def test_a_scrape_remembers_how_many_of_its_waiting_requests_could_be_ours() -> None:
+    pool = pool_from(make_config(SINGLE_PODS))
+    endpoint = pool.endpoints["e1"]
+    reservations = [pool.reserve(endpoint.slot, None, 300.0, 1000.0) for _ in range(3)]
+    reservations[0].finish_prefill()  # its first token came back: no longer queued
+    pool.apply_metrics(endpoint, parse_vllm_metrics("vllm:num_requests_waiting 2\n"), now=0.0)
+    assert pool.waiting_ours[endpoint.slot] == 2
+    for reservation in reservations:
+        reservation.release()
+    # Until the next scrape the count stays the scrape's: it says what that scrape's waiting held.
+    assert pool.waiting_ours[endpoint.slot] == 2
+    pool.apply_metrics(endpoint, parse_vllm_metrics("vllm:num_requests_waiting 0\n"), now=1.0)
+    assert pool.waiting_ours[endpoint.slot] == 0
