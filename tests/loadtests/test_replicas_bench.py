@@ -15,17 +15,22 @@ from loadtests.bench.scenarios import SCENARIOS
 REQUESTS = 300
 
 
-def _p90(setup: Setup, **redis: float) -> float:
+def _p90(setup: Setup, seeds: tuple[int, ...] = (0,), **redis: float) -> float:
+    """p90 TTFT of ``setup`` on (b), the seeds' requests pooled."""
     scn = SCENARIOS["b"]
-    summary = run_setup(scn, setup, 0, requests=REQUESTS, redis_settings=redis)
-    return row(scn, setup, [summary], None)["ttft_p90_ms"]
+    summaries = [run_setup(scn, setup, seed, requests=REQUESTS, redis_settings=redis) for seed in seeds]
+    return row(scn, setup, summaries, None)["ttft_p90_ms"]
 
 
 def test_replicas_that_share_their_index_and_load_route_better_than_those_that_do_not() -> None:
+    # Pooled over three draws: on one, sharing the index alone can come within a few percent of
+    # sharing the reservations too (seed 0: 87.5 against 90.6 ms, seed 2: 86.5 against 86.9), on
+    # another it is 1.6x slower (seed 1: 360 against 223).
+    seeds = (0, 1, 2)
     shared, index_only, blind = (
-        _p90(Setup(2, True)),
-        _p90(Setup(2, True), share_load_ms=0),  # the prefix index shared, the reservations not
-        _p90(Setup(2, False)),
+        _p90(Setup(2, True), seeds),
+        _p90(Setup(2, True), seeds, share_load_ms=0),  # the prefix index shared, the reservations not
+        _p90(Setup(2, False), seeds),
     )
     assert shared < index_only < blind
 
