@@ -279,35 +279,30 @@ class WeightedScore(_Separable):
     """The llm-d router's default scoring profile, on this router's index and scrapes: each pod
     scores ``PREFIX × matched share of the prompt + QUEUE × queue score + KV × (1 − KV usage)``,
     the highest total wins. The queue score is ``(most − waiting) / (most − least)`` over the
-    candidates' scraped waiting requests, 1 when they all wait alike; an unknown scrape scores as
-    the worst. A pair's decode pod is scored without the prefix (it computes no prompt), as the
-    llm-d P/D profile does."""
+    candidates' scraped waiting requests, 1 when they all wait alike; an unknown scrape reads as
+    the worst known (``fill_unknown``). A pair's decode pod is scored without the prefix (it
+    computes no prompt), as the llm-d P/D profile does."""
 
     name = "weighted-score"
     PREFIX, QUEUE, KV = 3.0, 2.0, 2.0
 
     def prefill_key(self, costs: PairCosts, prefill: np.ndarray) -> np.ndarray:
-        return -self._score(costs, prefill, prefix=True)
+        return -(self._load_score(costs, prefill) + self.PREFIX * _prefix_share(costs)[prefill])
 
     def decode_key(self, costs: PairCosts, pairs: np.ndarray) -> np.ndarray:
         decode = costs.decode
-        with_prefix = self._score(costs, decode, prefix=True)
-        without = self._score(costs, decode, prefix=False)
-        return -np.where(pairs, without, with_prefix)
+        prefix = np.where(pairs, 0.0, self.PREFIX * _prefix_share(costs)[decode])
+        return -(self._load_score(costs, decode) + prefix)
 
-    def _score(self, costs: PairCosts, positions: np.ndarray, *, prefix: bool) -> np.ndarray:
+    def _load_score(self, costs: PairCosts, positions: np.ndarray) -> np.ndarray:
+        """``QUEUE × queue score + KV × free KV`` (and a tie-break), per position."""
         cand = costs.view.cand
-        waiting = cand.waiting[positions]
-        known = waiting[np.isfinite(waiting)]
-        waiting = np.where(np.isfinite(waiting), waiting, known.max() if known.size else 0.0)
+        waiting = fill_unknown(cand.waiting[positions], worst=0.0)
         most, least = float(waiting.max()), float(waiting.min())
         queue_score = (most - waiting) / (most - least) if most > least else np.ones(len(positions))
-        usage = cand.kv_usage[positions]
-        kv_score = np.where(np.isfinite(usage), 1.0 - np.clip(usage, 0.0, 1.0), 0.0)
-        score = self.QUEUE * queue_score + self.KV * kv_score
-        if prefix:
-            score = score + self.PREFIX * _prefix_share(costs)[positions]
-        return score + _TIE * self._rng.random(len(positions))
+        usage = fill_unknown(cand.kv_usage[positions], worst=1.0)
+        kv_score = 1.0 - np.clip(usage, 0.0, 1.0)
+        return self.QUEUE * queue_score + self.KV * kv_score + _TIE * self._rng.random(len(positions))
 
 
 # The pair pickers by name: ``picker.policy`` accepts exactly these keys (router/server/config.py).
