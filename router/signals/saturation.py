@@ -11,8 +11,9 @@ The *stages* are the roles as autoscalers see them: ``prefill`` (pods that compu
   admitted endpoints, an empty stage reads 1.0, nothing is clamped, and ``effective`` is the max of
   the stages. Exported under llm-d's and the Inference Extension's names so existing alerts and
   ScaledObjects keep working.
-* **Per-role load**: queued uncached prompt tokens (ours, or scraped waiting × typical prompt,
-  whichever is larger), running and waiting requests, KV usage (mean, max, sample std-dev).
+* **Per-role load**: queued uncached prompt tokens (the ``queue`` term's count: ours, or the
+  scraped waiting less ours × typical prompt, whichever is larger), running and waiting
+  requests, KV usage (mean, max, sample std-dev).
 * **Predicted latency**: the TTFT a typical new request would get from the best prefill
   candidate (queue wait + prefill of a typical prompt, from the cost model's own terms) and the
   TPOT it would get from the best decode candidate. Absent while a stage has no fresh endpoint
@@ -35,6 +36,7 @@ from prometheus_client.core import Metric
 
 import router.observe.series as series
 from router.scheduling.costmodel.matrix import CostModel, derive
+from router.scheduling.costmodel.terms.queue import queued_prompt_tokens
 from router.scheduling.costmodel.view import RequestCtx
 from router.state.pool import Pool
 
@@ -81,8 +83,12 @@ def stage_signals(pool: Pool, stage: str, s: SaturationSettings, now: float) -> 
     waiting = np.nan_to_num(pool.waiting[live])
     kv = pool.kv_usage[live]
     kv = kv[np.isfinite(kv)]
-    queued = np.maximum(
-        pool.queued_prefill_tokens[slots], np.nan_to_num(pool.waiting[slots]) * pool.typical_prompt_tokens
+    # The queue term's own count (ours, or others' scraped waiting), unknown waiting read as none
+    queued = queued_prompt_tokens(
+        pool.queued_prefill_tokens[slots],
+        np.nan_to_num(pool.waiting[slots]),
+        pool.waiting_ours[slots],
+        pool.typical_prompt_tokens,
     )
     return StageSignals(
         endpoints=len(slots),

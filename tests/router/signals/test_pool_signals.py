@@ -56,6 +56,21 @@ def test_a_prefill_decode_pod_counts_in_both_stages_and_queued_tokens_are_ours_o
         assert signals.queued_prompt_tokens == pytest.approx(2 * pool.typical_prompt_tokens + 3000.0)
 
 
+def test_our_own_queued_requests_in_the_scraped_queue_are_not_counted_again() -> None:
+    # e0's scrape shows 3 waiting, 2 of them ours with mostly cached prompts (500 uncached tokens
+    # between them): the signal is the one request from elsewhere at the typical size, as the
+    # picker's queue term prices it, not 3 whole prompts.
+    config = make_config(SINGLE_PODS)
+    pool = make_pool(config, {"e0": Metrics(waiting=3)}, NOW)
+    pool.stale_after_s = 1e9
+    slot = pool.endpoints["e0"].slot
+    pool.queued_prefill_tokens[slot] = 500.0
+    pool.waiting_ours[slot] = 2.0
+    signals = stage_signals(pool, "prefill", S, NOW)
+    assert signals.queued_prompt_tokens == pytest.approx(pool.typical_prompt_tokens)
+    assert signals.waiting == 3  # the scraped count itself is still exported as scraped
+
+
 def test_the_exposition_has_both_families_with_their_labels() -> None:
     pool = pd_pool(p0=Metrics(waiting=4, kv_usage=0.5, running=3))
     registry = CollectorRegistry()

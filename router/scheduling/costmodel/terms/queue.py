@@ -19,9 +19,17 @@ import numpy as np
 from router.scheduling.costmodel.view import Candidates, EngineModel, RequestCtx, Side, View, fill_unknown
 
 
+def queued_prompt_tokens(
+    ours: np.ndarray, waiting: np.ndarray, waiting_ours: np.ndarray, typical_prompt_tokens: float
+) -> np.ndarray:
+    """The formula above over known ``waiting``; the pool's signals sum it over a role's pods."""
+    return np.maximum(ours, np.maximum(waiting - waiting_ours, 0.0) * typical_prompt_tokens)
+
+
 def queued_tokens(cand: Candidates, ctx: RequestCtx) -> np.ndarray:
-    elsewhere = np.maximum(fill_unknown(cand.waiting, worst=0.0) - cand.waiting_ours, 0.0)
-    return np.maximum(cand.queued_prefill_tokens, elsewhere * ctx.typical_prompt_tokens)
+    waiting = fill_unknown(cand.waiting, worst=0.0)
+    ours = cand.queued_prefill_tokens
+    return queued_prompt_tokens(ours, waiting, cand.waiting_ours, ctx.typical_prompt_tokens)
 
 
 def wait_s(cand: Candidates, ctx: RequestCtx, model: EngineModel) -> np.ndarray:
