@@ -804,7 +804,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help=f"comma-separated, of {', '.join([*POLICIES, TRUE_CACHE])} "
         f"(default: {','.join([*BASELINES, JOINT])} and the reference unless --no-reference; "
-        "with --matrix: least-loaded,pd-router)",
+        "with --matrix: least-loaded,cache-aware,pd-router)",
     )
     parser.add_argument(
         "--variant",
@@ -880,7 +880,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if args.router_tree:
         return _run_in_tree(args, argv)
-    default = ["least-loaded", JOINT] if args.matrix else [*BASELINES, JOINT]
+    default = ["least-loaded", "cache-aware", JOINT] if args.matrix else [*BASELINES, JOINT]
     names = [p for p in args.policies.split(",") if p] or default
     legacy = not _flow_api()
     if legacy:
