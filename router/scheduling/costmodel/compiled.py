@@ -234,7 +234,7 @@ def _costs(
             elif code == 1:  # prefill
                 s = prefill_s[i]
             elif code == 2:  # interference
-                s = prefill_s[i] * batch[i] * per_stalled if can_decode[i] else 0.0
+                s = prefill_s[i] * (batch[i] if can_decode[i] else decoding_requests[i]) * per_stalled
             elif code == 3:  # load
                 s = tpot[i] * load_weight
             elif code == 4:  # kv: the penalty on decode-only pods, the filter everywhere
@@ -251,7 +251,7 @@ def _costs(
                 if has_adapter:
                     state = adapter_state[i]
                     if state != ADAPTER_RESIDENT:
-                        stalled = batch[i] if can_decode[i] else 0.0
+                        stalled = batch[i] if can_decode[i] else decoding_requests[i]
                         s = lora_load_s * (1.0 + stalled * per_stalled)
                     if state >= ADAPTER_EVICTS:
                         s += lora_evict_s

@@ -9,14 +9,15 @@ request pays) or where how many slots there are is unknown (unknown is never idl
 adapter costs 0 everywhere.
 
 vLLM loads an adapter inside an engine step, so the pod's running decodes wait for it too: a load
-is ``lora_load_s`` for this request plus the stall of the ``batch`` running there, priced as
-``interference`` prices a prefill's::
+is ``lora_load_s`` for this request plus the stall of the answers running there (``decoding``: the
+batch where the role decodes, a prefill pod's whole requests), priced as ``interference`` prices a
+prefill's::
 
-    load = lora_load_s * (1 + batch / typical_answer_tokens * tpot_weight)
+    load = lora_load_s * (1 + decoding / typical_answer_tokens * tpot_weight)
 
 Side ``both``: every pod the request runs on needs the adapter, the one that computes the prompt
-and, for a pair, the decode pod after the KV arrives. The stall is priced on pods that decode (a
-prefill-only pod stalls prompts, whose wait the ``queue`` term prices). Units: seconds.
+and, for a pair, the decode pod after the KV arrives. The prompts a load delays on a prefill pod
+are the ``queue`` term's to price. Units: seconds.
 Consumes: ``adapter_state`` (set per request by the picker).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from router.scheduling.costmodel.terms.interference import stalled_decodes
 from router.scheduling.costmodel.view import ADAPTER_EVICTS, ADAPTER_NOT_SERVED, ADAPTER_RESIDENT, Side, View
 
 
@@ -37,7 +39,7 @@ class LoraLoad:
             return np.zeros(len(view))
         model, o = view.model, view.objectives
         per_stalled = o.tpot_weight / max(view.ctx.typical_answer_tokens, 1.0)
-        stalled = np.where(view.cand.can_decode, view.batch, 0.0)
+        stalled = stalled_decodes(view)
         load = model.lora_load_s * (1.0 + stalled * per_stalled)
         seconds = np.where(state == ADAPTER_RESIDENT, 0.0, load)
         seconds[state >= ADAPTER_EVICTS] += model.lora_evict_s

@@ -109,6 +109,18 @@ def test_a_prefill_on_a_pod_that_also_decodes_pays_for_its_stall_too() -> None:
     assert costs.prefill_of[1, 1] == 0
 
 
+def test_a_prompt_on_a_prefill_pod_pays_for_stalling_the_whole_requests_it_answers() -> None:
+    # Two prefill pods alike (scraped running 30 on both: prompts in progress count there too), the
+    # first answering 30 whole requests of its own: each of those waits once for this prefill.
+    cand = cands(3, running=[30, 30, 0], decoding_requests=[30, 0, 0], can_decode=[False, False, True])
+    is_prefill, is_decode = np.array([True, True, False]), np.array([False, False, True])
+    c = ctx(2000)
+    costs = costs_of(cand, is_prefill, is_decode, c)
+    stall = costs.view.prefill_s[0] * 30 / c.typical_answer_tokens * costs.view.objectives.tpot_weight
+    assert costs.terms["interference"][0] == pytest.approx(stall) and stall > 0
+    assert costs.terms["interference"][1] == 0.0
+
+
 def test_a_pair_can_wait_for_what_is_left_of_its_decode_pods_queue() -> None:
     """Pod 1 decodes with 10k prompt tokens queued of its own; the pair's KV arrives after pod 0's
     prefill, and the decode leg then waits for the rest of pod 1's queue."""

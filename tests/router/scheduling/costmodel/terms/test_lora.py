@@ -38,6 +38,17 @@ def test_a_load_also_stalls_the_decodes_running_there() -> None:
     assert s[1] > s[0] > 0.0
 
 
+def test_on_a_prefill_pod_a_load_stalls_the_whole_requests_it_answers_not_its_prompts() -> None:
+    # Scraped running counts prompts in progress; only the answers this router sent there wait.
+    s = seconds(
+        [ADAPTER_FREE_SLOT, ADAPTER_FREE_SLOT],
+        running=[20, 20],
+        decoding_requests=[0, 20],
+        can_decode=[0, 0],
+    )
+    assert math.isclose(s[0], MODEL.lora_load_s) and s[1] > s[0]
+
+
 def test_a_pod_that_does_not_serve_the_adapter_is_infeasible_unless_none_does() -> None:
     s = seconds([ADAPTER_NOT_SERVED, ADAPTER_EVICTS])
     assert math.isinf(s[0]) and math.isfinite(s[1])

@@ -28,8 +28,9 @@ def test_pods_that_decode_by_role_pay_nothing_here() -> None:
 
 def test_a_pair_leaves_the_prefill_pod_busy_decoding_whole_requests() -> None:
     # Two prefill pods alike but for the whole requests the first is decoding (no queue on either),
-    # and a decode pod: the pair's prefill leg goes to the idle one. Without the term the two tie
-    # and the first wins.
+    # and a decode pod: the pair's prefill leg goes to the idle one. The prompt would wait for those
+    # decodes' steps (this term) and stall them (``interference``): each alone steers it; without
+    # both the two tie and the first wins.
     c = cands(
         3,
         decoding_requests=[30, 0, 0],
@@ -44,5 +45,10 @@ def test_a_pair_leaves_the_prefill_pod_busy_decoding_whole_requests() -> None:
         return int(pair_costs(derive(c, ctx(), cm), is_prefill, is_decode, cm, table).prefill_of[1, 0])
 
     cm = cost_model()
+
+    def without(*names: str) -> CostModel:
+        return cost_model(terms=tuple(w for w in cm.terms if w.term.name not in names))
+
     assert prefill_pod(cm) == 1
-    assert prefill_pod(cost_model(terms=tuple(w for w in cm.terms if w.term.name != "step"))) == 0
+    assert prefill_pod(without("step")) == 1 and prefill_pod(without("interference")) == 1
+    assert prefill_pod(without("step", "interference")) == 0
