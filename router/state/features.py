@@ -104,8 +104,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         "waiting_ours",
         0.0,
-        doc="our requests not past their prefill here when it was last scraped: the share of its "
-        "scraped waiting that is ours",
+        doc="our requests not past their prefill here when it was last scraped: at most the share "
+        "of its scraped waiting that is ours (those being prefilled count as running there)",
     ),
     Feature("decoding_requests", 0, np.int64, doc="ours past their prefill: decoding here"),
     Feature("decoding_kv_tokens", 0.0, doc="KV tokens reserved by those decoding here"),

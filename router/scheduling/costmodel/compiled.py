@@ -204,11 +204,13 @@ def _costs(
     per_stalled = tpot_weight / max(typical_answer, 1.0)
     all_decode = True
     frac = np.empty(k)
+    stalled = np.empty(k)  # terms/interference.py ``stalled_decodes``: what a stall on the pod holds up
     for i in range(k):
         trust = prefix_trust if wait[i] <= least_wait + max_skew else 0.0
         uncached[i] = prompt - trust * cached[i]
         prefill_s[i] = uncached[i] / tps * slowness[i]
         batch[i] = _maximum(running_known[i], float(inflight_requests[i]))
+        stalled[i] = batch[i] if can_decode[i] else float(decoding_requests[i])
         product = usage_known[i] * kv_capacity_tokens[i]
         used[i] = reserved_kv_tokens[i] if math.isnan(product) else max(product, reserved_kv_tokens[i])
         need[i] = (prompt + max_tokens) - cached[i]
@@ -234,7 +236,7 @@ def _costs(
             elif code == 1:  # prefill
                 s = prefill_s[i]
             elif code == 2:  # interference
-                s = prefill_s[i] * (batch[i] if can_decode[i] else decoding_requests[i]) * per_stalled
+                s = prefill_s[i] * stalled[i] * per_stalled
             elif code == 3:  # load
                 s = tpot[i] * load_weight
             elif code == 4:  # kv: the penalty on decode-only pods, the filter everywhere
@@ -251,8 +253,7 @@ def _costs(
                 if has_adapter:
                     state = adapter_state[i]
                     if state != ADAPTER_RESIDENT:
-                        stalled = batch[i] if can_decode[i] else decoding_requests[i]
-                        s = lora_load_s * (1.0 + stalled * per_stalled)
+                        s = lora_load_s * (1.0 + stalled[i] * per_stalled)
                     if state >= ADAPTER_EVICTS:
                         s += lora_evict_s
                     if refuse and state == ADAPTER_NOT_SERVED:
