@@ -80,6 +80,7 @@ from loadtests.bench.scenarios import (
     matrix_scenario,
     router_links,
     scaled_links,
+    with_goodput_slo,
     with_slow_pods,
 )
 from simulator.cluster import link_cost_from
@@ -114,6 +115,11 @@ class Policy:
     # Send each request's conversation as ``x-session-id`` (``--session-ids``: the multi-turn
     # workloads know their sessions; a client that sends none is the default row).
     session_ids: bool = False
+
+
+def blind_to_slos(pol: Policy) -> Policy:
+    """``pol`` routing every request on its cost alone, whatever SLO it carries."""
+    return dataclasses.replace(pol, overrides=(*pol.overrides, "slo.per_request=false"))
 
 
 def policy(name: str, overrides: Sequence[str] = ()) -> Policy:
@@ -868,6 +874,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--matrix-shapes", default="pd", help="pd (prefill-decode pods) and/or split (half P, half D)"
     )
     matrix.add_argument("--matrix-seconds", type=float, default=8.0, help="seconds of arrivals per cell")
+    matrix.add_argument(
+        "--matrix-slo",
+        action="store_true",
+        help="every request carries the goodput's objectives (x-slo-* headers): pd-router's rows route "
+        "and admit by them; the other policies, like the routers they stand for, read no SLO",
+    )
     args = parser.parse_args(argv)
     unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
@@ -914,6 +926,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cells = _matrix(args)
         except (KeyError, ValueError) as exc:
             parser.error(f"--matrix: {exc}")
+        if args.matrix_slo:
+            cells = [with_goodput_slo(cell) for cell in cells]
+            policies = [p if p.picker == POLICIES[JOINT] else blind_to_slos(p) for p in policies]
         return _run_matrix(cells, policies, args, tm, out)
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x] or [args.seed]
@@ -1018,6 +1033,15 @@ def _matrix(args: argparse.Namespace) -> list[Scenario]:
     return cells if args.slow_pods == 1.0 else [with_slow_pods(cell, args.slow_pods) for cell in cells]
 
 
+def _told(args: argparse.Namespace) -> str:
+    if not args.matrix_slo:
+        return ""
+    return (
+        "; every request carries the goodput's SLO (pd-router refuses what no route is predicted to "
+        "meet; a refusal counts as a miss), the other policies route blind to it"
+    )
+
+
 def _run_matrix(
     cells: Sequence[Scenario], policies: Sequence[Policy], args: argparse.Namespace, tm: TimeModel, out: dict
 ) -> int:
@@ -1029,7 +1053,7 @@ def _run_matrix(
     sys.stdout.write(
         f"\nMatrix: TTFT ms and goodput per policy; load × nominal capacity (every shared prefix cached "
         f"where it is computed, every decode batch full); {args.matrix_seconds:g} s of arrivals per "
-        f"cell{_fleet(args)}\n\n{head}\n  {'-' * (len(head) - 2)}\n"
+        f"cell{_fleet(args)}{_told(args)}\n\n{head}\n  {'-' * (len(head) - 2)}\n"
     )
     for scn in cells:
         workload = scn.workload(scn.requests, scn.rate, args.seed)
@@ -1048,7 +1072,12 @@ def _run_matrix(
                 f"{_ratio(s['ttft_p90_ms'], ll.get('ttft_p90_ms', math.nan)):>6}"
             )
         cpu = sum(run.cpu_s for run in runs.values())
-        sys.stdout.write(f"{line}   ({cpu:.0f} CPU s)\n")
+        failed = ", ".join(
+            f"{n} {stats[n]['requests'] - stats[n]['ok']}"
+            for n in names
+            if stats[n]["ok"] < stats[n]["requests"]
+        )
+        sys.stdout.write(f"{line}   ({cpu:.0f} CPU s{'; failed or refused: ' + failed if failed else ''})\n")
         sys.stdout.flush()
         out["scenarios"][scn.key] = {
             "requests": scn.requests,

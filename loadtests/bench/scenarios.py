@@ -64,6 +64,10 @@ class Scenario:
     slo_classes: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
+# The SLO class of requests that carry the goodput's objectives (``with_goodput_slo``).
+GOODPUT_CLASS = "goodput"
+
+
 # -- scenario definitions --------------------------------------------------------------------------
 
 # (a)/(b): 1024 blocks × 16 = 16k tokens of KV per pod, so one pod cannot hold every system prompt
@@ -479,6 +483,27 @@ def with_slow_pods(scn: Scenario, factor: float) -> Scenario:
         return mixed
 
     return replace(scn, specs=specs, title=f"{scn.title}, half the pods {factor:g}× slower")
+
+
+def with_goodput_slo(scn: Scenario) -> Scenario:
+    """``scn`` with every request carrying the goodput's objectives as its own SLO (``x-slo-*``
+    headers): the router is told what it is judged by (its SLO step routes to meet them and refuses
+    what no route is predicted to), the way a client that states its SLO is served."""
+    ttft_ms, tpot_ms = f"{scn.goodput_ttft_s * 1000:g}", f"{scn.goodput_tpot_s * 1000:g}"
+
+    def workload(n: int, rate: float, seed: int) -> Workload:
+        wl = scn.workload(n, rate, seed)
+        for item in wl.items:
+            item.tag = GOODPUT_CLASS
+            item.headers.update({"x-slo-ttft-ms": ttft_ms, "x-slo-tpot-ms": tpot_ms})
+        return wl
+
+    return replace(
+        scn,
+        workload=workload,
+        title=f"{scn.title}, the goodput's SLO told",
+        slo_classes={GOODPUT_CLASS: (scn.goodput_ttft_s, scn.goodput_tpot_s)},
+    )
 
 
 def claimed_engine(true: dict[str, Any], factor: float) -> dict[str, Any]:
