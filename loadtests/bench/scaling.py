@@ -128,6 +128,7 @@ LINK = "rack-a"
 TYPICAL_PROMPT = 2000
 RANK_STAGGER_S = 5.0  # a multi-rank group's workers come up this far apart (simulated s)
 WAIT_SKEW_S = PickerConfig.model_fields["max_wait_skew_ms"].default / 1000.0  # the picker's default
+RATE_WINDOW_S = PickerConfig.model_fields["prefill_rate_window_ms"].default / 1000.0  # its default too
 # How often the fleet looks for replicas whose ready time came and drained ones gone idle (simulated s;
 # 10 ms of wall time at the default speed, as before the virtual mode)
 FLEET_POLL_S = 0.2
@@ -525,7 +526,11 @@ def make_config(fleet: Fleet, tm: TimeModel, settings: Settings) -> PoolConfig:
         # Locality credit only within this of the least queue wait: its default in simulated seconds,
         # as every queue wait here is compressed (unscaled, 1 s of wall time is 20 s of simulated wait
         # skew at 20x, which piled cache-drop's repeated prompts onto the replicas holding them)
-        "picker": {"allow_local_prefill": settings.local_prefill, "max_wait_skew_ms": WAIT_SKEW_S * wall_ms},
+        "picker": {
+            "allow_local_prefill": settings.local_prefill,
+            "max_wait_skew_ms": WAIT_SKEW_S * wall_ms,
+            "prefill_rate_window_ms": RATE_WINDOW_S * wall_ms,
+        },
         "gate": {"initial_wait_s": 5.0, "retry_base_s": 0.05, "retry_max_s": 0.5},
     }
     if scaling_supported():  # every policy's router does the same work, only pd-router reads it

@@ -106,7 +106,7 @@ def _unmet(costs: PairCosts, own: np.ndarray | None, budget_s: float | None, tpo
         left = max(budget_s, 0.0) * 1000
         parts.append(f"best predicted TTFT {best * 1000:.0f} ms against {left:.0f} ms left")
     if tpot_s is not None and len(costs.decode):
-        best = float(costs.view.tpot_s[costs.decode].min())
+        best = float(slo.decode_tpot_s(costs).min())
         parts.append(f"best predicted TPOT {best * 1000:.1f} ms against {tpot_s * 1000:.1f} ms")
     detail = "; ".join(parts) or "no feasible route"
     return f"no route is predicted to meet this request's SLO ({detail})"

@@ -99,6 +99,7 @@ def empty_pool(config: PoolConfig) -> Pool:
         eject_after_failures=config.scrape.eject_after_failures,
         typical_prompt_tokens=config.engine.typical_prompt_tokens,
         typical_answer_tokens=config.limits.default_max_tokens,
+        prefill_rate_window_s=config.picker.prefill_rate_window_ms / 1000.0,
     )
     sessions = config.sessions
     pool.sessions = SessionHomes(

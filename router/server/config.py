@@ -247,6 +247,12 @@ class PickerConfig(_Strict):
         1000.0,
         description="locality credit only on pods whose predicted queue wait is within this of the least",
     )
+    prefill_rate_window_ms: Positive = Field(
+        1000.0,
+        description="the window of each pod's recent prompt-token rate: the share of its time its "
+        "prompts take stretches the TPOT predicted for answers there, which per-request TPOT "
+        "objectives are held to",
+    )
     kv_soft_threshold: Annotated[float, Field(gt=0, lt=1)] = Field(
         0.85,
         description="KV use (with the request) above this share of a decode pod's capacity starts to "

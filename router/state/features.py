@@ -109,6 +109,14 @@ FEATURES: tuple[Feature, ...] = (
     ),
     Feature("decoding_requests", 0, np.int64, doc="ours past their prefill: decoding here"),
     Feature("decoding_kv_tokens", 0.0, doc="KV tokens reserved by those decoding here"),
+    # Each prompt a pod computes stalls the answers it decodes (``terms/load.py`` ``stalled_tpot_s``).
+    Feature(
+        "prefill_rate",
+        0.0,
+        doc="uncached prompt tokens per second ours had computed here lately (decayed over "
+        "picker.prefill_rate_window_ms, at each prompt and each scrape)",
+    ),
+    Feature("prefill_rate_at", math.nan, candidate=False, doc="when prefill_rate was last decayed"),
     # The decode batch and resident KV integrated over time (``Pool.advance_decode``): a stream's
     # time per token depends on their means while it decoded, not on their values at its pick.
     Feature("batch_seconds", 0.0, candidate=False, doc="∫ decode batch dt since the endpoint joined"),

@@ -98,6 +98,7 @@ class Reservation:
             if self.pool.generation[slot] == generation:
                 self.pool.queued_prefill_tokens[slot] -= self.prefill_tokens
                 self.pool.queued_prefill_requests[slot] -= 1
+                self.pool.note_prefill(slot, self.prefill_tokens)
             self.pool.on_free()
 
     def release(self) -> None:
@@ -130,8 +131,10 @@ class Pool:
         typical_prompt_tokens: float = 512.0,
         typical_answer_tokens: float = 256.0,
         clock: Callable[[], float] = time.monotonic,
+        prefill_rate_window_s: float = 1.0,
     ) -> None:
         self.stale_after_s = stale_after_s
+        self.prefill_rate_window_s = prefill_rate_window_s  # ``prefill_rate``'s time constant
         self.clock = clock  # when requests start and end decoding (the decode integrals)
         self.eject_after_failures = eject_after_failures
         self.endpoints: dict[str, Endpoint] = {}
@@ -336,6 +339,19 @@ class Pool:
         self.decode_since[slot] = now
         return float(self.batch_seconds[slot]), float(self.kv_token_seconds[slot])
 
+    def note_prefill(self, slot: int, tokens: float) -> None:
+        """A prompt's ``tokens`` uncached tokens were computed on ``slot``: an exponentially
+        weighted count, so ``prefill_rate`` is the tokens per second of about the last window."""
+        self._decay_prefill_rate(slot)
+        self.prefill_rate[slot] += tokens / self.prefill_rate_window_s
+
+    def _decay_prefill_rate(self, slot: int) -> None:
+        now = self.clock()
+        since = float(self.prefill_rate_at[slot])
+        if since == since:  # not NaN
+            self.prefill_rate[slot] *= math.exp(-(now - since) / self.prefill_rate_window_s)
+        self.prefill_rate_at[slot] = now
+
     def _decoding(self, slot: int) -> tuple[float, float]:
         """The batch and resident KV tokens on a decode slot now: the scrape's, or ours past their
         prefill and the other replicas' in flight when more (requests queued at the engine behind a
@@ -380,6 +396,7 @@ class Pool:
         self.ejected[slot] = False
         self.last_scrape_ok[slot] = now
         self.advance_decode(slot, now)  # so far they counted what the last scrape said
+        self._decay_prefill_rate(slot)  # a pod that computes no more prompts is seen to stop
         # Which of the waiting requests it reports can be ours (the queue term counts ours exactly).
         self.waiting_ours[slot] = self.queued_prefill_requests[slot]
         values = metrics.values

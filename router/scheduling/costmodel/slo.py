@@ -6,7 +6,8 @@ Pure numpy over ``PairCosts`` (masks over the ``(1 + L, kd)`` matrix, no per-end
   TTFT, ``PairCosts.ttft_s``, less the ``interference`` term, which prices the stall this prompt
   inflicts on the computing pod's running decodes: a cost to others, not a wait of its own) is
   within the request's remaining TTFT budget, and its decode pod's predicted TPOT
-  (``View.tpot_s``) within its TPOT objective. A measure without an objective constrains nothing;
+  (``decode_tpot_s``: the decode step stretched by the prompts the pod computes meanwhile) within
+  its TPOT objective. A measure without an objective constrains nothing;
   an infeasible cell (+inf cost) stays infeasible.
 * **reserved** (the headroom-efficient fit): a *relaxed* request (TTFT budget at least
   ``RELAXED_FACTOR`` × the tightest objective the pool has seen recently) does not take a route
@@ -23,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from router.scheduling.costmodel.matrix import PairCosts
+from router.scheduling.costmodel.terms.load import stalled_tpot_s
 
 # The prefill-side term that is a cost to others (the running decodes a prompt stalls), not time
 # the request waits for its first token (``terms/interference.py``).
@@ -41,8 +43,14 @@ def feasible(
     if ttft_budget_s is not None:
         ok &= (own_ttft_s(costs) if own is None else own) <= ttft_budget_s
     if tpot_s is not None:
-        ok &= (costs.view.tpot_s[costs.decode] <= tpot_s)[None, :]
+        ok &= (decode_tpot_s(costs) <= tpot_s)[None, :]
     return ok
+
+
+def decode_tpot_s(costs: PairCosts) -> np.ndarray:
+    """``(kd,)``: the TPOT an answer is predicted at on each decode column's pod, the stall of the
+    prompts that pod computes included (``terms/load.py``)."""
+    return stalled_tpot_s(costs.view)[costs.decode]
 
 
 def computing(costs: PairCosts) -> np.ndarray:

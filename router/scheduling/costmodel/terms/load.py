@@ -17,7 +17,14 @@ priced by the answer it will be paid for"). The bounds keep it sane where max_to
 answers lost at p99 with less), and a client asking for 32k tokens it never uses does not make TPOT
 outweigh everything else until the share has learned it.
 
-Consumes: ``running``, ``inflight_requests``, KV use (``router/scheduling/costmodel/terms/kv.py``).
+What the term prices is the decode step alone. On a pod that also computes prompts each step that
+computes prompt tokens is longer by them, so an answer there runs at ``stalled_tpot_s``: the
+step's time over the share of the pod's time its decode steps get. That is the TPOT a request's
+own objective is held to (``costmodel/slo.py``); priced here instead, it lost as many cells of the
+routing matrix as it won (docs/quality.md, "Told the SLO").
+
+Consumes: ``running``, ``inflight_requests``, KV use (``router/scheduling/costmodel/terms/kv.py``);
+``stalled_tpot_s`` also ``prefill_rate``.
 """
 
 from __future__ import annotations
@@ -49,6 +56,26 @@ def tpot_s(model: EngineModel, kv_tokens: np.ndarray, batch: np.ndarray) -> np.n
         + model.decode_s_per_seq * (batch + 1.0)
         + model.decode_s_per_kv_token * kv_tokens
     )
+
+
+# A pod computing prompts this share of its time or more is predicted at it: beyond, the prediction
+# is nearly all stall and would run to infinity on a rate measured over about a second.
+MAX_PREFILL_SHARE = 0.9
+
+
+def prefill_share(view: View) -> np.ndarray:
+    """The share of each pod's time its prompts take: the prompt tokens it computed lately per second
+    (ours: ``Pool.note_prefill``) times the time one takes there."""
+    cand = view.cand
+    share = cand.prefill_rate * cand.slowness / view.model.prefill_tokens_per_s
+    return np.minimum(share, MAX_PREFILL_SHARE)
+
+
+def stalled_tpot_s(view: View) -> np.ndarray:
+    """The time per output token an answer sees with this request added and the prompts the pod
+    computes meanwhile: ``tpot_s / (1 - prefill_share)`` (a chunked-prefill step computes decodes and
+    prompt tokens together; the prompts' share of the time is the decode steps' loss)."""
+    return view.tpot_s / (1.0 - prefill_share(view))
 
 
 class DecodeLoad:

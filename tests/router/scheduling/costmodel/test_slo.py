@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from helpers import SINGLE_PODS, Metrics, make_config, make_picker, make_pool, make_request
 
 from router.scheduling.costmodel import slo
 from router.scheduling.costmodel.matrix import PairCosts
+from router.scheduling.costmodel.terms.load import MAX_PREFILL_SHARE
 
 NOW = 100.0
 
@@ -43,6 +45,26 @@ def test_feasible_routes_meet_the_ttft_budget_and_the_decode_pods_tpot() -> None
     ok = slo.feasible(costs, None, float(tpot[0]) * 0.9)
     assert not ok[:, 0].any() and ok[:, 1:].any()
     np.testing.assert_array_equal(slo.feasible(costs, None, None), np.isfinite(costs.cost))
+
+
+def test_a_pod_computing_prompts_half_its_time_decodes_at_half_the_speed_its_step_says() -> None:
+    config = make_config(SINGLE_PODS)
+    pool = make_pool(
+        config, {"e0": Metrics(running=8), "e1": Metrics(running=8), "e2": Metrics(running=8)}, NOW
+    )
+    e0 = pool.endpoints["e0"].slot
+    pool.prefill_rate[e0] = config.engine.prefill_tokens_per_s / 2  # its prompts take half its time
+    costs = make_picker(config, pool).costs(make_request(2000, max_tokens=64), now=NOW)
+    step = costs.view.tpot_s[costs.decode]
+    stalled = slo.decode_tpot_s(costs)
+    assert stalled[0] == pytest.approx(2 * step[0])
+    np.testing.assert_allclose(stalled[1:], step[1:])  # the others compute no prompts
+    # An objective their steps meet: e0's answers, stalled by its prompts, would not.
+    ok = slo.feasible(costs, None, float(step.max()) * 1.5)
+    assert not ok[:, 0].any() and ok[:, 1:].any()
+    pool.prefill_rate[e0] = 1e9  # a rate past any sense: the prediction is capped, not infinite
+    capped = slo.decode_tpot_s(make_picker(config, pool).costs(make_request(2000, max_tokens=64), now=NOW))
+    assert capped[0] == pytest.approx(step[0] / (1 - MAX_PREFILL_SHARE))
 
 
 def test_infeasible_cells_stay_infeasible_whatever_the_slo() -> None:
