@@ -113,7 +113,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         "prefill_rate",
         0.0,
-        doc="uncached prompt tokens per second ours had computed here lately (decayed over "
+        doc="uncached prompt tokens per second we routed here to be computed lately (decayed over "
         "picker.prefill_rate_window_ms, at each prompt and each scrape)",
     ),
     Feature("prefill_rate_at", math.nan, candidate=False, doc="when prefill_rate was last decayed"),

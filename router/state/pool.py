@@ -98,7 +98,6 @@ class Reservation:
             if self.pool.generation[slot] == generation:
                 self.pool.queued_prefill_tokens[slot] -= self.prefill_tokens
                 self.pool.queued_prefill_requests[slot] -= 1
-                self.pool.note_prefill(slot, self.prefill_tokens)
             self.pool.on_free()
 
     def release(self) -> None:
@@ -312,6 +311,7 @@ class Pool:
         queue_slot = decode_slot if prefill_slot is None else prefill_slot
         self.queued_prefill_tokens[queue_slot] += prefill_tokens
         self.queued_prefill_requests[queue_slot] += 1
+        self.note_prefill(queue_slot, prefill_tokens)
         self.reserved_kv_tokens[decode_slot] += kv_tokens
         self.inflight_requests[decode_slot] += 1
         self.outstanding += 1
@@ -340,8 +340,10 @@ class Pool:
         return float(self.batch_seconds[slot]), float(self.kv_token_seconds[slot])
 
     def note_prefill(self, slot: int, tokens: float) -> None:
-        """A prompt's ``tokens`` uncached tokens were computed on ``slot``: an exponentially
-        weighted count, so ``prefill_rate`` is the tokens per second of about the last window."""
+        """A prompt of ``tokens`` uncached tokens was routed to ``slot`` to be computed: an
+        exponentially weighted count, so ``prefill_rate`` is the tokens per second of about the
+        last window. Counted when routed, not when computed: a burst of picks (flow control binding
+        held requests as a pod frees) sees the prompts the ones before it sent there."""
         self._decay_prefill_rate(slot)
         self.prefill_rate[slot] += tokens / self.prefill_rate_window_s
 

@@ -21,26 +21,24 @@ def pd_pool(clock: Clock) -> tuple[Pool, int, int]:
     return pool, pool.endpoints["p0"].slot, pool.endpoints["d0"].slot
 
 
-def test_a_prompt_counts_where_it_is_computed_once_its_prefill_is_done() -> None:
+def test_a_prompt_counts_when_routed_on_the_pod_that_will_compute_it() -> None:
     clock = Clock()
     pool, p0, d0 = pd_pool(clock)
     pair = pool.reserve(d0, p0, prefill_tokens=1000.0, kv_tokens=1200.0)
     local = pool.reserve(d0, None, prefill_tokens=300.0, kv_tokens=400.0)
-    assert pool.prefill_rate[p0] == pool.prefill_rate[d0] == 0.0  # queued, not computed yet
-    pair.finish_prefill()
-    local.finish_prefill()
+    # Routed, about to be computed: the stall is coming, so the picks that follow see it.
     assert pool.prefill_rate[p0] == pytest.approx(1000.0 / WINDOW_S)  # the pair's prefill pod
-    assert pool.prefill_rate[d0] == pytest.approx(300.0 / WINDOW_S)  # the pod that computed it itself
-    pair.finish_prefill()  # idempotent: counted once
-    pair.release()
-    local.release()
-    assert pool.prefill_rate[p0] == pytest.approx(1000.0 / WINDOW_S)
+    assert pool.prefill_rate[d0] == pytest.approx(300.0 / WINDOW_S)  # the pod that computes it itself
+    for reservation in (pair, local):
+        reservation.finish_prefill()
+        reservation.release()
+    assert pool.prefill_rate[p0] == pytest.approx(1000.0 / WINDOW_S)  # counted once, not given back
 
 
 def test_the_rate_fades_at_each_scrape_once_prompts_stop() -> None:
     clock = Clock()
     pool, p0, _ = pd_pool(clock)
-    pool.reserve(p0, None, prefill_tokens=500.0, kv_tokens=0.0).finish_prefill()
+    pool.reserve(p0, None, prefill_tokens=500.0, kv_tokens=0.0)
     clock.now += WINDOW_S
     pool.apply_metrics(pool.endpoints["p0"], Metrics(), clock.now)
     assert pool.prefill_rate[p0] == pytest.approx(500.0 / WINDOW_S * math.exp(-1.0))
@@ -54,7 +52,7 @@ def test_steady_prompts_read_as_their_rate_and_a_removed_pod_starts_over() -> No
     pool, p0, _ = pd_pool(clock)
     for _ in range(200):  # 400 tokens every 0.1 s: 4,000 tokens/s
         clock.now += 0.1
-        pool.reserve(p0, None, prefill_tokens=400.0, kv_tokens=0.0).finish_prefill()
+        pool.reserve(p0, None, prefill_tokens=400.0, kv_tokens=0.0)
     # The estimate just after a prompt sits at its upper edge: within the step one prompt adds.
     assert 4000.0 <= pool.prefill_rate[p0] <= 4000.0 + 400.0 / WINDOW_S
     pool.remove("p0")

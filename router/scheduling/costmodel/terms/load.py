@@ -64,8 +64,8 @@ MAX_PREFILL_SHARE = 0.9
 
 
 def prefill_share(view: View) -> np.ndarray:
-    """The share of each pod's time its prompts take: the prompt tokens it computed lately per second
-    (ours: ``Pool.note_prefill``) times the time one takes there."""
+    """The share of each pod's time its prompts take: the prompt tokens we sent it lately per second
+    (``Pool.note_prefill``) times the time one takes there."""
     cand = view.cand
     share = cand.prefill_rate * cand.slowness / view.model.prefill_tokens_per_s
     return np.minimum(share, MAX_PREFILL_SHARE)
