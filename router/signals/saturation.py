@@ -16,7 +16,8 @@ The *stages* are the roles as autoscalers see them: ``prefill`` (pods that compu
   requests, KV usage (mean, max, sample std-dev).
 * **Predicted latency**: the TTFT a typical new request would get from the best prefill
   candidate (queue wait + prefill of a typical prompt, from the cost model's own terms) and the
-  TPOT it would get from the best decode candidate. Absent while a stage has no fresh endpoint
+  TPOT it would get from the best decode candidate (stretched by the prompts that pod computes:
+  ``terms/load.py`` ``stalled_tpot_s``). Absent while a stage has no fresh endpoint
   (unknown, not zero). The load per role (``max(predicted, observed) / SLO``) and the replica
   recommendation are in ``scaling.py``.
 * **Pool averages** under both families (``llm_d_epp_*`` and ``inference_pool_*``): means over
@@ -36,6 +37,7 @@ from prometheus_client.core import Metric
 
 import router.observe.series as series
 from router.scheduling.costmodel.matrix import CostModel, derive
+from router.scheduling.costmodel.terms.load import stalled_tpot_s
 from router.scheduling.costmodel.terms.queue import queued_prompt_tokens
 from router.scheduling.costmodel.view import RequestCtx
 from router.state.pool import Pool
@@ -124,7 +126,7 @@ def predicted_latency(
     tokens = pool.typical_prompt_tokens if prompt_tokens is None else prompt_tokens
     ctx = RequestCtx(max(1, round(tokens)), max_tokens, block_tokens, tokens)
     view = derive(pool.candidates(slots), ctx, cost_model)
-    seconds = view.wait_s + view.prefill_s if stage == "prefill" else view.tpot_s
+    seconds = view.wait_s + view.prefill_s if stage == "prefill" else stalled_tpot_s(view)
     return float(seconds.min())
 
 

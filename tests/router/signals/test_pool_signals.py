@@ -109,6 +109,11 @@ def test_predicted_latency_follows_the_queue_and_the_batch() -> None:
     ttft = [predicted_latency(p, cm, "prefill", 256, 16, NOW) for p in (idle, busy)]
     tpot = [predicted_latency(p, cm, "decode", 256, 16, NOW) for p in (idle, busy)]
     assert 0 < ttft[0] < ttft[1] and 0 < tpot[0] < tpot[1]
+    # Decode pods that compute prompts half their time (local prefills) decode at half speed.
+    for name in ("d0", "d1"):
+        busy.prefill_rate[busy.endpoints[name].slot] = config.engine.prefill_tokens_per_s / 2
+    assert predicted_latency(busy, cm, "decode", 256, 16, NOW) == pytest.approx(2 * tpot[1])
+    busy.prefill_rate[:] = 0.0
     # One prefill pod free again: the best candidate sets the pool's predicted TTFT.
     busy.waiting[busy.endpoints["p1"].slot] = 0
     assert predicted_latency(busy, cm, "prefill", 256, 16, NOW) == pytest.approx(ttft[0])
