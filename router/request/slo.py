@@ -16,6 +16,9 @@ from router.request.parse import objective_of
 from router.request.rejections import BadRequest
 from router.request.types import SloTarget
 
+# The defaults of requests that name no InferenceObjective (``slo.default_objective``), in the
+# same mapping as the named ones: no objective is named "" (the configuration refuses it).
+UNNAMED = ""
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"
 # Beyond an hour an objective is a mistake (seconds sent as milliseconds' multiple, a timestamp),
@@ -24,10 +27,11 @@ MAX_SLO_MS = 3_600_000.0
 
 
 def slo_of(headers: Mapping[str, str], defaults: Mapping[str, SloTarget] | None = None) -> SloTarget | None:
-    """The request's objectives: each header wins over its objective's default for that measure;
-    None when neither says anything (the request is routed exactly as without SLOs)."""
+    """The request's objectives: each header wins over its objective's default for that measure (a
+    request naming none: ``defaults[UNNAMED]``, when configured); None when neither says anything
+    (the request is routed exactly as without SLOs)."""
     objective = objective_of(headers)
-    default = defaults.get(objective) if defaults and objective else None
+    default = defaults.get(objective or UNNAMED) if defaults else None
     ttft = _ms(headers, TTFT_HEADER)
     tpot = _ms(headers, TPOT_HEADER)
     if ttft is None and default is not None:
@@ -36,7 +40,7 @@ def slo_of(headers: Mapping[str, str], defaults: Mapping[str, SloTarget] | None 
         tpot = default.tpot_s
     if ttft is None and tpot is None:
         return None
-    return SloTarget(ttft, tpot, objective)
+    return SloTarget(ttft, tpot, objective or (default.objective if default is not None else ""))
 
 
 def _ms(headers: Mapping[str, str], name: str) -> float | None:

@@ -33,6 +33,7 @@ from router.flow.hold_queue import FlowControl, FlowSettings
 from router.observe.metrics import ControlMetrics, FlowMetrics, IndexCollector, PickerCollector, RouterMetrics
 from router.observe.tracing import RequestTracer, tracer_for
 from router.request.rewrite import ModelRewrites
+from router.request.slo import UNNAMED
 from router.request.types import SloTarget
 from router.scheduling.costmodel.link import LinkCosts, LinkOverlay
 from router.scheduling.costmodel.matrix import CostModel, WeightedTerm
@@ -208,8 +209,9 @@ def slo_guide_from(config: PoolConfig, seed: int | None = None) -> SloGuide | No
 
 
 def slo_objectives_from(config: PoolConfig) -> dict[str, SloTarget]:
-    """Each InferenceObjective's default SLOs (``slo.objectives``), in seconds."""
-    return {
+    """Each InferenceObjective's default SLOs (``slo.objectives``), in seconds, and under
+    ``UNNAMED`` those of ``slo.default_objective`` for requests that name none."""
+    targets = {
         name: SloTarget(
             None if o.ttft_ms is None else o.ttft_ms / 1000.0,
             None if o.tpot_ms is None else o.tpot_ms / 1000.0,
@@ -217,6 +219,9 @@ def slo_objectives_from(config: PoolConfig) -> dict[str, SloTarget]:
         )
         for name, o in config.slo.objectives.items()
     }
+    if config.slo.default_objective is not None:
+        targets[UNNAMED] = targets[config.slo.default_objective]
+    return targets
 
 
 def learn_settings_from(config: PoolConfig) -> LearnSettings:

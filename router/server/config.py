@@ -173,6 +173,21 @@ class SLOConfig(_Strict):
         default_factory=dict,
         description="default SLOs per InferenceObjective name (the x-gateway-inference-objective header)",
     )
+    default_objective: str | None = Field(
+        None,
+        description="the objective (a key of slo.objectives) whose SLOs hold for requests that name "
+        "none, counted under its name; unset: those carry only what their x-slo-* headers say",
+    )
+
+    @model_validator(mode="after")
+    def _default_is_an_objective(self) -> SLOConfig:
+        if self.default_objective is not None and self.default_objective not in self.objectives:
+            known = ", ".join(sorted(self.objectives)) or "none"
+            raise ValueError(
+                f"default_objective {self.default_objective!r} is not among slo.objectives "
+                f"(configured: {known})"
+            )
+        return self
 
 
 class EngineModelConfig(_Strict):

@@ -52,3 +52,24 @@ async def test_slo_headers_through_the_proxy() -> None:
         'pd_router_slo_requests_total{objective="premium",outcome="rejected"}': 1.0,
         'pd_router_slo_requests_total{objective="none",outcome="met"}': 1.0,
     }
+
+
+async def test_a_default_objective_holds_the_requests_that_name_none() -> None:
+    sections = {
+        "slo": {
+            "exploration": 0,
+            "objectives": {"premium": {"ttft_ms": 0.001}, "standard": {"ttft_ms": 60000, "tpot_ms": 60000}},
+            "default_objective": "premium",
+        }
+    }
+    async with router_on_sim(SPECS, sections) as (_, _app, base), aiohttp.ClientSession() as http:
+        status, headers, _ = await post(http, base, {})  # names none: premium's 1 µs TTFT
+        assert status == 503 and headers["x-pd-router-reject"] == "slo_unattainable"
+        status, _, _ = await post(http, base, {"x-gateway-inference-objective": "standard"})
+        assert status == 200  # one it names wins
+        status, _, _ = await post(http, base, {"x-slo-ttft-ms": "60000"})
+        assert status == 200  # a header wins over the default for its measure
+        text = await (await http.get(f"{base}/metrics")).text()
+    assert 'pd_router_slo_requests_total{objective="premium",outcome="rejected"} 1.0' in text
+    assert 'pd_router_slo_requests_total{objective="premium",outcome="met"} 1.0' in text
+    assert 'pd_router_slo_requests_total{objective="standard",outcome="met"} 1.0' in text

@@ -7,7 +7,7 @@ import pytest
 
 from router.request.parse import priority_of
 from router.request.rejections import BadRequest, answer
-from router.request.slo import slo_of
+from router.request.slo import UNNAMED, slo_of
 from router.request.types import SloTarget
 
 DEFAULTS = {"premium": SloTarget(0.2, 0.03, "premium"), "batch": SloTarget(None, 0.2, "batch")}
@@ -61,3 +61,12 @@ def test_priority_and_slo_defaults_come_from_the_same_objective_header() -> None
     headers = {"x-gateway-inference-objective": "", "x-llm-d-inference-objective": "batch"}
     assert slo_of(headers, DEFAULTS) == DEFAULTS["batch"]
     assert priority_of(headers, {"batch": -1}) == -1
+
+
+def test_a_request_naming_no_objective_takes_the_default_one() -> None:
+    defaults = {**DEFAULTS, UNNAMED: DEFAULTS["premium"]}
+    assert slo_of({}, defaults) == SloTarget(0.2, 0.03, "premium")  # counted under its name
+    assert slo_of({"x-slo-tpot-ms": "50"}, defaults) == SloTarget(0.2, 0.05, "premium")
+    assert slo_of({"x-gateway-inference-objective": "batch"}, defaults) == DEFAULTS["batch"]
+    # One it names that has no SLO defaults keeps none: naming an objective is not naming none.
+    assert slo_of({"x-gateway-inference-objective": "unknown"}, defaults) is None

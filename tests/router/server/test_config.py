@@ -63,6 +63,10 @@ def test_minimal_config_gets_sane_defaults() -> None:
             "duplicate endpoint '127.0.0.1:1'",
         ),
         ([1, 2], "config: must be a mapping, got list"),
+        (
+            {**MINIMAL, "slo": {"objectives": {"premium": {"ttft_ms": 300}}, "default_objective": "gold"}},
+            "default_objective 'gold' is not among slo.objectives (configured: premium)",
+        ),
     ],
 )
 def test_errors_name_the_field_and_the_value(data: object, message: str) -> None:
