@@ -30,6 +30,7 @@ from router.request.rejections import SloShed, SloUnattainable, SloWait
 from router.request.types import RouteRequest
 from router.scheduling.costmodel import slo
 from router.scheduling.costmodel.matrix import PairCosts
+from router.scheduling.costmodel.terms.load import prefill_share
 
 Admission = Literal["reject", "hold", "off"]
 Fit = Literal["reserve", "cost"]
@@ -106,7 +107,11 @@ def _unmet(costs: PairCosts, own: np.ndarray | None, budget_s: float | None, tpo
         left = max(budget_s, 0.0) * 1000
         parts.append(f"best predicted TTFT {best * 1000:.0f} ms against {left:.0f} ms left")
     if tpot_s is not None and len(costs.decode):
-        best = float(slo.decode_tpot_s(costs).min())
-        parts.append(f"best predicted TPOT {best * 1000:.1f} ms against {tpot_s * 1000:.1f} ms")
+        tpot = slo.decode_tpot_s(costs)
+        at = int(np.argmin(tpot))
+        # How much of it is other prompts' stall on that pod: what no batch size would change.
+        share = float(prefill_share(costs.view)[costs.decode[at]])
+        stalled = f" (its prompts take {share:.0%} of that pod's time)" if share >= 0.005 else ""
+        parts.append(f"best predicted TPOT {tpot[at] * 1000:.1f} ms against {tpot_s * 1000:.1f} ms{stalled}")
     detail = "; ".join(parts) or "no feasible route"
     return f"no route is predicted to meet this request's SLO ({detail})"

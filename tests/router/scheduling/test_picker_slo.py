@@ -69,6 +69,17 @@ def test_no_route_meets_the_slo_refused_by_criticality(priority: int, refusal: t
     assert lenient.pick(slo_request(0.01, priority=priority), now=NOW).decode.id == "e1"
 
 
+def test_a_refusal_says_how_much_of_the_best_tpot_is_other_prompts_stall() -> None:
+    picker = picker_for(BUSY_DECODER, slo=NO_EXPLORATION)
+    quiet = picker.costs(make_request(2000, max_tokens=64), now=NOW)
+    objective = float(quiet.view.tpot_s[quiet.decode].min()) * 1.2  # the step alone would meet it
+    assert picker.pick(slo_request(None, objective), now=NOW)  # met: reserved, and counted
+    picker.pool.prefill_rate[:] = picker.cost_model.model.prefill_tokens_per_s / 2  # prompts: half the time
+    with pytest.raises(SloUnattainable) as refused:
+        picker.pick(slo_request(None, objective), now=NOW)
+    assert "ms (its prompts take 50% of that pod's time)" in refused.value.message
+
+
 def test_hold_waits_with_flow_control_until_the_budget_is_spent() -> None:
     flow = {"enabled": True, "max_wait_ms": 60000}
     picker = picker_for(BUSY_DECODER, slo={"exploration": 0, "admission": "hold"}, flow_control=flow)
