@@ -147,8 +147,10 @@ def make_config(endpoints: list[dict[str, Any]], **sections: Any) -> PoolConfig:
 
 
 def make_pool(config: PoolConfig, metrics: dict[str, Metrics] | None = None, now: float = 100.0) -> Pool:
-    """A pool with every endpoint scraped at ``now`` (idle unless ``metrics`` says otherwise)."""
+    """A pool with every endpoint scraped at ``now`` (idle unless ``metrics`` says otherwise), its
+    clock stopped there: what it times (prompt rates, decode integrals) is the same on every run."""
     pool = pool_from(config)
+    pool.clock = lambda: now
     for endpoint in pool.endpoints.values():
         pool.apply_metrics(endpoint, (metrics or {}).get(endpoint.id, Metrics()), now)
     return pool

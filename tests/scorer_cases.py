@@ -35,6 +35,7 @@ def cands(n: int = 3, **features: list[float]) -> Candidates:
         "decoding_requests": np.zeros(n, dtype=np.int64),
         "decoding_kv_tokens": np.zeros(n),
         "waiting_ours": np.zeros(n),
+        "prefill_rate": np.zeros(n),
         "link_index": np.zeros(n, dtype=np.int64),
         "can_decode": np.zeros(n, dtype=bool),
         "can_prefill": np.ones(n, dtype=bool),

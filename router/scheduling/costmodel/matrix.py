@@ -122,7 +122,7 @@ class Prediction(NamedTuple):
     dataclass's cost.)"""
 
     ttft_s: float
-    tpot_s: float
+    tpot_s: float  # the decode step stretched by the pod's prompts (``terms/load.py`` ``stretched``)
     uncached_tokens: float  # the prompt's tokens the computing pod must compute (reserved there)
     queued_tokens: float  # prefill work queued ahead of it on that pod, at the pick
     held_tokens: float  # the prompt's tokens the index said that pod held (before the trust cap)
@@ -233,9 +233,11 @@ class PairCosts:
         view = self.view
         cand = view.cand
         pair = prefill >= 0
+        slowness_d = cand.value("slowness", d)
+        share = load.share_of_time(cand.value("prefill_rate", d), slowness_d, view.model.prefill_tokens_per_s)
         return Prediction(
             ttft_s=self._ttft(prefill, col, self._transfer(prefill, col)),
-            tpot_s=float(view.tpot_s[d]),
+            tpot_s=float(load.stretched(float(view.tpot_s[d]), share)),
             uncached_tokens=float(view.uncached[p]),
             # What the performance model learns against (``router/signals/perf.py``).
             queued_tokens=float(view.wait_s[p]) / cand.value("slowness", p) * view.model.prefill_tokens_per_s,
@@ -244,7 +246,7 @@ class PairCosts:
             prefilling_there=cand.value("queued_prefill_tokens", p) > 0 or cand.value("waiting", p) > 0,
             batch=float(view.batch[d]) + 1.0,
             kv_tokens=float(view.used_kv[d]) + float(view.need_kv[d]),
-            slowness_d=cand.value("slowness", d),
+            slowness_d=slowness_d,
             # What a pair's decode leg adds to the transfer: learning links reads both.
             transfer_bytes=float(self.transfer_bytes[col]) if pair else 0.0,
             after_transfer_s=float(self.after_transfer_s[col]) if pair else 0.0,

@@ -29,9 +29,13 @@ Consumes: ``running``, ``inflight_requests``, KV use (``router/scheduling/costmo
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 
 from router.scheduling.costmodel.view import Candidates, EngineModel, Side, View, fill_unknown
+
+Num = TypeVar("Num", float, np.ndarray)
 
 # The answer length ``tpot_weight`` is stated for, and the bounds of the length priced.
 REFERENCE_ANSWER_TOKENS = 100.0
@@ -63,19 +67,28 @@ def tpot_s(model: EngineModel, kv_tokens: np.ndarray, batch: np.ndarray) -> np.n
 MAX_PREFILL_SHARE = 0.9
 
 
+def share_of_time(prefill_rate: Num, slowness: Num, prefill_tokens_per_s: float) -> Num:
+    """The share of a pod's time its prompts take: the prompt tokens we sent it lately per second
+    (``Pool.note_prefill``) times the time one takes there (arrays, or one pod's floats)."""
+    return np.minimum(prefill_rate * slowness / prefill_tokens_per_s, MAX_PREFILL_SHARE)
+
+
+def stretched(tpot: Num, share: Num) -> Num:
+    """The time per output token an answer sees where the decode step takes ``tpot`` and the pod's
+    prompts ``share`` of its time (a chunked-prefill step computes decodes and prompt tokens
+    together; the prompts' share of the time is the decode steps' loss)."""
+    return tpot / (1.0 - share)
+
+
 def prefill_share(view: View) -> np.ndarray:
-    """The share of each pod's time its prompts take: the prompt tokens we sent it lately per second
-    (``Pool.note_prefill``) times the time one takes there."""
-    cand = view.cand
-    share = cand.prefill_rate * cand.slowness / view.model.prefill_tokens_per_s
-    return np.minimum(share, MAX_PREFILL_SHARE)
+    """``share_of_time`` for each candidate."""
+    return share_of_time(view.cand.prefill_rate, view.cand.slowness, view.model.prefill_tokens_per_s)
 
 
 def stalled_tpot_s(view: View) -> np.ndarray:
-    """The time per output token an answer sees with this request added and the prompts the pod
-    computes meanwhile: ``tpot_s / (1 - prefill_share)`` (a chunked-prefill step computes decodes and
-    prompt tokens together; the prompts' share of the time is the decode steps' loss)."""
-    return view.tpot_s / (1.0 - prefill_share(view))
+    """The TPOT an answer sees on each candidate with this request added and the prompts the pod
+    computes meanwhile: ``tpot_s / (1 - prefill_share)``."""
+    return stretched(view.tpot_s, prefill_share(view))
 
 
 class DecodeLoad:

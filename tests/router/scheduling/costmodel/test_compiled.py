@@ -59,6 +59,7 @@ def _pool(rng: np.random.Generator, k: int) -> Candidates:
         "decoding_requests": rng.integers(0, 30, size=k).astype(np.int64),
         "decoding_kv_tokens": rng.choice([0.0, 7000.0, 40000.0], size=k),
         "waiting_ours": rng.choice([0.0, 1.0, 3.0, 9.0], size=k),
+        "prefill_rate": rng.choice([0.0, 2000.0, 15000.0], size=k),
         "link_index": rng.integers(0, int(rng.integers(1, 5)), size=k).astype(np.int64),
         "can_prefill": role != 1,
         "can_decode": role != 0,

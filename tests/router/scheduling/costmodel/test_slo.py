@@ -59,6 +59,8 @@ def test_a_pod_computing_prompts_half_its_time_decodes_at_half_the_speed_its_ste
     stalled = slo.decode_tpot_s(costs)
     assert stalled[0] == pytest.approx(2 * step[0])
     np.testing.assert_allclose(stalled[1:], step[1:])  # the others compute no prompts
+    # The decision's prediction (debug headers, traces, the accuracy histogram) says the same.
+    assert costs.prediction(-1, 0).tpot_s == pytest.approx(stalled[0])
     # An objective their steps meet: e0's answers, stalled by its prompts, would not.
     ok = slo.feasible(costs, None, float(step.max()) * 1.5)
     assert not ok[:, 0].any() and ok[:, 1:].any()
