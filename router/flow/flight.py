@@ -589,13 +589,9 @@ class Flight:
             perf.observe_tpot(now, tpot, predicted.tpot_s, batch, kv, fit=decode_only)
             if speeds is not None:  # against the pool's model at the batch the answer was made at
                 model = self.flow.picker.cost_model.model
-                # tpot_s counts the request on top of the batch it is given; ``decoded`` includes it.
-                expected = (
-                    predicted.tpot_s / predicted.slowness_d
-                    if decoded is None
-                    else tpot_s(model, kv, batch - 1.0)
-                )
-                speeds.observe(decision.decode.id, tpot, float(expected))
+                # tpot_s counts the request on top of the batch it is given; both batches include it.
+                # The decode step alone: an engine is not slower for the prompts it is sent.
+                speeds.observe(decision.decode.id, tpot, float(tpot_s(model, kv, batch - 1.0)))
         self._correct(decision)
 
     def _uncached_computed(self, decision: RouteDecision) -> float:

@@ -40,7 +40,8 @@ def slo_of(headers: Mapping[str, str], defaults: Mapping[str, SloTarget] | None 
         tpot = default.tpot_s
     if ttft is None and tpot is None:
         return None
-    return SloTarget(ttft, tpot, objective or (default.objective if default is not None else ""))
+    # A request naming none is counted under the default objective whose SLOs it was given.
+    return SloTarget(ttft, tpot, default.objective if default is not None else objective)
 
 
 def _ms(headers: Mapping[str, str], name: str) -> float | None:

@@ -131,7 +131,6 @@ class Prediction(NamedTuple):
     prefilling_there: bool
     batch: float  # the decode pod's batch, this request included
     kv_tokens: float  # the decode pod's KV tokens in use, this request's included
-    slowness_d: float  # the decode pod's learned slowness factor (already in ``tpot_s``)
     transfer_bytes: float  # a pair's KV bytes to the decode pod (0: no prefill leg)
     after_transfer_s: float  # a pair's decode leg after the transfer (0: no prefill leg)
 
@@ -246,7 +245,6 @@ class PairCosts:
             prefilling_there=cand.value("queued_prefill_tokens", p) > 0 or cand.value("waiting", p) > 0,
             batch=float(view.batch[d]) + 1.0,
             kv_tokens=float(view.used_kv[d]) + float(view.need_kv[d]),
-            slowness_d=slowness_d,
             # What a pair's decode leg adds to the transfer: learning links reads both.
             transfer_bytes=float(self.transfer_bytes[col]) if pair else 0.0,
             after_transfer_s=float(self.after_transfer_s[col]) if pair else 0.0,
@@ -264,6 +262,7 @@ class PairCosts:
         out["transfer_s"] = self._transfer(prefill, col)
         out["cached_tokens"] = self.view.ctx.prompt_tokens - made.uncached_tokens
         out["slowness_p"] = float(self.view.cand.slowness[p])
+        out["slowness_d"] = float(self.view.cand.slowness[d])
         prefill_side = self.prefill_side
         for name, values in self.terms.items():
             out[name + "_s"] = float(values[p if name in prefill_side else d])
