@@ -100,6 +100,8 @@ class App:
         if parts.flow_control is not None:
             self._run(parts.flow_control.run(), "flow-control")
         if parts.shared_load is not None:
+            # Unwound after its loops stop: the others drop this replica's reservations at once.
+            stack.push_async_callback(parts.shared_load.leave)
             self._run(parts.shared_load.run(), "shared-load")
             if parts.shared_load.board.push:
                 self._run(parts.shared_load.follow(), "shared-load-push")

@@ -168,6 +168,11 @@ class SharedLoad:
                 out[endpoint.id] = [float(a[slot]) for a in arrays]
         return out
 
+    async def leave(self) -> None:
+        """At shutdown: an empty entry in Redis (pushed to the others too), so no replica counts
+        this one's last reservations for the ``stale_after_s`` a killed replica's would last."""
+        await self.board.exchange({}, read=False)
+
     async def exchange(self) -> None:
         """Publish this replica's reservations, then add the others' up into the pool (none when
         Redis failed: the pick then sees this replica's own, as without sharing)."""

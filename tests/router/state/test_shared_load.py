@@ -347,3 +347,32 @@ async def test_while_pushed_a_change_is_written_without_reading_the_others(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await observer.aclose()
+
+
+@pytest.mark.parametrize("push", [True, False], ids=["pushed", "read"])
+async def test_a_replica_that_leaves_is_counted_by_no_other_at_once(redis_client: Redis, push: bool) -> None:
+    # Long intervals: what B sees of A after A leaves is A's empty entry, not A's entry gone stale.
+    pool_a, pool_b = replica_pool("e0"), replica_pool("e0")
+    a = SharedLoad(redis_client, "pool", pool_a, interval_s=30.0, push=push)
+    b = SharedLoad(redis_client, "pool", pool_b, interval_s=30.0, push=push)
+    follower = asyncio.create_task(b.follow()) if push else None
+    try:
+        if push:
+            await eventually(lambda: b.board.subscribed, what="B subscribed")
+        pool_a.reserve(pool_a.endpoints["e0"].slot, None, prefill_tokens=70.0, kv_tokens=80.0)
+        await a.exchange()  # A's last exchange: a request in flight, as when it is stopped
+        if not push:
+            await b.exchange()
+        await eventually(lambda: load_on(pool_b, "e0") == (70.0, 80.0, 1), what="A's share in B")
+        await a.leave()
+        late = SharedLoad(redis_client, "pool", replica_pool("e0"), interval_s=30.0, push=push)
+        await late.exchange()  # a replica started right after A stopped reads nothing of it either
+        assert load_on(late.pool, "e0") == (0.0, 0.0, 0)
+        if not push:
+            await b.exchange()
+        await eventually(lambda: load_on(pool_b, "e0") == (0.0, 0.0, 0), what="A's share gone from B")
+    finally:
+        if follower is not None:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
