@@ -94,7 +94,7 @@ class _FakeRedis(fakeredis.FakeAsyncRedis):
 class Setup:
     replicas: int
     shared: bool  # through one Redis: prefix index and reservations; else each on its own
-    push: bool = False  # shared: ``index.redis.push`` (the others' writes pushed, not asked for)
+    push: bool = True  # shared: ``index.redis.push`` (others' writes pushed, the default; else asked for)
 
     @property
     def name(self) -> str:
@@ -102,15 +102,15 @@ class Setup:
             return "1 replica, with Redis" if self.shared else "1 replica"
         if not self.shared:
             return f"{self.replicas} replicas, independent"
-        return f"{self.replicas} replicas, " + ("pushed" if self.push else "shared")
+        return f"{self.replicas} replicas, " + ("shared" if self.push else "shared, asked")
 
     def redis(self, settings: Mapping[str, Any]) -> dict[str, Any]:
         """The shared setups' ``index.redis`` beyond its URL: ``settings`` and this setup's push."""
-        return {**settings, "push": True} if self.push else dict(settings)
+        return {**settings, "push": self.push}
 
 
 def setups(
-    counts: Sequence[int], push: Sequence[bool] = (False,), independent: bool = True, lone: bool = False
+    counts: Sequence[int], push: Sequence[bool] = (True,), independent: bool = True, lone: bool = False
 ) -> list[Setup]:
     """One replica (and, with ``lone``, one given a Redis, as a deployment scaled down to one),
     then per count N > 1 the shared setups (asked and/or pushed, as ``push`` lists) and, with
@@ -353,8 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--push",
         choices=("off", "on", "both"),
-        default="off",
-        help="index.redis.push for the shared setups: off (asked, the default), on, or both side by side",
+        default="on",
+        help="index.redis.push for the shared setups: on (pushed, the router's default), off (asked), "
+        "or both side by side",
     )
     parser.add_argument(
         "--no-independent", action="store_true", help="leave out the replicas that share nothing"

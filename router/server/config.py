@@ -412,12 +412,14 @@ class RedisConfig(_Strict):
         "have in flight; a replica silent for three intervals drops out (0: each sees only its own)",
     )
     push: bool = Field(
-        False,
+        True,
         description="replicas also publish their index writes and reservations (Redis pub/sub) and "
-        "apply each other's as they come, so a pick waits for no Redis round trip (index lookups still "
-        "ask Redis for one ttl_s after a replica starts while Redis holds older blocks); each replica "
-        "then does every other's share of that work: off until it routes better everywhere measured "
-        "(docs/deployment.md)",
+        "apply each other's as they come, so a pick waits for no Redis round trip and each replica's "
+        "index is held to every pod's KV cache as one replica's is (index lookups still ask Redis for "
+        "one ttl_s after a replica starts while Redis holds older blocks, and while the subscription "
+        "is down); each replica then does every other's share of that work. false: each pick asks "
+        "Redis instead (less CPU with many replicas, routing further from one replica's: "
+        "docs/deployment.md)",
     )
 
 

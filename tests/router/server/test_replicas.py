@@ -17,11 +17,11 @@ pytestmark = pytest.mark.integration
 PROMPT = "a long shared system prompt about routing " * 40
 
 
-def _sections(cluster: SimCluster, redis: RedisServer) -> dict:
+def _sections(cluster: SimCluster, redis: RedisServer, push: bool = True) -> dict:
     endpoints = [{"address": cluster.address(name), "name": name} for name in cluster.engines]
     # A loaded CI machine can stall a round trip past the default 50 ms, and these tests are about
     # what the replicas share, not about the timeout.
-    redis_section = {"url": f"redis://127.0.0.1:{redis.port}/0", "lookup_timeout_ms": 2000}
+    redis_section = {"url": f"redis://127.0.0.1:{redis.port}/0", "lookup_timeout_ms": 2000, "push": push}
     return {"endpoints": endpoints, "index": {"redis": redis_section}}
 
 
@@ -32,22 +32,26 @@ async def _ask(http: aiohttp.ClientSession, base: str, prompt: str) -> tuple[str
         return resp.headers["x-pd-router-decode"], resp.headers["x-pd-router-reason"]
 
 
-async def test_a_replica_routes_on_what_the_other_replica_sent_where(redis: RedisServer) -> None:
+@pytest.mark.parametrize("push", [True, False], ids=["pushed", "asked"])
+async def test_a_replica_routes_on_what_the_other_replica_sent_where(redis: RedisServer, push: bool) -> None:
     specs = [EngineSpec(f"e{i}", "prefill-decode", time=TimeModel(speed=20)) for i in range(4)]
     async with SimCluster(specs) as cluster, aiohttp.ClientSession() as http:
-        sections = _sections(cluster, redis)
-        async with router_for(sections) as (a, base_a), router_for(sections) as (_, base_b):
+        sections = _sections(cluster, redis, push)
+        async with router_for(sections) as (a, base_a), router_for(sections) as (b, base_b):
             first, _ = await _ask(http, base_a, PROMPT)
-            assert await a.parts.shared.flush()  # replica A's writes are in Redis
+            assert await a.parts.shared.flush()  # replica A's writes are in Redis (and published)
+            if push:  # B applies them to its own view as they come, and asks Redis for nothing
+                await eventually(lambda: b.parts.shared.applied_pushes > 0, 5, "B applied A's writes")
             # The client can have its answer before A releases the request: until A says so, B
             # would count A's finished prompt as still queued on `first`.
             await eventually(lambda: not a.parts.pool.inflight_requests.any(), 5, "A released")
             await a.parts.shared_load.exchange()
-            # B never routed this prompt: only Redis can tell it that `first` holds it.
+            # B never routed this prompt: only what A shared can tell it that `first` holds it.
             chosen, reason = await _ask(http, base_b, PROMPT + " question")
             assert chosen == first
             cached = int(reason.split(": ")[1].split("/")[0])
             assert cached >= len(PROMPT) // 4 - 16
+            assert b.parts.shared.pushed == push  # pushed: B answered from its own view, no round trip
 
 
 async def test_a_replica_counts_what_the_other_has_in_flight(redis: RedisServer) -> None:
