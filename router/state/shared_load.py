@@ -170,8 +170,10 @@ class SharedLoad:
 
     async def leave(self) -> None:
         """At shutdown: an empty entry in Redis (pushed to the others too), so no replica counts
-        this one's last reservations for the ``stale_after_s`` a killed replica's would last."""
-        await self.board.exchange({}, read=False)
+        this one's last reservations for the ``stale_after_s`` a killed replica's would last. Not
+        while Redis is known down: the stop would wait out the timeout for nothing."""
+        if not self.board.down:
+            await self.board.exchange({}, read=False)
 
     async def exchange(self) -> None:
         """Publish this replica's reservations, then add the others' up into the pool (none when

@@ -376,3 +376,19 @@ async def test_a_replica_that_leaves_is_counted_by_no_other_at_once(redis_client
             follower.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await follower
+
+
+async def test_leaving_while_redis_is_down_waits_for_nothing(redis_client: Redis) -> None:
+    shared = SharedLoad(redis_client, "pool", replica_pool("e0"), interval_s=30.0)
+    calls = []
+
+    async def exchange(own: object, *, read: bool = True) -> None:
+        calls.append(own)
+
+    shared.board.exchange = exchange  # type: ignore[method-assign]
+    shared.board.down = True  # the last exchange failed: the stop would wait out its timeout
+    await shared.leave()
+    assert calls == []
+    shared.board.down = False
+    await shared.leave()
+    assert calls == [{}]
