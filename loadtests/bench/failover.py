@@ -11,6 +11,8 @@ Processes, all on 127.0.0.1:
   ``buffered.yaml``) with both replicas as hosts of its ``ext_proc`` cluster (health-checked every
   second, streams retried on another replica, outlier detection) and its fail-open route pointed
   at a port nobody listens on, so a request no picker routed counts as failed;
+* **Redis** (``--redis``): a ``redis-server`` per row that both pickers share (``index.redis`` with
+  its defaults), as several replicas run;
 * **client** (this process): open-loop streaming completions at ``--rate`` (Poisson arrivals), each
   with its own ``x-request-id``.
 
@@ -31,6 +33,7 @@ outstanding reservations at the end.
     python -m loadtests.bench.failover                         # both modes, both signals (about a minute)
     python -m loadtests.bench.failover --modes full-duplex --signals SIGKILL --json
     python -m loadtests.bench.failover --signals SIGTERM --lame-duck-s 0 --no-retries
+    python -m loadtests.bench.failover --redis                 # the replicas share one Redis
 
 Every wait is bounded: a replica that does not route, exit or come back in time ends the run with
 an error naming it. Exit code 1 when a row breaks the contract: a request failed that A was not
@@ -60,6 +63,7 @@ import orjson
 from kvindex.aio import stop_task
 from loadtests.servers.envoy import host_stats, in_front_of_picker, run_envoy
 from loadtests.servers.picker import PickerProcess
+from loadtests.servers.redis import RedisServer
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 from simulator.workloads.client import send
 from simulator.workloads.generate import WorkItem
@@ -83,6 +87,7 @@ class Scenario:
     after_picks: int = 20  # requests the restarted A routes before the load stops
     lame_duck_s: float | None = None  # the pickers' shutdown.lame_duck_s (None: their default)
     retries: bool = True  # False: the ext_proc stream's retry_policy is dropped from Envoy's config
+    redis: bool = False  # the replicas share a redis-server of their own per row (``index.redis``)
     seed: int = 0
 
 
@@ -254,13 +259,21 @@ async def two_pickers_behind_envoy(
 ) -> AsyncIterator[tuple[PickerProcess, PickerProcess, str, str]]:
     """Pickers A and B, both in rotation in an Envoy running the example config of ``mode``:
     yields (A, B, Envoy's URL, Envoy's admin URL)."""
-    lame_duck = {} if scenario.lame_duck_s is None else {"shutdown": {"lame_duck_s": scenario.lame_duck_s}}
-    a = PickerProcess(workdir / "a", engines, log_picks=True, settings=lame_duck)
-    b = PickerProcess(workdir / "b", engines, log_picks=True, settings=lame_duck)
-    config, listen, admin_port = in_front_of_picker(mode, a.port, replicas=[b.port])
-    if not scenario.retries:
-        del ext_proc_filter(config)["grpc_service"]["retry_policy"]
+    settings: dict[str, Any] = {}
+    if scenario.lame_duck_s is not None:
+        settings["shutdown"] = {"lame_duck_s": scenario.lame_duck_s}
     async with contextlib.AsyncExitStack() as stack:
+        if scenario.redis:  # a fresh one per row: nothing one row's replicas wrote meets the next's
+            workdir.mkdir(parents=True, exist_ok=True)
+            redis = RedisServer(workdir)
+            redis.start()
+            stack.callback(redis.kill)
+            settings["index"] = {"redis": {"url": f"redis://127.0.0.1:{redis.port}/0"}}
+        a = PickerProcess(workdir / "a", engines, log_picks=True, settings=settings)
+        b = PickerProcess(workdir / "b", engines, log_picks=True, settings=settings)
+        config, listen, admin_port = in_front_of_picker(mode, a.port, replicas=[b.port])
+        if not scenario.retries:
+            del ext_proc_filter(config)["grpc_service"]["retry_policy"]
         for picker in (a, b):
             stack.push_async_callback(picker.kill)
             await picker.start()
@@ -451,6 +464,11 @@ def parser() -> argparse.ArgumentParser:
         action="store_false",
         help="drop the ext_proc stream's retry_policy from Envoy's config (a gateway that retries nothing)",
     )
+    parser.add_argument(
+        "--redis",
+        action="store_true",
+        help="the replicas share a redis-server (index.redis with its defaults), as several replicas run",
+    )
     parser.add_argument("--seed", type=int, default=default.seed)
     parser.add_argument(
         "--workdir", type=Path, help="keep each process's config and log here (default: a temp dir)"
@@ -469,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         after_picks=args.after_picks,
         lame_duck_s=args.lame_duck_s,
         retries=args.retries,
+        redis=args.redis,
         seed=args.seed,
     )
     rows = asyncio.run(bench(args.modes, args.signals, scenario, args.workdir))

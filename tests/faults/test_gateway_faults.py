@@ -123,9 +123,13 @@ async def test_a_picker_started_after_envoy_is_in_rotation_before_any_traffic(tm
         await eventually(in_rotation, 30.0, "both replicas in rotation before any request")
 
 
-@pytest.mark.parametrize("mode", ["full-duplex", "buffered"])
+@pytest.mark.parametrize(
+    ("mode", "redis"),
+    [("full-duplex", False), ("buffered", False), ("full-duplex", True)],
+    ids=["full-duplex", "buffered", "full-duplex-shared-redis"],
+)
 async def test_two_pickers_behind_the_example_config_fail_over_on_sigterm_and_sigkill(
-    tmp_path: Path, mode: str
+    tmp_path: Path, mode: str, redis: bool
 ) -> None:
     """The failover contract, measured as ``loadtests.bench.failover`` measures it: two picker
     processes, A and B, behind the example config as shipped; open-loop load; A stopped (SIGTERM)
@@ -135,10 +139,11 @@ async def test_two_pickers_behind_the_example_config_fail_over_on_sigterm_and_si
     health check takes it out (not failed streams) and no request fails; it exits 0. SIGKILL: the
     only requests that fail are ones A had routed and was still serving (with BUFFERED bodies not
     even those: their responses fail open), the first failed streams eject A (outlier detection);
-    every request sent after the kill is answered. Both: every reservation is given back.
+    every request sent after the kill is answered. Both: every reservation is given back. The
+    same with the two sharing a redis-server as several replicas run (``index.redis``, pushed).
     """
     specs = [EngineSpec(name, "prefill-decode", time=failover.ENGINE_TIME) for name in ("e0", "e1")]
-    scenario = failover.Scenario(warmup_picks=10, restart_after_s=0.0, after_picks=10)
+    scenario = failover.Scenario(warmup_picks=10, restart_after_s=0.0, after_picks=10, redis=redis)
     async with SimCluster(specs) as cluster:
         engines = [cluster.address(name) for name in cluster.engines]
         for signame in failover.SIGNALS:
