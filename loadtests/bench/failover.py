@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import random
 import signal
@@ -168,6 +169,7 @@ class Row:
     restart_to_serving_s: float  # A restarted → A's first pick
     reservations_end: dict[str, float]  # each replica's outstanding reservations once the load stopped
     failures: list[dict[str, object]] = field(default_factory=list)  # each failed request, for --json
+    sharing: float = 1.0  # replicas whose reservations B counted at the signal (2: through Redis)
 
     @property
     def broken(self) -> list[str]:
@@ -293,6 +295,7 @@ async def measure(mode: str, signame: str, engines: list[str], scenario: Scenari
         async with load:
             enough = scenario.warmup_picks
             await until(lambda: min(len(a.picks()), len(b.picks())) >= enough, 60.0, "both replicas routing")
+            sharing = ((await b.metrics()) or {}).get("pd_router_shared_load_replicas", 1.0)
             signalled = time.time()
             a.signal(sig)
             exit_code = await a.wait(timeout_s=120.0)
@@ -304,7 +307,8 @@ async def measure(mode: str, signame: str, engines: list[str], scenario: Scenari
             await until(lambda: len(a.picks()) >= enough, 60.0, "the restarted replica routing")
         timeline = Timeline(signalled, exited, exit_code, restarted)
         reservations = {"A": await settled_reservations(a), "B": await settled_reservations(b)}
-        return summarize(mode, signame, load.answers, a, envoy, timeline, reservations)
+        row = summarize(mode, signame, load.answers, a, envoy, timeline, reservations)
+        return dataclasses.replace(row, sharing=sharing)
 
 
 async def settled_reservations(picker: PickerProcess, timeout_s: float = 30.0) -> float:

@@ -150,6 +150,7 @@ async def test_two_pickers_behind_the_example_config_fail_over_on_sigterm_and_si
             row = await failover.measure(mode, signame, engines, scenario, tmp_path / signame)
             detail = {**dataclasses.asdict(row), "log": str(tmp_path / signame)}
             assert row.broken == [], detail
+            assert row.sharing == (2 if redis else 1), detail  # B counted A's reservations (or not)
             if signame == "SIGTERM":
                 assert row.envoy_out_by == "failed_active_hc", detail
             else:
