@@ -420,6 +420,10 @@ class Flight:
             self.prefill_leg_s = time.perf_counter() - self.picked_at
         self.prefill_usage = usage_of(usage)
         self.prefill_done()
+        if self.decision is not None and self.flow.signals is not None and self._teaches():
+            # The prompt is computed: its time teaches the model now, not once the answer ends (a
+            # long answer would hold it back a generation, while the prompt mix has moved on).
+            self._learn_prefill(self.decision, self.prefill_leg_s)
 
     def prefill_done(self) -> None:
         """The prompt is computed (prefill leg answered, or the first byte): free the queue charge."""
@@ -559,15 +563,10 @@ class Flight:
         if signals is None:
             return
         perf, predicted, now = signals.perf, decision.prediction, time.monotonic()
-        work = predicted.queued_tokens + self._uncached_computed(decision)
         first = None if meter is None or not meter.streaming else meter.first_at
-        computed_in = self._computed_in(decision, first)
         speeds = self.flow.speeds
-        if computed_in is not None:
-            perf.observe_prefill(work, computed_in)
-            if speeds is not None:
-                base, per_token = perf.prefill.coefficients
-                speeds.observe((decision.prefill or decision.decode).id, computed_in, base + per_token * work)
+        if decision.prefill is None:  # a pair's prompt taught the model when its leg answered
+            self._learn_prefill(decision, self._computed_in(decision, first))
         if first is not None:
             links = self.flow.links
             if links is not None and decision.prefill is not None and self.prefill_leg_s is not None:
@@ -593,6 +592,18 @@ class Flight:
                 # The decode step alone: an engine is not slower for the prompts it is sent.
                 speeds.observe(decision.decode.id, tpot, float(tpot_s(model, kv, batch - 1.0)))
         self._correct(decision)
+
+    def _learn_prefill(self, decision: RouteDecision, computed_in: float | None) -> None:
+        """The prompt's compute time against the work it was (``None``: not known, nothing learnt)."""
+        signals = self.flow.signals
+        if signals is None or computed_in is None:
+            return
+        work = decision.prediction.queued_tokens + self._uncached_computed(decision)
+        perf, speeds = signals.perf, self.flow.speeds
+        perf.observe_prefill(work, computed_in)
+        if speeds is not None:
+            base, per_token = perf.prefill.coefficients
+            speeds.observe((decision.prefill or decision.decode).id, computed_in, base + per_token * work)
 
     def _uncached_computed(self, decision: RouteDecision) -> float:
         """The prompt tokens the computing engine really had to compute, in our tokens: the share

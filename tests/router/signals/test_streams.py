@@ -1,5 +1,6 @@
 """Load while long generations run: the TPOT of answers still streaming counts, not only that of
-answers that ended (one whole generation late), and each TTFT counts at its first token."""
+answers that ended (one whole generation late), each TTFT counts at its first token and each
+prefill leg's time teaches the prefill fit when the leg answers."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_a_streamed_answers_ttft_counts_at_its_first_token_unless_it_was_moved()
 
 
 @pytest.mark.integration
-async def test_decode_load_rises_and_ttfts_count_while_long_answers_stream_not_after_them() -> None:
+async def test_decode_load_rises_and_prompts_count_while_long_answers_stream_not_after_them() -> None:
     specs = [EngineSpec("p0", "prefill"), EngineSpec("d0", "decode")]
     sections = {
         "slo": {"ttft_ms": 2000, "tpot_ms": 1.0},
@@ -111,6 +112,9 @@ async def test_decode_load_rises_and_ttfts_count_while_long_answers_stream_not_a
             # Each one's prefill part is its prefill leg, short of the TTFT (the decode leg's
             # first token comes after it): what the prefill load reads.
             assert scaling.perf.prefill_part.count == len(read)
+            # And each prefill leg's time is a sample of the prefill fit (the capacity per
+            # replica), taken when the leg answered, not held back until its answer ends.
+            assert len(scaling.perf.prefill.samples) == len(read)
             prefill_part, ttft = scaling.observed_latency("prefill", now), scaling.perf.ttft.p90(now)
             assert prefill_part is not None and ttft is not None and prefill_part < ttft
             observed = scaling.observed_latency("decode", now)
