@@ -43,7 +43,15 @@ from google.protobuf.message import DecodeError
 
 from router.adapters.health import HealthState
 from router.flow.flight import ROUTED, Flight, RequestFlow
-from router.http.headers import DESTINATION, DESTINATION_SERVED, DESTINATION_SUBSET, PREFILLER, ROUTER_HEADERS
+from router.http.headers import (
+    DESTINATION,
+    DESTINATION_SERVED,
+    DESTINATION_SUBSET,
+    PREFILLER,
+    ROUTER_HEADERS,
+    SERVER_TIMING,
+    prefill_seconds,
+)
 from router.request.parse import headers_only_request, stored_response_of
 from router.request.rejections import BadRequest, BodyTooLarge, Rejection
 from router.request.types import RouteRequest
@@ -318,6 +326,8 @@ class ExtProcStream:
         self.engine_response = decision is not None and served in (None, decision.decode.address)
         if self.flight is not None:
             self.flight.responded(status, gateway_reply=decision is not None and not self.engine_response)
+            if self.engine_response and decision is not None and decision.prefill is not None:
+                self._prefill_timed(message.response_headers.headers)
         if self.settings.conformance and decision is not None:
             echo = pb.HeaderMutation(set_headers=[_header(SERVED_ECHO, served or decision.decode.address)])
             return [
@@ -326,6 +336,17 @@ class ExtProcStream:
                 )
             ]
         return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+
+    def _prefill_timed(self, headers: Any) -> None:
+        """The decode pod's sidecar ran the pair's prefill leg and timed it (``Server-Timing``):
+        the prompt is computed, and its time teaches the prefill model as the proxy's own legs do."""
+        assert self.flight is not None
+        for header in headers.headers:
+            if header.key.lower() == SERVER_TIMING:
+                seconds = prefill_seconds(header.raw_value.decode("latin-1") or header.value)
+                if seconds is not None:
+                    self.flight.prefill_answered(seconds=seconds)
+                    return
 
     def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.flight is not None:

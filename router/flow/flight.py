@@ -413,11 +413,12 @@ class Flight:
         if self.span is not None:
             self.span.set_attribute("http.response.status_code", status)
 
-    def prefill_answered(self, usage: object = None) -> None:
+    def prefill_answered(self, usage: object = None, *, seconds: float | None = None) -> None:
         """A P/D pair's prefill leg answered (with its ``usage`` object, if any): the prompt is
-        computed, timed for the model."""
+        computed, timed for the model (from the pick, or ``seconds`` as the sidecar that ran the
+        leg timed it)."""
         if self.prefill_leg_s is None and not self.retargeted:
-            self.prefill_leg_s = time.perf_counter() - self.picked_at
+            self.prefill_leg_s = time.perf_counter() - self.picked_at if seconds is None else seconds
         self.prefill_usage = usage_of(usage)
         self.prefill_done()
         if self.decision is not None and self.flow.signals is not None and self._teaches():

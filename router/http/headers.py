@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 DESTINATION = "x-gateway-destination-endpoint"
 DESTINATION_SUBSET = "x-gateway-destination-endpoint-subset"
 DESTINATION_SERVED = "x-gateway-destination-endpoint-served"
@@ -12,6 +14,12 @@ DEBUG_REASON = "x-pd-router-reason"
 # Set by a sidecar on the prefill leg it sends to a peer's sidecar; a client's copy is removed at
 # the gateway and by the proxy like every header here, so only a peer can mark a prefill leg.
 PREFILL_LEG = "x-pd-prefill-leg"
+
+# A sidecar times the prefill leg it ran in its answer's ``Server-Timing`` (W3C: a metric, ``dur``
+# in milliseconds), so behind Envoy the picker's prefill model learns from pairs as the proxy's does.
+SERVER_TIMING = "server-timing"
+PREFILL_TIMING_METRIC = "pd-prefill"
+MAX_PREFILL_TIMING_S = 3600.0  # longer is no prompt's compute time: a broken clock or value
 
 # Routing and control headers only the router may set (the Inference Extension's, llm-d's and
 # ours): a client's copy is removed before anything is forwarded, so clients cannot steer routing.
@@ -42,3 +50,27 @@ PASSTHROUGH_DROPPED = HOP_HEADERS | frozenset(ROUTER_HEADERS)
 def forwardable(headers: object, dropped: frozenset[str] = LEG_DROPPED) -> dict[str, str]:
     """A client's headers minus ``dropped`` (lower-case names); ``headers`` is any items() mapping."""
     return {k: v for k, v in headers.items() if k.lower() not in dropped}  # type: ignore[attr-defined]
+
+
+def prefill_timing(seconds: float) -> str:
+    """The ``Server-Timing`` value that reports a prefill leg of ``seconds``."""
+    return f"{PREFILL_TIMING_METRIC};dur={seconds * 1000.0:.3f}"
+
+
+def prefill_seconds(server_timing: str) -> float | None:
+    """The prefill leg's seconds in a ``Server-Timing`` value (``prefill_timing``'s metric among
+    any others); None without it, or when its ``dur`` is not a plausible duration."""
+    for metric in server_timing.split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        if name != PREFILL_TIMING_METRIC:
+            continue
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() != "dur":
+                continue
+            try:
+                seconds = float(value.strip().strip('"')) / 1000.0
+            except ValueError:
+                return None
+            return seconds if math.isfinite(seconds) and 0.0 <= seconds <= MAX_PREFILL_TIMING_S else None
+    return None

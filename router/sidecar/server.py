@@ -18,6 +18,7 @@ which name no host to pull KV from; one token; not streamed) and without a prefi
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Iterable
 from contextlib import AsyncExitStack
@@ -30,7 +31,15 @@ from yarl import URL
 
 from router.http.client_io import answer_response, read_body
 from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS, Leg, TwoLegExchange, UpstreamError, decode_body
-from router.http.headers import HOP_HEADERS, PASSTHROUGH_DROPPED, PREFILL_LEG, PREFILLER, forwardable
+from router.http.headers import (
+    HOP_HEADERS,
+    PASSTHROUGH_DROPPED,
+    PREFILL_LEG,
+    PREFILLER,
+    SERVER_TIMING,
+    forwardable,
+    prefill_timing,
+)
 from router.http.server import http_runner
 from router.http.session import upstream_session
 from router.request.parse import PD_PATHS, client_json
@@ -98,9 +107,11 @@ class Sidecar:
         leg = Leg(request.path, headers)
         outcome = "local"
         data = raw
+        prefill_s: float | None = None
         if address is not None:
             # Marked, so that a sidecar in front of the prefill pod passes it to its engine.
             prefill_leg = Leg(request.path, {**headers, PREFILL_LEG: "1"})
+            leg_started = time.perf_counter()
             try:
                 kv_params, _ = await self.exchange.prefill(address, prefill_leg, body)
             except UpstreamError as exc:
@@ -114,6 +125,7 @@ class Sidecar:
                 outcome = "failed-local"
             else:
                 outcome = "remote"
+                prefill_s = time.perf_counter() - leg_started
                 data = decode_body(body, kv_params)
 
         async def start_response(upstream: aiohttp.ClientResponse) -> web.StreamResponse:
@@ -123,6 +135,8 @@ class Sidecar:
                     response.headers[name] = upstream.headers[name]
             response.headers["X-Request-Id"] = request_id
             response.headers[PREFILL_OUTCOME_HEADER] = outcome
+            if prefill_s is not None:
+                response.headers[SERVER_TIMING] = prefill_timing(prefill_s)
             await response.prepare(request)
             return response
 

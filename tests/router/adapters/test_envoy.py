@@ -226,6 +226,9 @@ async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(
                     assert resp.status == 200
                     assert resp.headers["x-pd-sidecar-prefill"] == "remote"
                     assert (await resp.read()).rstrip().endswith(b"data: [DONE]")
+                # The sidecar timed the prefill leg (Server-Timing) and the picker, which never
+                # sees that leg, learnt the prompt's compute time from it.
+                assert len(app.parts.scaling.perf.prefill.samples) == 1
         by_name = engines.engines
         (prefill,) = [n for n in ("p0", "p1") if by_name[n].requests_seen]
         (decode,) = [n for n in ("d0", "d1") if by_name[n].requests_seen]

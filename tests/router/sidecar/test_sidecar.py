@@ -15,6 +15,7 @@ from multidict import CIMultiDict
 
 from loadtests.servers.ports import free_port
 from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS
+from router.http.headers import prefill_seconds
 from router.sidecar.allow import PrefillAllowList, first_prefiller
 from router.sidecar.server import SidecarServer
 from simulator.engine import EngineSpec, SimCluster, TimeModel
@@ -131,6 +132,9 @@ async def test_prefill_header_runs_the_prefill_leg_then_the_local_decode_leg() -
             assert resp.status == 200
             assert resp.headers["x-pd-sidecar-prefill"] == "remote"
             assert resp.headers["X-Request-Id"] == "req-7"
+            # The leg's time, for a picker behind Envoy to learn the prefill speed from.
+            seconds = prefill_seconds(resp.headers["Server-Timing"])
+            assert seconds is not None and seconds > 0
             answer = await resp.json()
         assert answer["usage"]["completion_tokens"] == 8
         [(_, p_headers, p_body)] = p0.requests_seen
@@ -192,6 +196,7 @@ async def test_no_header_is_one_plain_request_to_the_decode_engine() -> None:
     async with sidecar_on_sim() as (cluster, base), aiohttp.ClientSession() as http:
         async with http.post(f"{base}/v1/completions", json=completion()) as resp:
             assert resp.status == 200 and resp.headers["x-pd-sidecar-prefill"] == "local"
+            assert "Server-Timing" not in resp.headers  # no prefill leg, nothing timed
             assert (await resp.json())["usage"]["completion_tokens"] == 8
         assert not cluster.engines["p0"].requests_seen
         [(_, _, d_body)] = cluster.engines["d0"].requests_seen
@@ -314,6 +319,7 @@ async def test_dead_prefill_engine_falls_back_to_local_prefill() -> None:
         async with http.post(f"{base}/v1/completions", json=completion(), headers=headers) as resp:
             assert resp.status == 200
             assert resp.headers["x-pd-sidecar-prefill"] == "failed-local"
+            assert "Server-Timing" not in resp.headers  # a failed leg is no prompt's compute time
             assert (await resp.json())["usage"]["completion_tokens"] == 8
         d0 = cluster.engines["d0"]
         [(_, _, d_body)] = d0.requests_seen
