@@ -4,6 +4,9 @@ Two zero-delay OpenAI workers (the proxy benchmark's null engine, answering a fi
 and in front of them, one router at a time, each in its own process pinned to its own core:
 
 * **pd-router**: ``App`` as ``pd-router serve`` runs it, a pool of the two workers (``prefill-decode``);
+* **aiohttp-forward**, not a router: the HTTP stack pd-router's proxy stands on (its server runner
+  and upstream session) forwarding to the workers in turn with no decision at all, the floor under
+  pd-router's row: what is left above it is the routing and its bookkeeping;
 * **sglang-router** (``sglang-router launch --policy cache_aware``) and **vllm-router**
   (``vllm-router --policy cache_aware``), from their PyPI wheels, installed by this script into a
   virtual environment of their own (``--rust-venv``; the test suite never needs them).
@@ -17,13 +20,14 @@ every router's figures over pd-router's.
 
     python -m loadtests.bench.routers                    # 3 rounds (~2 minutes)
     python -m loadtests.bench.routers --rounds 5 --scale 2
-    python -m loadtests.bench.routers --routers pd-router  # without the Rust routers
+    python -m loadtests.bench.routers --routers pd-router,aiohttp-forward  # without the Rust routers
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -55,7 +59,9 @@ from loadtests.bench.proxy import (
 )
 
 RUST_ROUTERS = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17"}
-ROUTERS = ("pd-router", *RUST_ROUTERS)
+# Not a router: the proxy's HTTP stack forwarding with no decision (``aiohttp_forward_main``).
+FLOOR = "aiohttp-forward"
+ROUTERS = ("pd-router", FLOOR, *RUST_ROUTERS)
 ROUTER_CPU, CLIENT_CPU = 1, 0
 
 
@@ -103,6 +109,46 @@ def pd_router_main(conn: object, workers: list[str], cpu: int | None) -> None:
                 return port
 
             await _serve_until_term(bound, conn)  # type: ignore[arg-type]
+
+    run_profiled(serve(), "")
+
+
+def aiohttp_forward_main(conn: object, workers: list[str], cpu: int | None) -> None:
+    """The HTTP stack pd-router's proxy stands on, forwarding and nothing more: the same server
+    runner and upstream session, a handler that reads the body, sends it to the workers in turn
+    and copies the answer back. Not a router (no decision, no bookkeeping): the floor under
+    pd-router's row, so the table says what the routing costs and what the stack does."""
+    _pin(cpu)
+    from router.http.server import http_runner
+    from router.http.session import upstream_session
+
+    async def serve() -> None:
+        session = upstream_session()
+        turn = itertools.cycle(workers)
+
+        async def forward(request: web.Request) -> web.Response:
+            body = await request.read()
+            headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+            async with session.post(f"http://{next(turn)}{request.path}", data=body, headers=headers) as up:
+                data = await up.read()
+                return web.Response(body=data, status=up.status, content_type=up.content_type)
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", forward)
+        runner = http_runner(app, drain_timeout_s=1.0, cancel_on_disconnect=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+        async def bound() -> int:
+            return int(port)
+
+        try:
+            await _serve_until_term(bound, conn)  # type: ignore[arg-type]
+        finally:
+            await runner.cleanup()
+            await session.close()
 
     run_profiled(serve(), "")
 
@@ -252,6 +298,8 @@ def run(args: argparse.Namespace) -> Rows:
                 router: Child | Process
                 if name == "pd-router":
                     router = start_child(pd_router_main, addresses, ROUTER_CPU)
+                elif name == FLOOR:
+                    router = start_child(aiohttp_forward_main, addresses, ROUTER_CPU)
                 else:
                     assert bin_dir is not None
                     log = Path(args.log_dir) / f"{name}.log"
