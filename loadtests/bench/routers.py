@@ -6,7 +6,9 @@ and in front of them, one router at a time, each in its own process pinned to it
 * **pd-router**: ``App`` as ``pd-router serve`` runs it, a pool of the two workers (``prefill-decode``);
 * **aiohttp-forward**, not a router: the HTTP stack pd-router's proxy stands on (its server runner
   and upstream session) forwarding to the workers in turn with no decision at all, the floor under
-  pd-router's row: what is left above it is the routing and its bookkeeping;
+  pd-router's row: what is left above it is the routing and its bookkeeping; asked for by name,
+  **aiohttp-forward+flow** forwards the same way around pd-router's request flow (the parse, the
+  pick, the bookkeeping), to the worker picked: the flow's cost apart from the proxy's HTTP;
 * **sglang-router** (``sglang-router launch --policy cache_aware``) and **vllm-router**
   (``vllm-router --policy cache_aware``), from their PyPI wheels, installed by this script into a
   virtual environment of their own (``--rust-venv``; the test suite never needs them).
@@ -21,11 +23,13 @@ every router's figures over pd-router's.
     python -m loadtests.bench.routers                    # 3 rounds (~2 minutes)
     python -m loadtests.bench.routers --rounds 5 --scale 2
     python -m loadtests.bench.routers --routers pd-router,aiohttp-forward  # without the Rust routers
+    python -m loadtests.bench.routers --routers pd-router,aiohttp-forward,aiohttp-forward+flow
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -41,6 +45,7 @@ import venv
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -58,9 +63,15 @@ from loadtests.bench.proxy import (
     start_child,
 )
 
+if TYPE_CHECKING:  # the router is imported in its child processes only
+    from router.flow.flight import RequestFlow
+    from router.server.app import App
+
 RUST_ROUTERS = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17"}
-# Not a router: the proxy's HTTP stack forwarding with no decision (``aiohttp_forward_main``).
+# Not routers: the proxy's HTTP stack forwarding with no decision (``aiohttp_forward_main``), and
+# the same around pd-router's request flow (asked for by name: not in the default run).
 FLOOR = "aiohttp-forward"
+FLOOR_FLOW = "aiohttp-forward+flow"
 ROUTERS = ("pd-router", FLOOR, *RUST_ROUTERS)
 ROUTER_CPU, CLIENT_CPU = 1, 0
 
@@ -113,25 +124,49 @@ def pd_router_main(conn: object, workers: list[str], cpu: int | None) -> None:
     run_profiled(serve(), "")
 
 
-def aiohttp_forward_main(conn: object, workers: list[str], cpu: int | None) -> None:
+def aiohttp_forward_main(conn: object, workers: list[str], cpu: int | None, with_flow: bool = False) -> None:
     """The HTTP stack pd-router's proxy stands on, forwarding and nothing more: the same server
     runner and upstream session, a handler that reads the body, sends it to the workers in turn
     and copies the answer back. Not a router (no decision, no bookkeeping): the floor under
-    pd-router's row, so the table says what the routing costs and what the stack does."""
+    pd-router's row, so the table says what the routing costs and what the stack does.
+
+    ``with_flow``: the same forwarding around pd-router's request flow (``App`` with its proxy
+    off: the parse, the pick and its reservation, the answer's bookkeeping and metrics, the
+    flight's close), the worker the one picked: what the flow costs, apart from how the proxy
+    speaks HTTP."""
     _pin(cpu)
     from router.http.server import http_runner
     from router.http.session import upstream_session
+    from router.server.app import App
+    from router.server.compose import build
+    from router.server.config import parse_config
 
-    async def serve() -> None:
+    async def serve(flow: RequestFlow | None) -> None:
         session = upstream_session()
         turn = itertools.cycle(workers)
 
+        async def send(path: str, body: bytes, address: str) -> tuple[int, str, bytes]:
+            headers = {"Content-Type": "application/json"}
+            async with session.post(f"http://{address}{path}", data=body, headers=headers) as up:
+                return up.status, up.content_type, await up.read()
+
         async def forward(request: web.Request) -> web.Response:
             body = await request.read()
-            headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-            async with session.post(f"http://{next(turn)}{request.path}", data=body, headers=headers) as up:
-                data = await up.read()
-                return web.Response(body=data, status=up.status, content_type=up.content_type)
+            if flow is None:
+                status, content_type, data = await send(request.path, body, next(turn))
+                return web.Response(body=data, status=status, content_type=content_type)
+            flight = flow.start(request.headers, path=request.path)
+            try:
+                decision = await flow.route(flight, body, request.path)
+                status, content_type, data = await send(request.path, body, decision.decode.address)
+                flight.expect_answer(strip_usage=False)
+                flight.responded(status)
+                flight.prefill_done()
+                flight.first_byte()
+                data = flight.body(data) + flight.body_rest()
+                return web.Response(body=data, status=status, content_type=content_type)
+            finally:
+                flight.close()
 
         app = web.Application()
         app.router.add_post("/v1/completions", forward)
@@ -150,7 +185,26 @@ def aiohttp_forward_main(conn: object, workers: list[str], cpu: int | None) -> N
             await runner.cleanup()
             await session.close()
 
-    run_profiled(serve(), "")
+    async def main() -> None:
+        if not with_flow:
+            await serve(None)
+            return
+        endpoints = [{"address": w, "role": "prefill-decode", "name": f"w{i}"} for i, w in enumerate(workers)]
+        config = parse_config({"model": MODEL, "endpoints": endpoints, "proxy": {"enabled": False}})
+        async with App(build(config)) as pd:
+            await _admitted(pd)
+            await serve(pd.parts.flow)
+
+    run_profiled(main(), "")
+
+
+async def _admitted(app: App) -> None:
+    """Until the gate has admitted a worker (the proxy's readiness), at most 30 s."""
+    deadline = time.monotonic() + 30.0
+    while not len(app.parts.pool.candidate_slots()):
+        if time.monotonic() > deadline:
+            raise RuntimeError("no worker admitted within 30 s")
+        await asyncio.sleep(0.05)
 
 
 # -- the Rust routers (subprocesses from their own virtual environment) ----------------------------
@@ -298,8 +352,8 @@ def run(args: argparse.Namespace) -> Rows:
                 router: Child | Process
                 if name == "pd-router":
                     router = start_child(pd_router_main, addresses, ROUTER_CPU)
-                elif name == FLOOR:
-                    router = start_child(aiohttp_forward_main, addresses, ROUTER_CPU)
+                elif name in (FLOOR, FLOOR_FLOW):
+                    router = start_child(aiohttp_forward_main, addresses, ROUTER_CPU, name == FLOOR_FLOW)
                 else:
                     assert bin_dir is not None
                     log = Path(args.log_dir) / f"{name}.log"
@@ -348,7 +402,10 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     p.add_argument(
-        "--routers", type=lambda s: s.split(","), default=list(ROUTERS), help=f"of {', '.join(ROUTERS)}"
+        "--routers",
+        type=lambda s: s.split(","),
+        default=list(ROUTERS),
+        help=f"of {', '.join((*ROUTERS, FLOOR_FLOW))}",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--scale", type=float, default=1.0, help="requests per cell × this")
@@ -359,9 +416,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    unknown = [name for name in args.routers if name not in ROUTERS]
+    known = (*ROUTERS, FLOOR_FLOW)
+    unknown = [name for name in args.routers if name not in known]
     if unknown:
-        parser().error(f"unknown routers {unknown}; choose from {list(ROUTERS)}")
+        parser().error(f"unknown routers {unknown}; choose from {list(known)}")
     sys.stdout.write("\n".join(render(run(args))) + "\n")
     return 0
 
