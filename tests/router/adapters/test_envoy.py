@@ -184,7 +184,10 @@ async def test_cancelled_and_failed_streams_release_their_reservations(tmp_path:
         await eventually(lambda: pool.outstanding == 0, what="release after engine failure")
 
 
-async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(
+    tmp_path: Path, mode: str
+) -> None:
     from router.sidecar.server import SidecarServer
 
     specs = [
@@ -216,7 +219,7 @@ async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(
             "picker": {"allow_local_prefill": False},
         }
         async with router_for(data) as (app, _):
-            config, listen, admin = example_config("full-duplex", app.extproc_port, sidecars["d0"])
+            config, listen, admin = example_config(mode, app.extproc_port, sidecars["d0"])
             async with run_envoy(config, tmp_path, admin), aiohttp.ClientSession() as http:
                 forged = {"x-prefiller-host-port": "169.254.169.254:80"}
                 body = completion(stream=True)
