@@ -50,7 +50,7 @@ from router.http.headers import (
     PREFILLER,
     ROUTER_HEADERS,
     SERVER_TIMING,
-    prefill_seconds,
+    read_prefill_timing,
 )
 from router.request.parse import headers_only_request, stored_response_of
 from router.request.rejections import BadRequest, BodyTooLarge, Rejection
@@ -338,14 +338,19 @@ class ExtProcStream:
         return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
 
     def _prefill_timed(self, headers: Any) -> None:
-        """The decode pod's sidecar ran the pair's prefill leg and timed it (``Server-Timing``):
-        the prompt is computed, and its time teaches the prefill model as the proxy's own legs do."""
+        """The decode pod's sidecar ran the pair's prefill leg and timed it (``Server-Timing``, with
+        the prefill engine's token counts): the prompt is computed, and its time teaches the
+        prefill model as the proxy's own legs do."""
         assert self.flight is not None
         for header in headers.headers:
             if header.key.lower() == SERVER_TIMING:
-                seconds = prefill_seconds(header.raw_value.decode("latin-1") or header.value)
-                if seconds is not None:
-                    self.flight.prefill_answered(seconds=seconds)
+                timing = read_prefill_timing(header.raw_value.decode("latin-1") or header.value)
+                if timing is not None:
+                    # The prefill engine's counts, as its answer's usage would say them: the fit
+                    # learns from the tokens it really computed, not from the index's guess.
+                    details = {"cached_tokens": timing.cached_tokens}
+                    usage = {"prompt_tokens": timing.prompt_tokens, "prompt_tokens_details": details}
+                    self.flight.prefill_answered(usage, seconds=timing.seconds)
                     return
 
     def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 DESTINATION = "x-gateway-destination-endpoint"
 DESTINATION_SUBSET = "x-gateway-destination-endpoint-subset"
@@ -52,25 +53,47 @@ def forwardable(headers: object, dropped: frozenset[str] = LEG_DROPPED) -> dict[
     return {k: v for k, v in headers.items() if k.lower() not in dropped}  # type: ignore[attr-defined]
 
 
-def prefill_timing(seconds: float) -> str:
-    """The ``Server-Timing`` value that reports a prefill leg of ``seconds``."""
-    return f"{PREFILL_TIMING_METRIC};dur={seconds * 1000.0:.3f}"
+class PrefillTiming(NamedTuple):
+    """What a sidecar reports of the prefill leg it ran: its seconds, and the prompt tokens and
+    cached tokens of the prefill engine's ``usage`` (None where it did not say)."""
+
+    seconds: float
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
-def prefill_seconds(server_timing: str) -> float | None:
-    """The prefill leg's seconds in a ``Server-Timing`` value (``prefill_timing``'s metric among
-    any others); None without it, or when its ``dur`` is not a plausible duration."""
+def prefill_timing(timing: PrefillTiming) -> str:
+    """The ``Server-Timing`` value that reports ``timing`` (the counts as extra parameters, which
+    other readers of the header ignore)."""
+    value = f"{PREFILL_TIMING_METRIC};dur={timing.seconds * 1000.0:.3f}"
+    if timing.prompt_tokens is not None:
+        value += f";prompt={timing.prompt_tokens}"
+    if timing.cached_tokens is not None:
+        value += f";cached={timing.cached_tokens}"
+    return value
+
+
+def read_prefill_timing(server_timing: str) -> PrefillTiming | None:
+    """The prefill leg's report in a ``Server-Timing`` value (``prefill_timing``'s metric among any
+    others); None without it, or when its ``dur`` is not a plausible duration (a count that is not
+    one is left out)."""
     for metric in server_timing.split(","):
-        name, *params = (part.strip() for part in metric.split(";"))
+        name, *parts = (part.strip() for part in metric.split(";"))
         if name != PREFILL_TIMING_METRIC:
             continue
-        for param in params:
-            key, _, value = param.partition("=")
-            if key.strip().lower() != "dur":
-                continue
-            try:
-                seconds = float(value.strip().strip('"')) / 1000.0
-            except ValueError:
-                return None
-            return seconds if math.isfinite(seconds) and 0.0 <= seconds <= MAX_PREFILL_TIMING_S else None
+        params = {}
+        for part in parts:
+            key, _, value = part.partition("=")
+            params[key.strip().lower()] = value.strip().strip('"')
+        try:
+            seconds = float(params["dur"]) / 1000.0
+        except (KeyError, ValueError):
+            return None
+        if not (math.isfinite(seconds) and 0.0 <= seconds <= MAX_PREFILL_TIMING_S):
+            return None
+        return PrefillTiming(seconds, _count(params.get("prompt")), _count(params.get("cached")))
     return None
+
+
+def _count(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isascii() and text.isdigit() else None

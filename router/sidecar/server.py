@@ -37,11 +37,13 @@ from router.http.headers import (
     PREFILL_LEG,
     PREFILLER,
     SERVER_TIMING,
+    PrefillTiming,
     forwardable,
     prefill_timing,
 )
 from router.http.server import http_runner
 from router.http.session import upstream_session
+from router.request.meter import Usage, usage_of
 from router.request.parse import PD_PATHS, client_json
 from router.request.rejections import BadRequest, PrefillForbidden, Rejection, UpstreamFailed, answer
 from router.sidecar.allow import PrefillAllowList, first_prefiller, format_host_port, parse_host_port
@@ -107,13 +109,13 @@ class Sidecar:
         leg = Leg(request.path, headers)
         outcome = "local"
         data = raw
-        prefill_s: float | None = None
+        timing: PrefillTiming | None = None
         if address is not None:
             # Marked, so that a sidecar in front of the prefill pod passes it to its engine.
             prefill_leg = Leg(request.path, {**headers, PREFILL_LEG: "1"})
             leg_started = time.perf_counter()
             try:
-                kv_params, _ = await self.exchange.prefill(address, prefill_leg, body)
+                kv_params, usage = await self.exchange.prefill(address, prefill_leg, body)
             except UpstreamError as exc:
                 # The decode engine computes the prompt itself: slower, not lost.
                 log.warning(
@@ -125,7 +127,10 @@ class Sidecar:
                 outcome = "failed-local"
             else:
                 outcome = "remote"
-                prefill_s = time.perf_counter() - leg_started
+                counts = usage_of(usage) or Usage()
+                timing = PrefillTiming(
+                    time.perf_counter() - leg_started, counts.prompt_tokens, counts.cached_tokens
+                )
                 data = decode_body(body, kv_params)
 
         async def start_response(upstream: aiohttp.ClientResponse) -> web.StreamResponse:
@@ -135,8 +140,8 @@ class Sidecar:
                     response.headers[name] = upstream.headers[name]
             response.headers["X-Request-Id"] = request_id
             response.headers[PREFILL_OUTCOME_HEADER] = outcome
-            if prefill_s is not None:
-                response.headers[SERVER_TIMING] = prefill_timing(prefill_s)
+            if timing is not None:
+                response.headers[SERVER_TIMING] = prefill_timing(timing)
             await response.prepare(request)
             return response
 

@@ -230,8 +230,13 @@ async def test_pd_request_goes_to_the_decode_sidecar_which_runs_the_prefill_leg(
                     assert resp.headers["x-pd-sidecar-prefill"] == "remote"
                     assert (await resp.read()).rstrip().endswith(b"data: [DONE]")
                 # The sidecar timed the prefill leg (Server-Timing) and the picker, which never
-                # sees that leg, learnt the prompt's compute time from it.
+                # sees that leg, learnt the prompt's compute time from it, with the prefill
+                # engine's own count of what it cached.
                 assert len(app.parts.scaling.perf.prefill.samples) == 1
+                # The prefill engine's prompt count calibrates the token estimate once the answer
+                # ends (the streamed answer itself reports no usage: nothing asked it to).
+                tokens = app.parts.scaling.tokens
+                await eventually(lambda: tokens.samples == 1, what="the prefill engine's count taken")
         by_name = engines.engines
         (prefill,) = [n for n in ("p0", "p1") if by_name[n].requests_seen]
         (decode,) = [n for n in ("d0", "d1") if by_name[n].requests_seen]

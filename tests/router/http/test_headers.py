@@ -1,22 +1,26 @@
-"""The prefill leg's time a sidecar reports in ``Server-Timing``, as the picker reads it back."""
+"""The prefill leg's report a sidecar puts in ``Server-Timing``, as the picker reads it back."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.http.headers import prefill_seconds, prefill_timing
+from router.http.headers import PrefillTiming, prefill_timing, read_prefill_timing
 
 
-def test_the_timing_a_sidecar_writes_reads_back_as_its_seconds() -> None:
-    assert prefill_seconds(prefill_timing(0.0421)) == pytest.approx(0.0421)
+def test_the_report_a_sidecar_writes_reads_back_as_it_was() -> None:
+    timing = PrefillTiming(0.0421, 512, 128)
+    assert prefill_timing(timing) == "pd-prefill;dur=42.100;prompt=512;cached=128"
+    assert read_prefill_timing(prefill_timing(timing)) == PrefillTiming(pytest.approx(0.0421), 512, 128)
+    assert read_prefill_timing(prefill_timing(PrefillTiming(0.5))) == PrefillTiming(0.5, None, None)
 
 
 @pytest.mark.parametrize(
-    ("value", "seconds"),
+    ("value", "expected"),
     [
-        ("cache;desc=hit, pd-prefill;dur=12.5", 0.0125),  # among other metrics (Envoy joins repeats)
-        ("pd-prefill;desc=leg;DUR=7", 0.007),  # parameter names are case-insensitive
-        ('pd-prefill;dur="3"', 0.003),
+        ("cache;desc=hit, pd-prefill;dur=12.5", (0.0125, None, None)),  # among others (Envoy joins repeats)
+        ("pd-prefill;desc=leg;DUR=7;Cached=3", (0.007, None, 3)),  # parameter names: any case
+        ('pd-prefill;dur="3";prompt="40"', (0.003, 40, None)),
+        ("pd-prefill;dur=3;prompt=-4;cached=1.5", (0.003, None, None)),  # not counts: left out
         ("prefill;dur=5", None),  # another metric's name
         ("pd-prefill", None),  # no duration
         ("pd-prefill;dur=abc", None),
@@ -27,6 +31,11 @@ def test_the_timing_a_sidecar_writes_reads_back_as_its_seconds() -> None:
         ("", None),
     ],
 )
-def test_a_prefill_timing_is_read_only_when_plausible(value: str, seconds: float | None) -> None:
-    found = prefill_seconds(value)
-    assert found == (None if seconds is None else pytest.approx(seconds))
+def test_a_report_is_read_only_with_a_plausible_duration(
+    value: str, expected: tuple[float, int | None, int | None] | None
+) -> None:
+    found = read_prefill_timing(value)
+    if expected is None:
+        assert found is None
+    else:
+        assert found == PrefillTiming(pytest.approx(expected[0]), expected[1], expected[2])

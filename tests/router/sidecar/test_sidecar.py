@@ -15,7 +15,7 @@ from multidict import CIMultiDict
 
 from loadtests.servers.ports import free_port
 from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS
-from router.http.headers import prefill_seconds
+from router.http.headers import read_prefill_timing
 from router.sidecar.allow import PrefillAllowList, first_prefiller
 from router.sidecar.server import SidecarServer
 from simulator.engine import EngineSpec, SimCluster, TimeModel
@@ -132,9 +132,12 @@ async def test_prefill_header_runs_the_prefill_leg_then_the_local_decode_leg() -
             assert resp.status == 200
             assert resp.headers["x-pd-sidecar-prefill"] == "remote"
             assert resp.headers["X-Request-Id"] == "req-7"
-            # The leg's time, for a picker behind Envoy to learn the prefill speed from.
-            seconds = prefill_seconds(resp.headers["Server-Timing"])
-            assert seconds is not None and seconds > 0
+            # The leg's time and the prefill engine's counts, for a picker behind Envoy to learn
+            # the prefill speed from (the engine's own usage: cached tokens counted too).
+            timing = read_prefill_timing(resp.headers["Server-Timing"])
+            assert timing is not None and timing.seconds > 0
+            assert timing.prompt_tokens is not None and timing.prompt_tokens > 0
+            assert timing.cached_tokens is not None
             answer = await resp.json()
         assert answer["usage"]["completion_tokens"] == 8
         [(_, p_headers, p_body)] = p0.requests_seen
