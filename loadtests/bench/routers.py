@@ -171,16 +171,14 @@ def aiohttp_forward_main(conn: object, workers: list[str], cpu: int | None, with
         app = web.Application()
         app.router.add_post("/v1/completions", forward)
         runner = http_runner(app, drain_timeout_s=1.0, cancel_on_disconnect=True)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
-        async def bound() -> int:
-            return int(port)
+        async def start() -> int:
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            return int(runner.addresses[0][1])
 
         try:
-            await _serve_until_term(bound, conn)  # type: ignore[arg-type]
+            await _serve_until_term(start, conn)  # type: ignore[arg-type]
         finally:
             await runner.cleanup()
             await session.close()

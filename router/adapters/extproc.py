@@ -52,6 +52,7 @@ from router.http.headers import (
     SERVER_TIMING,
     read_prefill_timing,
 )
+from router.request.meter import Usage
 from router.request.parse import headers_only_request, stored_response_of
 from router.request.rejections import BadRequest, BodyTooLarge, Rejection
 from router.request.types import RouteRequest
@@ -342,16 +343,13 @@ class ExtProcStream:
         the prefill engine's token counts): the prompt is computed, and its time teaches the
         prefill model as the proxy's own legs do."""
         assert self.flight is not None
-        for header in headers.headers:
-            if header.key.lower() == SERVER_TIMING:
-                timing = read_prefill_timing(header.raw_value.decode("latin-1") or header.value)
-                if timing is not None:
-                    # The prefill engine's counts, as its answer's usage would say them: the fit
-                    # learns from the tokens it really computed, not from the index's guess.
-                    details = {"cached_tokens": timing.cached_tokens}
-                    usage = {"prompt_tokens": timing.prompt_tokens, "prompt_tokens_details": details}
-                    self.flight.prefill_answered(usage, seconds=timing.seconds)
-                    return
+        value = _header_value(headers, SERVER_TIMING)
+        timing = None if value is None else read_prefill_timing(value)
+        if timing is not None:
+            # The prefill engine's counts, as its answer's usage says them: the fit learns from the
+            # tokens it really computed, not from the index's guess.
+            usage = Usage(prompt_tokens=timing.prompt_tokens, cached_tokens=timing.cached_tokens)
+            self.flight.prefill_answered(usage, seconds=timing.seconds)
 
     def _on_response_body(self, body: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.flight is not None:
@@ -637,10 +635,15 @@ def _served_endpoint(message: pb.ProcessingRequest) -> str | None:
 
 def _status(headers: Any) -> int | None:
     """The ``:status`` header's three ASCII digits; ``None`` when absent or anything else."""
+    value = _header_value(headers, ":status") or ""
+    return int(value) if len(value) == 3 and value.isascii() and value.isdigit() else None
+
+
+def _header_value(headers: Any, key: str) -> str | None:
+    """The first value of the header ``key`` (lower-case, as Envoy sends names); None without it."""
     for header in headers.headers:
-        if header.key == ":status":
-            value = header.raw_value.decode("latin-1") or header.value
-            return int(value) if len(value) == 3 and value.isascii() and value.isdigit() else None
+        if header.key.lower() == key:
+            return str(header.raw_value.decode("latin-1") or header.value)
     return None
 
 

@@ -27,6 +27,7 @@ from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
 from router.http.server import bearer_ok, http_runner
+from router.request.meter import usage_of
 from router.request.parse import API_PATHS, OTHER
 from router.request.rejections import UPSTREAM_DISCONNECTED, Rejection, UpstreamFailed
 from router.server.config import ProxyConfig
@@ -194,7 +195,7 @@ class Proxy:
             finally:
                 if span is not None:
                     span.end()
-            flight.prefill_answered(usage)
+            flight.prefill_answered(usage_of(usage))
             return params
         # Every prefill pod failed: the decode pod computes the prompt itself (slower, not lost).
         log.warning("request %s: every prefill leg failed; decoding with local prefill", route.request_id)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from router.flow.hold_queue import FlowControl
 from router.observe.metrics import RouterMetrics
-from router.request.meter import ResponseMeter, Usage, usage_of
+from router.request.meter import ResponseMeter, Usage
 from router.request.parse import OTHER, RESPONSES, headers_only_request, parse_request
 from router.request.rejections import (
     KINDS,
@@ -413,15 +413,15 @@ class Flight:
         if self.span is not None:
             self.span.set_attribute("http.response.status_code", status)
 
-    def prefill_answered(self, usage: object = None, *, seconds: float | None = None) -> None:
-        """A P/D pair's prefill leg answered (with its ``usage`` object, if any): the prompt is
-        computed, timed for the model (from the pick, or ``seconds`` as the sidecar that ran the
-        leg timed it)."""
+    def prefill_answered(self, usage: Usage | None = None, *, seconds: float | None = None) -> None:
+        """A P/D pair's prefill leg answered (with the prefill engine's ``usage``, if it gave one):
+        the prompt is computed, timed for the model (from the pick, or ``seconds`` as the sidecar
+        that ran the leg timed it)."""
         if self.prefill_leg_s is None and not self.retargeted:
             self.prefill_leg_s = time.perf_counter() - self.picked_at if seconds is None else seconds
-        self.prefill_usage = usage_of(usage)
+        self.prefill_usage = usage
         self.prefill_done()
-        if self.decision is not None and self.flow.signals is not None and self._teaches():
+        if self.decision is not None and self._teaches():
             # The prompt is computed: its time teaches the model now, not once the answer ends (a
             # long answer would hold it back a generation, while the prompt mix has moved on).
             self._learn_prefill(self.decision, self.prefill_leg_s)

@@ -21,6 +21,7 @@ PREFILL_LEG = "x-pd-prefill-leg"
 SERVER_TIMING = "server-timing"
 PREFILL_TIMING_METRIC = "pd-prefill"
 MAX_PREFILL_TIMING_S = 3600.0  # longer is no prompt's compute time: a broken clock or value
+MAX_COUNT_DIGITS = 12  # a token count of more digits is no prompt's
 
 # Routing and control headers only the router may set (the Inference Extension's, llm-d's and
 # ours): a client's copy is removed before anything is forwarded, so clients cannot steer routing.
@@ -96,4 +97,8 @@ def read_prefill_timing(server_timing: str) -> PrefillTiming | None:
 
 
 def _count(text: str | None) -> int | None:
-    return int(text) if text is not None and text.isascii() and text.isdigit() else None
+    """A token count's digits (at most ``MAX_COUNT_DIGITS``: a longer one is no prompt's, and
+    ``int`` refuses very long ones with an error); None for anything else."""
+    if text is None or not (0 < len(text) <= MAX_COUNT_DIGITS and text.isascii() and text.isdigit()):
+        return None
+    return int(text)

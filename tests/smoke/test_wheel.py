@@ -363,6 +363,8 @@ def test_sidecar_answers_a_completion_with_a_remote_prefill(installed: Installed
         )
     assert status == 200, answer
     assert headers.get("x-pd-sidecar-prefill") == "remote"
+    # The leg's report a picker behind Envoy learns the prefill speed from.
+    assert headers.get("server-timing", "").startswith("pd-prefill;dur="), headers
     assert json.loads(answer)["choices"][0]["text"]
 
 

@@ -21,6 +21,7 @@ def test_the_report_a_sidecar_writes_reads_back_as_it_was() -> None:
         ("pd-prefill;desc=leg;DUR=7;Cached=3", (0.007, None, 3)),  # parameter names: any case
         ('pd-prefill;dur="3";prompt="40"', (0.003, 40, None)),
         ("pd-prefill;dur=3;prompt=-4;cached=1.5", (0.003, None, None)),  # not counts: left out
+        (f"pd-prefill;dur=3;prompt={'9' * 5000};cached=", (0.003, None, None)),  # int() would refuse it
         ("prefill;dur=5", None),  # another metric's name
         ("pd-prefill", None),  # no duration
         ("pd-prefill;dur=abc", None),
