@@ -77,7 +77,10 @@ async def burst_peaks(isl: int, osl: int, n: int, speed: float, tpot_ms: float) 
     ``desired`` each role reached while they ran."""
     sections = {
         "slo": {"ttft_ms": 1000 / speed, "tpot_ms": tpot_ms / speed},
-        "signals": {"tick_ms": 50, "backlog_drain_s": 1.0, "learn": False},
+        # The configured engine model, never one fitted from the burst itself: on a starved machine
+        # the legs' times are the machine's, and a fit of them moved prefill to 5 replicas in a
+        # burst of 20-token prompts. What this tests is which role's demand each burst raises.
+        "signals": {"tick_ms": 50, "backlog_drain_s": 1.0, "learn": False, "min_samples": 1_000_000},
         # A burst of this size keeps the loop busy: generous staleness, so a late scrape on a
         # loaded machine is not mistaken for a dead engine.
         "scrape": {"interval_ms": 50, "timeout_ms": 2000, "stale_after_ms": 5000, "eject_after_failures": 5},
