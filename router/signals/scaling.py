@@ -33,8 +33,9 @@ the picker the engine model it implies, and recomputes per role (prefill, decode
   (``ρ = 2h / (s + 2h)``, ``s`` the prefill of the mean uncached prompt of the requests that make
   the rate, ``h = max(slo − s, s / 2)``: a prompt that nearly fills the SLO by itself waits at most
   half a service, so ``ρ`` never falls below 1/2 and never jumps; at most ``max_utilization``);
-  decode — the batch at which the step time reaches the TPOT SLO with the pool's mean context, at
-  most what fits in ``kv_target`` of a replica's KV.
+  decode — the batch at which the step time reaches the TPOT SLO with the pool's mean context; where
+  ``kv_target`` of a replica's KV holds fewer, that batch's token rate counted at the SLO (its steps
+  are faster than the SLO: ``batch × SLO / step``).
 * **desired** = ``ceil(forecast / capacity)`` within ``[min_replicas, max_replicas]``; while the
   role's load (``max(predicted, observed) / SLO``) and its prediction alone (decode: the
   prediction and the observed TPOT, streams still running included) are above 1 it is at least
@@ -310,12 +311,22 @@ def prefill_capacity(perf: PerformanceModel, typical_tokens: float, ttft_slo_s: 
 def decode_capacity(
     perf: PerformanceModel, context_tokens: float, tpot_slo_s: float, kv_tokens: float, kv_target: float
 ) -> float:
-    """Sequences one decode replica runs at the TPOT SLO with this mean context, KV permitting."""
+    """What one decode replica serves with this mean context, in the demand's unit: sequences in
+    flight *at the TPOT SLO* (Little's law: its token rate × the SLO).
+
+    Unbounded, the batch whose step time is the SLO. Where the KV (``kv_target`` of it) holds fewer
+    sequences, the replica runs that smaller batch, whose steps are *faster* than the SLO: it turns
+    over ``batch / step`` tokens a second, ``batch × SLO / step`` sequences at the SLO. Counting the
+    KV-bound batch as if it ran at the SLO's pace sized a pool whose replicas would run at 75 % of
+    the SLO one replica larger (pd-drift: a need of 2.8 replicas read as 3.02)."""
     base, per_seq, per_kv = perf.decode.coefficients
     per_sequence = per_seq + per_kv * context_tokens
     batch = (tpot_slo_s - base) / per_sequence if per_sequence > 0 else math.inf
     if kv_tokens > 0 and context_tokens > 0:
-        batch = min(batch, kv_tokens * kv_target / context_tokens)
+        kv_batch = kv_tokens * kv_target / context_tokens
+        if kv_batch < batch:
+            step = base + per_sequence * kv_batch
+            batch = kv_batch * tpot_slo_s / step if step > 0 else kv_batch
     return max(batch, 1.0)
 
 

@@ -122,9 +122,11 @@ def test_capacity_per_replica_at_the_slo() -> None:
     tokens = np.linspace(2000.0, 40000.0, 400)  # service from 0.21 s to 4 s against a 1 s SLO
     capacity = np.array([prefill_capacity(perf, t, 1.0, 0.85) for t in tokens])
     assert (np.abs(np.diff(np.log(capacity))) < 0.05).all()  # no cliff anywhere
-    # TPOT SLO 50 ms, step 10 ms + 1 ms per sequence: 40 sequences; KV caps it at 8.
+    # TPOT SLO 50 ms, step 10 ms + 1 ms per sequence: 40 sequences.
     assert decode_capacity(perf, 1000.0, 0.05, 0.0, 0.8) == pytest.approx(40.0)
-    assert decode_capacity(perf, 1000.0, 0.05, 10000.0, 0.8) == pytest.approx(8.0)
+    # KV for 8 of them: their steps take 18 ms, 8 / 0.018 = 444 tokens a second, which at the SLO's
+    # pace would be 22.2 sequences in flight: the demand's unit (Little's law at the SLO).
+    assert decode_capacity(perf, 1000.0, 0.05, 10000.0, 0.8) == pytest.approx(8.0 * 0.05 / 0.018)
     assert decode_capacity(perf, 1000.0, 0.005, 0.0, 0.8) == 1.0  # the SLO is below one step
 
 
@@ -415,20 +417,21 @@ def test_long_answers_count_for_decode_from_the_first_request_not_once_they_pile
     idle = {n: Metrics() for n in ("p0", "p1", "d0", "d1")}
     signals, clock = pool_signals(idle)
     signals.tick()  # where the rate starts
-    # 2 requests/s asking for 2,000 answer tokens each; nothing is running yet.
+    # 3 requests/s asking for 2,000 answer tokens each; nothing is running yet.
     for _ in range(10):
         clock.now += 1.0
-        for _ in range(2):
+        for _ in range(3):
             signals.demand.arrived(100.0, 2000)
         latest = signals.tick()
-    # Little's law on arrivals: 4,000 tokens/s at the 50 ms TPOT SLO = 200 sequences in flight.
-    assert latest["decode"].demand == pytest.approx(200.0, rel=0.05)
-    assert latest["decode"].desired > 2 and latest["prefill"].desired == 1
+    # Little's law on arrivals: 6,000 tokens/s at the 50 ms TPOT SLO = 300 sequences in flight,
+    # where a replica turns over ~2,650 tokens/s (KV for 82 sequences, 31 ms steps): 3 replicas.
+    assert latest["decode"].demand == pytest.approx(300.0, rel=0.05)
+    assert latest["decode"].desired == 3 and latest["prefill"].desired == 1
     # Answers that stop at a tenth of max_tokens (EOS) teach the share, and the need shrinks.
     for _ in range(200):
         signals.pool.observe_answer(2000, 200)
     clock.now += 1.0
-    assert signals.tick()["decode"].demand < 0.2 * 200.0
+    assert signals.tick()["decode"].demand < 0.2 * 300.0
 
 
 def test_a_change_of_prompt_mix_is_one_mix_per_forecast_not_a_jump_to_the_maximum() -> None:
