@@ -305,7 +305,6 @@ async def _flow_router(
     regret: bool = False,
 ) -> AsyncIterator[RouterUnderTest]:
     from router.adapters.openai import Proxy
-    from router.http.exchange import TwoLegExchange
 
     config_module = tree_module("router.server.config")
     PoolConfig, parse_config = config_module.PoolConfig, config_module.parse_config
@@ -318,9 +317,9 @@ async def _flow_router(
             from loadtests.bench.routing import install_reference
 
             install_reference(app, cluster)
-        cfg = config.proxy
-        exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)  # type: ignore[arg-type]
-        proxy = Proxy(parts_of(app).flow, exchange, lambda: app.ready, debug_headers=True)
+        proxy = Proxy(
+            parts_of(app).flow, local_exchange(session, config.proxy), lambda: app.ready, debug_headers=True
+        )
         router = RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", pruned, app)
         if regret and not reference:
             from loadtests.bench.routing import install_regret
@@ -328,6 +327,18 @@ async def _flow_router(
             router.regrets = install_regret(app, cluster).regrets
         with _tap_predictions(router.predictions):
             yield router
+
+
+def local_exchange(session: LocalSession, cfg: Any) -> Any:
+    """The tree's ``TwoLegExchange`` over the in-process network (which stands in for an aiohttp
+    session): through ``SessionClient``, or given the session itself in a tree from before it."""
+    from router.http.exchange import TwoLegExchange
+
+    try:
+        from router.http.upstream import SessionClient
+    except ImportError:
+        return TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)  # type: ignore[arg-type]
+    return TwoLegExchange(SessionClient(session, cfg.connect_timeout_s, cfg.request_timeout_s))  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

@@ -52,7 +52,7 @@ import aiohttp
 import fakeredis
 
 from loadtests.bench.proxy import process_cpu_s
-from loadtests.bench.quality import MS, VIRTUAL_OVERRIDES, RouterUnderTest, _drive
+from loadtests.bench.quality import MS, VIRTUAL_OVERRIDES, RouterUnderTest, _drive, local_exchange
 from loadtests.bench.scenarios import (
     HOP_S,
     SCENARIOS,
@@ -66,7 +66,6 @@ from loadtests.servers.envoy import in_front_of_picker, run_envoy
 from loadtests.servers.picker import PickerProcess
 from loadtests.servers.redis import RedisServer
 from router.adapters.openai import Proxy
-from router.http.exchange import TwoLegExchange
 from router.server import app as app_module
 from router.server.app import App
 from router.server.compose import build
@@ -157,8 +156,7 @@ async def _run(
                     config = parse_config(json.loads(json.dumps(data)), list(VIRTUAL_OVERRIDES))
                     parts = build(config, seed=_router_seed(seed, router_seed, i), redis=fake_redis)
                     app = await stack.enter_async_context(App(parts))
-                    cfg = config.proxy
-                    exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)
+                    exchange = local_exchange(session, config.proxy)
                     proxies.append(Proxy(app.parts.flow, exchange, lambda: True, debug_headers=True))
                 turn = itertools.cycle(proxies)
 

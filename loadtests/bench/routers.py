@@ -8,7 +8,9 @@ and in front of them, one router at a time, each in its own process pinned to it
   and upstream session) forwarding to the workers in turn with no decision at all, the floor under
   pd-router's row: what is left above it is the routing and its bookkeeping; asked for by name,
   **aiohttp-forward+flow** forwards the same way around pd-router's request flow (the parse, the
-  pick, the bookkeeping), to the worker picked: the flow's cost apart from the proxy's HTTP;
+  pick, the bookkeeping), to the worker picked: the flow's cost apart from the proxy's HTTP; and
+  **pd-router+aiohttp-legs** is pd-router with its engine legs through aiohttp's client
+  (``proxy.http_client: aiohttp``) instead of the built-in one;
 * **sglang-router** (``sglang-router launch --policy cache_aware``) and **vllm-router**
   (``vllm-router --policy cache_aware``), from their PyPI wheels, installed by this script into a
   virtual environment of their own (``--rust-venv``; the test suite never needs them).
@@ -24,6 +26,7 @@ every router's figures over pd-router's.
     python -m loadtests.bench.routers --rounds 5 --scale 2
     python -m loadtests.bench.routers --routers pd-router,aiohttp-forward  # without the Rust routers
     python -m loadtests.bench.routers --routers pd-router,aiohttp-forward,aiohttp-forward+flow
+    python -m loadtests.bench.routers --routers pd-router,pd-router+aiohttp-legs,aiohttp-forward
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ RUST_ROUTERS = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-ro
 # the same around pd-router's request flow (asked for by name: not in the default run).
 FLOOR = "aiohttp-forward"
 FLOOR_FLOW = "aiohttp-forward+flow"
+AIOHTTP_LEGS = "pd-router+aiohttp-legs"  # pd-router with proxy.http_client: aiohttp
 ROUTERS = ("pd-router", FLOOR, *RUST_ROUTERS)
 ROUTER_CPU, CLIENT_CPU = 1, 0
 
@@ -102,14 +106,15 @@ def _worker_app() -> web.Application:
     return app
 
 
-def pd_router_main(conn: object, workers: list[str], cpu: int | None) -> None:
+def pd_router_main(conn: object, workers: list[str], cpu: int | None, http_client: str = "builtin") -> None:
     _pin(cpu)
     from router.server.app import App  # imported in the router's child only
     from router.server.compose import build
     from router.server.config import parse_config
 
     endpoints = [{"address": w, "role": "prefill-decode", "name": f"w{i}"} for i, w in enumerate(workers)]
-    config = parse_config({"model": MODEL, "endpoints": endpoints, "proxy": {"port": 0}})
+    proxy = {"port": 0, "http_client": http_client}
+    config = parse_config({"model": MODEL, "endpoints": endpoints, "proxy": proxy})
 
     async def serve() -> None:
         async with App(build(config)) as app:
@@ -348,8 +353,9 @@ def run(args: argparse.Namespace) -> Rows:
         for round_no in range(args.rounds):
             for name in args.routers:
                 router: Child | Process
-                if name == "pd-router":
-                    router = start_child(pd_router_main, addresses, ROUTER_CPU)
+                if name in ("pd-router", AIOHTTP_LEGS):
+                    client = "aiohttp" if name == AIOHTTP_LEGS else "builtin"
+                    router = start_child(pd_router_main, addresses, ROUTER_CPU, client)
                 elif name in (FLOOR, FLOOR_FLOW):
                     router = start_child(aiohttp_forward_main, addresses, ROUTER_CPU, name == FLOOR_FLOW)
                 else:
@@ -403,7 +409,7 @@ def parser() -> argparse.ArgumentParser:
         "--routers",
         type=lambda s: s.split(","),
         default=list(ROUTERS),
-        help=f"of {', '.join((*ROUTERS, FLOOR_FLOW))}",
+        help=f"of {', '.join((*ROUTERS, FLOOR_FLOW, AIOHTTP_LEGS))}",
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--scale", type=float, default=1.0, help="requests per cell × this")
@@ -414,7 +420,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    known = (*ROUTERS, FLOOR_FLOW)
+    known = (*ROUTERS, FLOOR_FLOW, AIOHTTP_LEGS)
     unknown = [name for name in args.routers if name not in known]
     if unknown:
         parser().error(f"unknown routers {unknown}; choose from {list(known)}")

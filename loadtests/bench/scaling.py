@@ -88,11 +88,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 from unittest import mock
 
-from loadtests.bench.quality import RouterUnderTest, _drive
+from loadtests.bench.quality import RouterUnderTest, _drive, local_exchange
 from loadtests.bench.routing import KV_BYTES_PER_TOKEN, scaled_links
 from loadtests.bench.scenarios import HOP_S
 from router.adapters.openai import Proxy
-from router.http.exchange import TwoLegExchange
 from router.server import app as app_module
 from router.server.app import App
 from router.server.compose import build
@@ -659,8 +658,12 @@ async def serving(
 
         else:
             cfg = config.proxy
-            exchange = TwoLegExchange(session, cfg.connect_timeout_s, cfg.request_timeout_s)
-            proxy = Proxy(app.parts.flow, exchange, lambda: app.ready, debug_headers=cfg.debug_headers)
+            proxy = Proxy(
+                app.parts.flow,
+                local_exchange(session, cfg),
+                lambda: app.ready,
+                debug_headers=cfg.debug_headers,
+            )
             router = RouterUnderTest(proxy.completions, proxy.max_body_bytes, "flow", app=app)
 
             def drive(workload: Workload, name: str) -> Awaitable[Summary]:

@@ -27,6 +27,7 @@ from router.http.client_io import answer_response, read_body
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
 from router.http.server import bearer_ok, http_runner
+from router.http.upstream import Answer, engine_client
 from router.request.meter import usage_of
 from router.request.parse import API_PATHS, OTHER
 from router.request.rejections import UPSTREAM_DISCONNECTED, Rejection, UpstreamFailed
@@ -221,7 +222,7 @@ class Proxy:
             tracer.failed(span, "connect_failed" if error.connect else "upstream_failed", error.reason)
 
     async def _start_response(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, flight: Flight
+        self, request: web.Request, upstream: Answer, flight: Flight
     ) -> web.StreamResponse:
         flight.responded(upstream.status)
         flight.first_byte()
@@ -255,7 +256,10 @@ class ProxyListener:
         metrics_token: str | None = None,
     ) -> None:
         """``metrics_token``: the bearer token the proxy's own ``/metrics`` requires (``metrics.token``)."""
-        exchange = TwoLegExchange(session, config.connect_timeout_s, config.request_timeout_s)
+        self.client = engine_client(
+            config.http_client, session, config.connect_timeout_s, config.request_timeout_s
+        )
+        exchange = TwoLegExchange(self.client)
         self.proxy = Proxy(
             flow, exchange, ready, debug_headers=config.debug_headers, metrics_token=metrics_token
         )
@@ -297,6 +301,7 @@ class ProxyListener:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        await self.client.close()  # after the runner: its streams drained first
         if self.tls is not None:
             await self.tls.__aexit__()
             self.tls = None

@@ -21,6 +21,7 @@ from router.control.checks import CHECKS
 from router.control.checks.base import CANARY_HEADER, GateFailed
 from router.control.topology import GroupSpec
 from router.http.exchange import Leg, TwoLegExchange, UpstreamError
+from router.http.upstream import UpstreamConnectError, UpstreamIOError
 from router.observe.scrape import Scraper
 from router.state.pool import Pool
 
@@ -168,16 +169,12 @@ class Gate:
         return peers
 
     async def decode_once(self, address: str, leg: Leg, data: bytes) -> bytes:
+        headers = {**leg.headers, "content-type": "application/json"}
         try:
-            async with self.session.post(
-                f"http://{address}{leg.path}",
-                data=data,
-                headers={**leg.headers, "content-type": "application/json"},
-                timeout=self.exchange.timeout,
-            ) as resp:
-                payload = await resp.read()
-                if resp.status != 200:
-                    raise UpstreamError(address, f"decode leg answered HTTP {resp.status}")
+            async with await self.exchange.client.send("POST", address, leg.path, headers, data) as answer:
+                payload = await answer.read()
+                if answer.status != 200:
+                    raise UpstreamError(address, f"decode leg answered HTTP {answer.status}")
                 return payload
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamConnectError, UpstreamIOError, TimeoutError) as exc:
             raise UpstreamError(address, f"decode leg failed: {type(exc).__name__}") from None

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
+from router.http.upstream import Answer, EngineClient, UpstreamConnectError, UpstreamIOError
 from router.request.parse import CHAT, COMPLETIONS, MESSAGES, RESPONSES, api_of
 from router.request.rejections import UPSTREAM_DISCONNECTED
 
@@ -89,44 +89,39 @@ class Leg:
 class TwoLegExchange:
     """Forwards one request: optional prefill leg, then the decode leg streamed to the client."""
 
-    def __init__(
-        self, session: aiohttp.ClientSession, connect_timeout_s: float, request_timeout_s: float
-    ) -> None:
-        self.session = session
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
 
     async def prefill(self, address: str, leg: Leg, body: dict[str, Any]) -> tuple[Any, Any]:
         """Run the prefill leg; returns its ``kv_transfer_params`` and ``usage`` (None when it sent
         none) or raises ``UpstreamError``."""
+        headers = {**leg.headers, "content-type": "application/json"}
         try:
-            async with self.session.post(
-                f"http://{address}{leg.path}",
-                data=prefill_body(body, leg.path),
-                headers={**leg.headers, "content-type": "application/json"},
-                timeout=self.timeout,
-            ) as resp:
-                payload = await resp.read()
-                if resp.status != 200:
-                    raise UpstreamError(address, f"prefill leg answered HTTP {resp.status}")
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(address, f"connect failed: {exc.os_error or exc}", connect=True) from None
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(address, f"prefill leg failed: {type(exc).__name__}") from None
+            async with await self.client.send(
+                "POST", address, leg.path, headers, prefill_body(body, leg.path)
+            ) as answer:
+                payload = await answer.read()
+                if answer.status != 200:
+                    raise UpstreamError(address, f"prefill leg answered HTTP {answer.status}")
+        except UpstreamConnectError as exc:
+            raise UpstreamError(address, str(exc), connect=True) from None
+        except (UpstreamIOError, TimeoutError) as exc:
+            raise UpstreamError(address, f"prefill leg failed: {_named(exc)}") from None
         try:
-            answer = orjson.loads(payload)
-            params = answer["kv_transfer_params"]
+            answer_body = orjson.loads(payload)
+            params = answer_body["kv_transfer_params"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
             raise UpstreamError(address, "prefill answer has no kv_transfer_params") from None
         if not isinstance(params, dict):
             raise UpstreamError(address, "prefill answer's kv_transfer_params is not an object")
-        return params, answer.get("usage")
+        return params, answer_body.get("usage")
 
     async def decode(
         self,
         address: str,
         leg: Leg,
         data: bytes,
-        start_response: Callable[[aiohttp.ClientResponse], Awaitable[web.StreamResponse]],
+        start_response: Callable[[Answer], Awaitable[web.StreamResponse]],
         on_first_byte: Callable[[], None],
         on_body: Callable[[bytes], bytes] = lambda chunk: chunk,
         on_end: Callable[[], bytes] = lambda: b"",
@@ -139,58 +134,58 @@ class TwoLegExchange:
         fail over); after that an engine failure ends the stream with an SSE error event and is
         reported to ``on_cut`` (with its reason): the response began well, but did not end so.
         """
+        headers = {"content-type": "application/json", **leg.headers}
         try:
-            resp = await self.session.request(
-                leg.method,
-                f"http://{address}{leg.path}",
-                data=data,
-                headers={"content-type": "application/json", **leg.headers},
-                timeout=self.timeout,
-            )
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(address, f"connect failed: {exc.os_error or exc}", connect=True) from None
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamError(address, f"decode leg failed: {type(exc).__name__}") from None
-        async with resp:
-            if resp.status >= 500:
-                raise UpstreamError(address, f"decode leg answered HTTP {resp.status}")
-            streaming = resp.content_type == "text/event-stream"
+            answer = await self.client.send(leg.method, address, leg.path, headers, data)
+        except UpstreamConnectError as exc:
+            raise UpstreamError(address, str(exc), connect=True) from None
+        except (UpstreamIOError, TimeoutError) as exc:
+            raise UpstreamError(address, f"decode leg failed: {_named(exc)}") from None
+        async with answer:
+            if answer.status >= 500:
+                raise UpstreamError(address, f"decode leg answered HTTP {answer.status}")
+            streaming = answer.content_type == "text/event-stream"
             if not streaming:
                 # Small JSON answers are read whole, so a failure part-way can still fail over.
                 try:
-                    payload = await resp.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise UpstreamError(address, f"decode answer cut: {type(exc).__name__}") from None
+                    payload = await answer.read()
+                except (UpstreamIOError, TimeoutError) as exc:
+                    raise UpstreamError(address, f"decode answer cut: {_named(exc)}") from None
                 on_first_byte()
                 payload = on_body(payload) + on_end()
-                out = await start_response(resp)
+                out = await start_response(answer)
                 await out.write(payload)
                 return out
             out = None
             try:
-                read = resp.content.readany  # a plain loop: cheaper per chunk than the async iterator
+                read = answer.readany
                 while chunk := await read():
                     if out is None:
                         on_first_byte()
-                        out = await start_response(resp)
+                        out = await start_response(answer)
                     if chunk := on_body(chunk):
                         await out.write(chunk)
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
+            except (UpstreamIOError, TimeoutError) as exc:
                 if out is None:
                     raise UpstreamError(
-                        address, f"decode stream failed before any byte: {type(exc).__name__}"
+                        address, f"decode stream failed before any byte: {_named(exc)}"
                     ) from None
-                log.warning("decode stream from %s cut mid-way: %s", address, type(exc).__name__)
-                on_cut(f"decode stream cut mid-way: {type(exc).__name__}")
+                log.warning("decode stream from %s cut mid-way: %s", address, _named(exc))
+                on_cut(f"decode stream cut mid-way: {_named(exc)}")
                 await out.write(
                     sse_error("upstream engine stopped mid-stream", UPSTREAM_DISCONNECTED, leg.path)
                 )
             if out is None:
                 on_first_byte()
-                out = await start_response(resp)
+                out = await start_response(answer)
             if rest := on_end():
                 await out.write(rest)
             return out
+
+
+def _named(exc: BaseException) -> str:
+    """What failed, for logs and the failed leg's reason: the timeout by name, else the message."""
+    return "TimeoutError" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
 
 
 def sse_error(message: str, code: str, path: str) -> bytes:

@@ -31,6 +31,7 @@ from router.control.groups import GroupController
 from router.control.topology import DiscoverySource
 from router.http.exchange import TwoLegExchange
 from router.http.session import upstream_session
+from router.http.upstream import SessionClient
 from router.observe.metrics import GroupCollector, MetricsListener
 from router.observe.scrape import ANSWERED, ScrapeError, Scraper
 from router.request.types import EngineMetrics
@@ -184,7 +185,8 @@ class App:
         """Discovery → the group controller → the first gate round, before anything listens."""
         parts, timing = self.parts, self.parts.timing
         assert self._scraper is not None
-        exchange = TwoLegExchange(session, timing.connect_timeout_s, timing.request_timeout_s)
+        # The gate's canaries: few, and through the session (the virtual benchmarks' network replaces it).
+        exchange = TwoLegExchange(SessionClient(session, timing.connect_timeout_s, timing.request_timeout_s))
         kv_events = parts.kv_events
         gate = Gate(
             parts.gate,

@@ -97,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     sidecar.add_argument("--tls-cert", metavar="PEM", help="certificate file (reloaded when it changes)")
     sidecar.add_argument("--tls-key", metavar="PEM", help="its private key file")
     sidecar.add_argument("--tls-min-version", choices=["1.2", "1.3"], default="1.2")
+    sidecar.add_argument(
+        "--http-client",
+        choices=["builtin", "aiohttp"],
+        default="builtin",
+        help="the engine legs' HTTP client (builtin: HTTP/1.1 keep-alive, the cheaper)",
+    )
     for entry in entry_points(group="pd_router.commands"):
         entry.load()(sub)
     return parser
@@ -227,6 +233,7 @@ def _run_sidecar(args: argparse.Namespace) -> int:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_min_version=args.tls_min_version,
+            http_client=args.http_client,
         )
     except ValueError as exc:
         print(f"pd-router sidecar: {exc}", file=sys.stderr)

@@ -502,6 +502,11 @@ class ProxyConfig(_Strict):
     drain_timeout_s: NonNegative = Field(30.0, description="on shutdown, how long open requests may finish")
     debug_headers: bool = Field(False, description="add x-pd-router-decode/-prefill/-reason to responses")
     tls: HttpTlsConfig = Field(HttpTlsConfig(), description="HTTPS on the proxy's port")
+    http_client: Literal["builtin", "aiohttp"] = Field(
+        "builtin",
+        description="the engine legs' HTTP client: builtin (HTTP/1.1 keep-alive, about half aiohttp's "
+        "CPU per leg) or aiohttp's",
+    )
 
 
 class ExtProcConfig(_Strict):

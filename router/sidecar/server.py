@@ -43,6 +43,7 @@ from router.http.headers import (
 )
 from router.http.server import http_runner
 from router.http.session import upstream_session
+from router.http.upstream import Answer, engine_client
 from router.request.meter import Usage, usage_of
 from router.request.parse import PD_PATHS, client_json
 from router.request.rejections import BadRequest, PrefillForbidden, Rejection, UpstreamFailed, answer
@@ -65,12 +66,15 @@ class Sidecar:
         decode_address: str,
         exchange: TwoLegExchange,
         session: aiohttp.ClientSession,
+        timeout: aiohttp.ClientTimeout,
         allow: PrefillAllowList,
         max_body_bytes: int,
     ) -> None:
+        """``session`` and ``timeout``: everything but the completions, passed through as it is."""
         self.decode_address = decode_address
         self.exchange = exchange
         self.session = session
+        self.timeout = timeout
         self.allow = allow
         self.max_body_bytes = max_body_bytes
 
@@ -133,7 +137,7 @@ class Sidecar:
                 )
                 data = decode_body(body, kv_params)
 
-        async def start_response(upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        async def start_response(upstream: Answer) -> web.StreamResponse:
             response = web.StreamResponse(status=upstream.status)
             for name in ("Content-Type", "Cache-Control"):
                 if name in upstream.headers:
@@ -192,7 +196,7 @@ class Sidecar:
                 data=data,
                 headers=headers,
                 allow_redirects=False,
-                timeout=self.exchange.timeout,
+                timeout=self.timeout,
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("%s %s to %s failed: %s", request.method, request.path, self.decode_address, exc)
@@ -262,9 +266,10 @@ class SidecarServer:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         tls_min_version: str = "1.2",
+        http_client: str = "builtin",
     ) -> None:
         """``tls``: serve HTTPS, from ``tls_cert``/``tls_key`` (reloaded when they change) or a
-        self-signed pair without them."""
+        self-signed pair without them; ``http_client``: the legs' (``router.http.upstream``)."""
         if tls and (tls_cert is None) != (tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together (neither: self-signed)")
         # Validated here, so a bad --allow fails before anything listens.
@@ -276,6 +281,7 @@ class SidecarServer:
         self.request_timeout_s = request_timeout_s
         self.max_body_bytes = max_body_bytes
         self.drain_timeout_s = drain_timeout_s
+        self.http_client = http_client
         self.tls_files = (tls_cert, tls_key, tls_min_version) if tls else None
         self._stack = AsyncExitStack()
 
@@ -290,8 +296,11 @@ class SidecarServer:
     async def _start(self) -> None:
         stack = self._stack
         session = await stack.enter_async_context(upstream_session())
-        exchange = TwoLegExchange(session, self.connect_timeout_s, self.request_timeout_s)
-        sidecar = Sidecar(self.decode_address, exchange, session, self.allow, self.max_body_bytes)
+        client = engine_client(self.http_client, session, self.connect_timeout_s, self.request_timeout_s)
+        stack.push_async_callback(client.close)
+        exchange = TwoLegExchange(client)
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
+        sidecar = Sidecar(self.decode_address, exchange, session, timeout, self.allow, self.max_body_bytes)
         # handler_cancellation: a client that hangs up cancels the engine calls, which frees their KV.
         runner = http_runner(sidecar.app(), drain_timeout_s=self.drain_timeout_s, cancel_on_disconnect=True)
         await runner.setup()

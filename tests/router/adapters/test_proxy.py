@@ -33,12 +33,25 @@ ALWAYS_PAIR = {"picker": {"allow_local_prefill": False}}
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 40
 
 
+# The engine legs' two HTTP clients (``proxy.http_client``): what the proxy does with an engine's
+# answer, its failure or a client's hang-up does not depend on which one carried the leg.
+CLIENTS = pytest.mark.parametrize("client", ["builtin", "aiohttp"])
+
+
+def legs_via(client: str) -> dict:
+    return {"proxy": {"port": 0, "debug_headers": True, "drain_timeout_s": 2, "http_client": client}}
+
+
 def completion(prompt: str = PROMPT, **extra: object) -> dict:
     return {"model": "sim-model", "prompt": prompt, "max_tokens": 8, **extra}
 
 
-async def test_pd_request_runs_prefill_leg_then_decode_leg_with_the_transfer_params() -> None:
-    async with router_on_sim(PD_SPECS, ALWAYS_PAIR) as (cluster, app, base), aiohttp.ClientSession() as http:
+@CLIENTS
+async def test_pd_request_runs_prefill_leg_then_decode_leg_with_the_transfer_params(client: str) -> None:
+    async with (
+        router_on_sim(PD_SPECS, {**ALWAYS_PAIR, **legs_via(client)}) as (cluster, app, base),
+        aiohttp.ClientSession() as http,
+    ):
         headers = {"X-Request-Id": "req-42"}
         async with http.post(f"{base}/v1/completions", json=completion(stream=True), headers=headers) as resp:
             assert resp.status == 200
@@ -146,9 +159,10 @@ async def test_no_capacity_is_503_with_retry_after() -> None:
             assert resp.status == 503
 
 
-async def test_dead_decode_pod_fails_over_before_the_first_byte() -> None:
+@CLIENTS
+async def test_dead_decode_pod_fails_over_before_the_first_byte(client: str) -> None:
     # Kill a pod the scraper still believes healthy: the proxy must retry on the fallback.
-    sections = {"scrape": {"interval_ms": 60000, "eject_after_failures": 2}}
+    sections = {"scrape": {"interval_ms": 60000, "eject_after_failures": 2}, **legs_via(client)}
     async with router_on_sim(SINGLE_SPECS, sections) as (cluster, app, base), aiohttp.ClientSession() as http:
         await cluster.kill("e0")
         await cluster.kill("e1")
@@ -169,9 +183,10 @@ async def test_dead_decode_pod_fails_over_before_the_first_byte() -> None:
         assert pool.outstanding == 0
 
 
-async def test_dead_prefill_pod_fails_over_to_the_next_prefill() -> None:
+@CLIENTS
+async def test_dead_prefill_pod_fails_over_to_the_next_prefill(client: str) -> None:
     async with (
-        router_on_sim(PD_SPECS, {**ALWAYS_PAIR, "scrape": {"interval_ms": 60000}}) as (
+        router_on_sim(PD_SPECS, {**ALWAYS_PAIR, "scrape": {"interval_ms": 60000}, **legs_via(client)}) as (
             cluster,
             app,
             base,
@@ -187,9 +202,10 @@ async def test_dead_prefill_pod_fails_over_to_the_next_prefill() -> None:
         assert app.parts.pool.outstanding == 0
 
 
-async def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+@CLIENTS
+async def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event(client: str) -> None:
     async with (
-        router_on_sim(SINGLE_SPECS, speed=2.0) as (cluster, app, base),
+        router_on_sim(SINGLE_SPECS, legs_via(client), speed=2.0) as (cluster, app, base),
         aiohttp.ClientSession() as http,
     ):
         async with http.post(f"{base}/v1/completions", json=completion(max_tokens=400, stream=True)) as resp:
@@ -202,8 +218,9 @@ async def test_engine_dying_mid_stream_ends_the_stream_with_an_error_event() -> 
         await eventually(lambda: app.parts.pool.outstanding == 0, what="reservation released")
 
 
-async def test_client_disconnect_cancels_upstream_and_releases_the_reservation() -> None:
-    async with router_on_sim(SINGLE_SPECS, speed=2.0) as (cluster, app, base):
+@CLIENTS
+async def test_client_disconnect_cancels_upstream_and_releases_the_reservation(client: str) -> None:
+    async with router_on_sim(SINGLE_SPECS, legs_via(client), speed=2.0) as (cluster, app, base):
         async with aiohttp.ClientSession() as http:
             resp = await http.post(f"{base}/v1/completions", json=completion(max_tokens=2000, stream=True))
             chosen = resp.headers["x-pd-router-decode"]
