@@ -28,7 +28,6 @@ once on a new one: the request never reached the engine's handler.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Mapping
 from types import TracebackType
@@ -519,8 +518,8 @@ class SessionAnswer:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        with contextlib.suppress(Exception):
-            self._response.release()
+        # Released, or closed on an error, as ``async with`` the response does.
+        await self._response.__aexit__(exc_type, exc, tb)
 
 
 def engine_client(
