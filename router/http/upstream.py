@@ -4,12 +4,12 @@ shared aiohttp session behind the same few calls.
 A leg is one POST (or a GET/DELETE of a stored answer) to an engine on ``http://<address>``, its
 answer read whole or streamed piece by piece. aiohttp's client does that with every feature a
 general client needs (URL objects, cookie and redirect handling, tracing hooks, per-request timer
-objects), and they cost: forwarding a small completion through aiohttp's server and its client took
-0.16–0.19 ms of CPU at 16 concurrent requests, through the same server and this client 0.07–0.09
-(``python -m loadtests.bench.routers --routers aiohttp-forward,pd-router``). The proxy and the
-sidecar run every leg through ``Http1Client`` (``proxy.http_client: builtin``, the default), or
-through the aiohttp session (``aiohttp``; the virtual-time benchmarks, whose in-process network
-stands in for that session).
+objects), and they cost: the proxy with its legs through this client spent 0.65× the CPU per
+request of the same proxy through aiohttp's (``python -m loadtests.bench.routers --routers
+pd-router,pd-router+aiohttp-legs``; docs/benchmarks.md). The proxy and the sidecar run every leg
+through ``Http1Client`` (``proxy.http_client: builtin``, the default), or through the aiohttp
+session (``aiohttp``; also the gate's canaries, and the virtual-time benchmarks, whose in-process
+network stands in for that session).
 
 Both raise the same three errors, so the exchange has one vocabulary: ``UpstreamConnectError``
 (nothing reached the engine: refused, unreachable, the connect timeout), ``UpstreamIOError`` (the
