@@ -77,16 +77,15 @@ def _static_metrics() -> bytes:
     return SimEngine(EngineSpec("null", "prefill-decode", model=MODEL)).metrics_text().encode()
 
 
-_COMPLETION = orjson.dumps(
-    {
-        "id": "cmpl-null",
-        "object": "text_completion",
-        "created": 0,
-        "model": MODEL,
-        "choices": [{"index": 0, "text": " ok", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
-    }
-)
+_ANSWER: dict[str, Any] = {
+    "id": "cmpl-null",
+    "object": "text_completion",
+    "created": 0,
+    "model": MODEL,
+    "choices": [{"index": 0, "text": " ok", "logprobs": None, "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+}
+_COMPLETION = orjson.dumps(_ANSWER)
 _SSE = [
     b"data: "
     + orjson.dumps(
@@ -103,6 +102,22 @@ _SSE = [
 ] + [b"data: [DONE]\n\n"]
 
 
+# A prefill leg's answer, as vLLM's NIXL connector gives it: one token and where to pull the KV from.
+_PREFILL_ANSWER = orjson.dumps(
+    {
+        **_ANSWER,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "null-prefill",
+            "remote_block_ids": [1],
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+        },
+    }
+)
+
+
 def _null_engine_app() -> web.Application:
     metrics = _static_metrics()
 
@@ -111,6 +126,9 @@ def _null_engine_app() -> web.Application:
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = orjson.loads(await request.read())
+        params = body.get("kv_transfer_params")
+        if isinstance(params, dict) and params.get("do_remote_decode"):  # a P/D pair's prefill leg
+            return web.Response(body=_PREFILL_ANSWER, content_type="application/json")
         if not body.get("stream"):
             return web.Response(body=_COMPLETION, content_type="application/json")
         gap = float(request.headers.get(GAP_HEADER, "0")) / MS

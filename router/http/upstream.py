@@ -212,6 +212,67 @@ class Http1Client:
         return answer
 
 
+class Dechunker:
+    """The ``chunked`` transfer coding (RFC 9112, 7.1) decoded from bytes as they arrive: ``feed``
+    returns the data they complete; ``done`` after the last chunk and its trailers (dropped);
+    ``leftover`` when bytes followed the end. A malformed body raises ``ValueError``."""
+
+    __slots__ = ("_buffer", "_left", "_state", "done", "leftover")
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._state = _SIZE
+        self._left = 0
+        self.done = False
+        self.leftover = False
+
+    def feed(self, raw: bytes) -> bytes:
+        buffer = self._buffer
+        buffer += raw
+        out: list[bytes] = []
+        pos, end = 0, len(buffer)
+        while pos < end and not self.done:
+            state = self._state
+            if state == _DATA:
+                take = min(self._left, end - pos)
+                out.append(bytes(buffer[pos : pos + take]))
+                pos += take
+                self._left -= take
+                if not self._left:
+                    self._state = _CRLF
+            elif state == _CRLF:
+                if end - pos < 2:
+                    break
+                if buffer[pos : pos + 2] != b"\r\n":
+                    raise ValueError("a chunk did not end with CRLF")
+                pos += 2
+                self._state = _SIZE
+            else:  # a size line, or a trailer line
+                eol = buffer.find(b"\r\n", pos)
+                if eol < 0:
+                    if end - pos > MAX_CHUNK_LINE:
+                        raise ValueError(f"a chunk line over {MAX_CHUNK_LINE} bytes")
+                    break
+                line = bytes(buffer[pos:eol])
+                pos = eol + 2
+                if state == _TRAILER:
+                    self.done = not line  # trailers are not ours to forward; an empty line ends them
+                    continue
+                size_text = line.split(b";", 1)[0].strip()
+                if not size_text or size_text.lstrip(_HEX):
+                    raise ValueError(f"bad chunk size {size_text[:20]!r}")
+                self._left = int(size_text, 16)
+                self._state = _DATA if self._left else _TRAILER
+        del buffer[:pos]
+        self.leftover = self.done and bool(buffer)
+        return b"".join(out)
+
+
+_SIZE, _DATA, _CRLF, _TRAILER = range(4)
+_HEX = b"0123456789abcdefABCDEF"
+MAX_CHUNK_LINE = 8192
+
+
 class _StaleConnection(Exception):
     """The connection ended before a single byte of the answer."""
 
@@ -220,9 +281,9 @@ class Http1Answer:
     """One answer on one connection; the body is read through ``readany`` / ``read``."""
 
     __slots__ = (
-        "_chunk_left",
         "_client",
         "_conn",
+        "_dechunker",
         "_done",
         "_expired",
         "_keep",
@@ -242,7 +303,7 @@ class Http1Answer:
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
         self._mode = ""  # "length", "chunked" or "eof"
         self._remaining = 0
-        self._chunk_left = 0
+        self._dechunker = Dechunker()
         self._done = False
         self._keep = False
         self._expired = False
@@ -348,28 +409,23 @@ class Http1Answer:
             raise self._failed("reading the engine's answer failed", exc) from None
 
     async def _read_chunked(self, reader: asyncio.StreamReader) -> bytes:
-        while not self._chunk_left:
-            line = await reader.readuntil(b"\r\n")
-            size_text = line[:-2].split(b";", 1)[0].strip()
+        # Decoded from whatever arrived, one read per arrival: three awaits per chunk (its size line,
+        # its data, its CRLF) cost a streamed answer more than aiohttp's C parser does.
+        dechunker = self._dechunker
+        while True:
+            raw = await reader.read(READ_SIZE)
+            if not raw:
+                raise self._failed("the engine's answer was cut inside its chunked body")
             try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise self._failed(f"bad chunk size {size_text[:20]!r}") from None
-            if size < 0:
-                raise self._failed(f"bad chunk size {size_text[:20]!r}")
-            if size == 0:
-                while await reader.readuntil(b"\r\n") != b"\r\n":
-                    pass  # trailers: not ours to forward
+                data = dechunker.feed(raw)
+            except ValueError as exc:
+                raise self._failed(str(exc)) from None
+            if dechunker.done:
+                self._keep = self._keep and not dechunker.leftover  # bytes after the end: not trusted
                 self._finish()
-                return b""
-            self._chunk_left = size
-        data = await reader.read(min(self._chunk_left, READ_SIZE))
-        if not data:
-            raise self._failed("the engine's answer was cut inside a chunk")
-        self._chunk_left -= len(data)
-        if not self._chunk_left and await reader.readexactly(2) != b"\r\n":
-            raise self._failed("a chunk did not end with CRLF")
-        return data
+                return data
+            if data:
+                return data
 
     async def read(self) -> bytes:
         pieces = []

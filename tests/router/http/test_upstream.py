@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from router.http.upstream import Http1Client, UpstreamConnectError, UpstreamIOError
+from router.http.upstream import Dechunker, Http1Client, UpstreamConnectError, UpstreamIOError
 
 Reply = Callable[[asyncio.StreamWriter, "Seen"], Awaitable[bool]]  # True: keep the connection open
 
@@ -269,3 +269,34 @@ async def test_a_body_larger_than_the_socket_buffer_is_sent_whole() -> None:
             assert await answer.read() == JSON
         await legs.close()
     assert seen.requests[0][2] == body
+
+
+CHUNKED = b"4;name=v\r\nWiki\r\n5\r\npedia\r\nE\r\n in\r\n\r\nchunks.\r\n0\r\nExpires: never\r\n\r\n"
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, len(CHUNKED)], ids=lambda n: f"{n}-byte pieces")
+def test_a_chunked_body_decodes_the_same_however_it_arrives(size: int) -> None:
+    dechunker = Dechunker()
+    out = b"".join(dechunker.feed(CHUNKED[i : i + size]) for i in range(0, len(CHUNKED), size))
+    assert out == b"Wikipedia in\r\n\r\nchunks." and dechunker.done and not dechunker.leftover
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (b"4\r\nWikiXX", "did not end with CRLF"),
+        (b"-4\r\nWiki\r\n", "bad chunk size"),
+        (b"0x4\r\nWiki\r\n", "bad chunk size"),
+        (b"4" * 9000, "chunk line over"),
+    ],
+    ids=["no-crlf", "negative", "0x", "endless-size-line"],
+)
+def test_a_malformed_chunked_body_is_refused(body: bytes, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        Dechunker().feed(body)
+
+
+def test_bytes_after_the_last_chunk_are_noticed() -> None:
+    dechunker = Dechunker()
+    assert dechunker.feed(b"2\r\nok\r\n0\r\n\r\nHTTP/1.1 200 OK") == b"ok"
+    assert dechunker.done and dechunker.leftover
