@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Protocol
+from urllib.parse import quote
 
 import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -470,7 +471,7 @@ class Http1Answer:
 def _request_bytes(
     method: str, address: str, path: str, headers: Mapping[str, str], body: bytes | None
 ) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1\r\nHost: {address}\r\n"]
+    lines = [f"{method} {_target(path)} HTTP/1.1\r\nHost: {address}\r\n"]
     for name, value in headers.items():
         lower = name.lower()
         if lower in _OWN_HEADERS:
@@ -483,8 +484,21 @@ def _request_bytes(
     elif method not in ("GET", "HEAD", "DELETE"):
         lines.append("Content-Length: 0\r\n")
     lines.append("\r\n")
-    head = "".join(lines).encode("latin-1", "replace")
+    # Header bytes as the listener decoded them (UTF-8, undecodable bytes kept as surrogates).
+    head = "".join(lines).encode("utf-8", "surrogateescape")
     return head + body if body else head
+
+
+def _target(path: str) -> str:
+    """``path`` as a request target: what a request line cannot carry (spaces, control characters,
+    non-ASCII) percent-encoded. The listeners hand over decoded paths, so a client's ``%0D%0A``
+    arrives here as a line break, which must not end the request line."""
+    if path.isascii() and path.isprintable() and " " not in path:
+        return path
+    return quote(path, safe=_VISIBLE_ASCII)
+
+
+_VISIBLE_ASCII = "".join(chr(c) for c in range(0x21, 0x7F))
 
 
 # Framing is this client's to write: a client's own Content-Length or Transfer-Encoding could

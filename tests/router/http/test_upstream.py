@@ -300,3 +300,15 @@ def test_bytes_after_the_last_chunk_are_noticed() -> None:
     dechunker = Dechunker()
     assert dechunker.feed(b"2\r\nok\r\n0\r\n\r\nHTTP/1.1 200 OK") == b"ok"
     assert dechunker.done and dechunker.leftover
+
+
+async def test_a_decoded_path_cannot_split_the_request_line() -> None:
+    async with engine(writes(WHOLE)) as (address, seen):
+        legs = client()
+        # A client's POST /v1/x%0D%0AX-Injected:%201%20é reaches the client decoded.
+        async with await legs.send("POST", address, "/v1/x\r\nX-Injected: 1 é", {}, b"{}") as answer:
+            assert await answer.read() == JSON
+        await legs.close()
+    head = seen.requests[0][1]
+    assert head.startswith(b"POST /v1/x%0D%0AX-Injected:%201%20%C3%A9 HTTP/1.1\r\n")
+    assert b"\r\nX-Injected" not in head
