@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Protocol
@@ -123,7 +124,8 @@ class Http1Client:
         self.request_timeout_s = request_timeout_s
         self.keepalive_s = keepalive_s
         self.max_idle_per_engine = max_idle_per_engine
-        self._idle: dict[str, list[_Connection]] = {}
+        # Per engine, oldest first: a leg takes the newest, the expired go from the front.
+        self._idle: dict[str, deque[_Connection]] = {}
         self._closed = False
 
     async def send(
@@ -171,11 +173,18 @@ class Http1Client:
         if self._closed:
             conn.close()
             return
-        conns = self._idle.setdefault(conn.address, [])
+        conns = self._idle.get(conn.address)
+        if conns is None:
+            conns = self._idle[conn.address] = deque()
+        now = time.monotonic()
+        # The engine closes what idles too long: gone from the front, so a burst's connections
+        # do not stay open for nothing once the load has fallen.
+        while conns and now - conns[0].idle_since >= self.keepalive_s:
+            conns.popleft().close()
         if len(conns) >= self.max_idle_per_engine:
             conn.close()
             return
-        conn.idle_since = time.monotonic()
+        conn.idle_since = now
         conns.append(conn)
 
     async def _connect(self, address: str) -> _Connection:

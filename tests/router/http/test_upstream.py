@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import pytest
+from helpers import eventually
 
 from router.http.upstream import Dechunker, Http1Client, UpstreamConnectError, UpstreamIOError
 
@@ -22,6 +23,7 @@ class Seen:
     requests: list[tuple[int, bytes, bytes]] = field(default_factory=list)  # (connection, head, body)
     connections: int = 0
     closed_by_client: asyncio.Event = field(default_factory=asyncio.Event)
+    closes: int = 0  # connections the client closed
 
 
 @asynccontextmanager
@@ -36,6 +38,7 @@ async def engine(reply: Reply) -> AsyncIterator[tuple[str, Seen]]:
                 try:
                     head = await reader.readuntil(b"\r\n\r\n")
                 except asyncio.IncompleteReadError:
+                    seen.closes += 1
                     seen.closed_by_client.set()
                     return
                 length = 0
@@ -232,7 +235,7 @@ async def test_a_broken_answer_is_an_io_error_and_its_connection_is_not_kept(
         with pytest.raises(UpstreamIOError, match=error):
             async with await legs.send("POST", address, "/", {}, b"{}") as got:
                 await got.read()
-        assert legs._idle.get(address, []) == []
+        assert not legs._idle.get(address)
         await legs.close()
     assert len(seen.requests) == 1  # a fresh connection's failure is never retried
 
@@ -312,3 +315,19 @@ async def test_a_decoded_path_cannot_split_the_request_line() -> None:
     head = seen.requests[0][1]
     assert head.startswith(b"POST /v1/x%0D%0AX-Injected:%201%20%C3%A9 HTTP/1.1\r\n")
     assert b"\r\nX-Injected" not in head
+
+
+async def test_connections_idle_past_keepalive_are_closed_not_kept_open() -> None:
+    async with engine(writes(WHOLE)) as (address, seen):
+        legs = client(keepalive_s=0.0)
+
+        async def leg() -> None:
+            async with await legs.send("POST", address, "/", {}, b"{}") as answer:
+                assert await answer.read() == JSON
+
+        await asyncio.gather(*(leg() for _ in range(3)))  # three connections at once
+        assert seen.connections == 3
+        # Each kept connection closed the expired ones before it: one left open.
+        assert len(legs._idle[address]) == 1
+        await eventually(lambda: seen.closes == 2, 10.0, "the two expired connections closed")
+        await legs.close()
