@@ -976,9 +976,10 @@ def _overhead_section(report: Report) -> list[str]:
             "pd-router as `pd-router serve` runs it), the router pinned to its own core, the workers "
             "and the client on the other; non-streaming completions; each figure the median of "
             "alternating rounds; CPU is the router process's (and its children's) per request. "
-            f"`{routers_bench.FLOOR}` is not a router: the HTTP stack pd-router's proxy stands on (its "
-            "server runner and upstream session) forwarding each request to the workers in turn, with "
-            "no decision and no bookkeeping, the floor under pd-router's row.",
+            f"`{routers_bench.FLOOR}` is not a router: aiohttp's server and client forwarding each "
+            "request to the workers in turn, with no decision and no bookkeeping. "
+            f"`{routers_bench.AIOHTTP_LEGS}` is pd-router with its engine legs through aiohttp's client "
+            "(`proxy.http_client: aiohttp`) instead of its own (`builtin`, the default).",
             "",
             *routers_bench.render(report.routers),
             "",

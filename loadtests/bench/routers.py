@@ -4,9 +4,8 @@ Two zero-delay OpenAI workers (the proxy benchmark's null engine, answering a fi
 and in front of them, one router at a time, each in its own process pinned to its own core:
 
 * **pd-router**: ``App`` as ``pd-router serve`` runs it, a pool of the two workers (``prefill-decode``);
-* **aiohttp-forward**, not a router: the HTTP stack pd-router's proxy stands on (its server runner
-  and upstream session) forwarding to the workers in turn with no decision at all, the floor under
-  pd-router's row: what is left above it is the routing and its bookkeeping; asked for by name,
+* **aiohttp-forward**, not a router: aiohttp's server and client (pd-router's server runner and
+  its engine session) forwarding to the workers in turn with no decision at all; asked for by name,
   **aiohttp-forward+flow** forwards the same way around pd-router's request flow (the parse, the
   pick, the bookkeeping), to the worker picked: the flow's cost apart from the proxy's HTTP; and
   **pd-router+aiohttp-legs** is pd-router with its engine legs through aiohttp's client
@@ -130,10 +129,10 @@ def pd_router_main(conn: object, workers: list[str], cpu: int | None, http_clien
 
 
 def aiohttp_forward_main(conn: object, workers: list[str], cpu: int | None, with_flow: bool = False) -> None:
-    """The HTTP stack pd-router's proxy stands on, forwarding and nothing more: the same server
-    runner and upstream session, a handler that reads the body, sends it to the workers in turn
-    and copies the answer back. Not a router (no decision, no bookkeeping): the floor under
-    pd-router's row, so the table says what the routing costs and what the stack does.
+    """aiohttp forwarding and nothing more: pd-router's server runner and its aiohttp engine session
+    (``proxy.http_client: aiohttp``), a handler that reads the body, sends it to the workers in
+    turn and copies the answer back. Not a router (no decision, no bookkeeping): what aiohttp's
+    stack costs alone.
 
     ``with_flow``: the same forwarding around pd-router's request flow (``App`` with its proxy
     off: the parse, the pick and its reservation, the answer's bookkeeping and metrics, the

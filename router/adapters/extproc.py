@@ -640,10 +640,12 @@ def _status(headers: Any) -> int | None:
 
 
 def _header_value(headers: Any, key: str) -> str | None:
-    """The first value of the header ``key`` (lower-case, as Envoy sends names); None without it."""
+    """The first value of the header ``key``; None without it. ``key`` lower-case: Envoy sends every
+    name so (HTTP/2's rule, which it applies to HTTP/1 peers' headers too)."""
     for header in headers.headers:
-        if header.key.lower() == key:
-            return str(header.raw_value.decode("latin-1") or header.value)
+        if header.key == key:
+            value: str = header.raw_value.decode("latin-1") or header.value
+            return value
     return None
 
 

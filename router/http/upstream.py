@@ -42,6 +42,8 @@ HEAD_LIMIT = 64 * 1024  # an answer's status line and headers; an engine's are a
 READ_SIZE = 64 * 1024
 DEFAULT_KEEPALIVE_S = 4.0  # under uvicorn's default 5 s, so the engine is not the one to close
 MAX_IDLE_PER_ENGINE = 256
+# A whole (not streamed) answer read into memory: far above any completion's, logprobs included.
+MAX_ANSWER_BYTES = 256 * 1024 * 1024
 
 
 class UpstreamConnectError(Exception):
@@ -86,6 +88,18 @@ class EngineClient(Protocol):
     async def close(self) -> None: ...
 
 
+async def read_whole(answer: Answer) -> bytes:
+    """The rest of ``answer``'s body, at most ``MAX_ANSWER_BYTES`` (more raises ``UpstreamIOError``;
+    leaving the answer then closes its connection)."""
+    pieces, size = [], 0
+    while piece := await answer.readany():
+        size += len(piece)
+        if size > MAX_ANSWER_BYTES:
+            raise UpstreamIOError(f"the engine's answer is over {MAX_ANSWER_BYTES} bytes")
+        pieces.append(piece)
+    return b"".join(pieces)
+
+
 # -- the built-in client ---------------------------------------------------------------------------
 
 
@@ -124,8 +138,9 @@ class Http1Client:
         self.request_timeout_s = request_timeout_s
         self.keepalive_s = keepalive_s
         self.max_idle_per_engine = max_idle_per_engine
-        # Per engine, oldest first: a leg takes the newest, the expired go from the front.
+        # Per engine, oldest first: a leg takes the newest, a sweep closes the expired from the front.
         self._idle: dict[str, deque[_Connection]] = {}
+        self._swept = time.monotonic()  # when every engine's expired ones were last closed
         self._closed = False
 
     async def send(
@@ -136,20 +151,17 @@ class Http1Client:
         request = _request_bytes(method, address, path, headers, body)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
-        conn, reused = self._idle_connection(address), True
-        if conn is None:
-            conn, reused = await self._connect(address), False
-        try:
-            return await self._exchange(conn, method, request, deadline)
-        except _StaleConnection:
-            if not reused:
-                raise UpstreamIOError("the engine closed the connection without answering") from None
-            # The engine closed this idle connection as the request went out: it never read it.
-            conn = await self._connect(address)
+        conn = self._idle_connection(address)
+        retry = conn is not None  # a kept connection the engine may have closed as the request went out
+        while True:
+            if conn is None:
+                conn = await self._connect(address)
             try:
                 return await self._exchange(conn, method, request, deadline)
             except _StaleConnection:
-                raise UpstreamIOError("the engine closed the connection without answering") from None
+                if not retry:
+                    raise UpstreamIOError("the engine closed the connection without answering") from None
+                retry, conn = False, None  # it never read the request: once more, on a new connection
 
     async def close(self) -> None:
         self._closed = True
@@ -173,19 +185,28 @@ class Http1Client:
         if self._closed:
             conn.close()
             return
+        now = time.monotonic()
+        if now - self._swept >= self.keepalive_s:
+            self._sweep(now)
         conns = self._idle.get(conn.address)
         if conns is None:
             conns = self._idle[conn.address] = deque()
-        now = time.monotonic()
-        # The engine closes what idles too long: gone from the front, so a burst's connections
-        # do not stay open for nothing once the load has fallen.
-        while conns and now - conns[0].idle_since >= self.keepalive_s:
-            conns.popleft().close()
         if len(conns) >= self.max_idle_per_engine:
             conn.close()
             return
         conn.idle_since = now
         conns.append(conn)
+
+    def _sweep(self, now: float) -> None:
+        """Every engine's expired idle connections closed (the engine closed them: half-open until
+        then), and the engines left with none forgotten: one that left the pool (pods come back on
+        new addresses) is never asked again. At most every ``keepalive_s``, when one is kept."""
+        self._swept = now
+        for address, conns in list(self._idle.items()):
+            while conns and now - conns[0].idle_since >= self.keepalive_s:
+                conns.popleft().close()
+            if not conns:
+                del self._idle[address]
 
     async def _connect(self, address: str) -> _Connection:
         host, _, port = address.rpartition(":")
@@ -202,20 +223,15 @@ class Http1Client:
     async def _exchange(self, conn: _Connection, method: str, request: bytes, deadline: float) -> Http1Answer:
         answer = Http1Answer(self, conn, method == "HEAD", deadline)
         try:
-            conn.writer.write(request)
-            if len(request) > READ_SIZE:
-                await conn.writer.drain()
-        except (ConnectionResetError, BrokenPipeError):
-            answer.abandon()
-            raise _StaleConnection from None
-        except OSError as exc:
-            answer.abandon()
-            raise UpstreamIOError(f"sending the leg failed: {exc}") from None
-        except BaseException:
-            answer.abandon()
-            raise
-        try:
-            await answer.read_head()
+            try:
+                conn.writer.write(request)
+                if len(request) > READ_SIZE:
+                    await conn.writer.drain()
+            except (ConnectionResetError, BrokenPipeError):  # the engine had closed it
+                raise _StaleConnection from None
+            except OSError as exc:
+                raise UpstreamIOError(f"sending the leg failed: {exc}") from None
+            await answer.read_head()  # maps its own read errors (a timeout is an OSError too)
         except BaseException:
             answer.abandon()
             raise
@@ -438,10 +454,7 @@ class Http1Answer:
                 return data
 
     async def read(self) -> bytes:
-        pieces = []
-        while piece := await self.readany():
-            pieces.append(piece)
-        return b"".join(pieces)
+        return await read_whole(self)
 
     def _finish(self) -> None:
         """The body's last byte is read: the connection goes back to its idle list (or closes)."""
@@ -580,10 +593,7 @@ class SessionAnswer:
         return self._response.content_type
 
     async def read(self) -> bytes:
-        try:
-            return await self._response.read()
-        except aiohttp.ClientError as exc:
-            raise UpstreamIOError(f"reading the engine's answer failed: {type(exc).__name__}") from None
+        return await read_whole(self)
 
     async def readany(self) -> bytes:
         try:

@@ -11,7 +11,7 @@ from loadtests.bench import routers
 def test_every_figure_is_measured_through_the_router() -> None:
     # /proc counts CPU in clock ticks (10 ms): at scale 0.25 the c=1 cell is 100 requests, ~100 ms of
     # router CPU, so a zero reading means the CPU was not read (at 0.05 it could round to no tick).
-    # And the stack forwarding alone (the floor under it), and around pd-router's request flow.
+    # And aiohttp forwarding alone, and around pd-router's request flow.
     names = ["pd-router", routers.FLOOR, routers.FLOOR_FLOW]
     args = routers.parser().parse_args(["--routers", ",".join(names), "--rounds", "1", "--scale", "0.25"])
     rows = routers.run(args)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 from helpers import eventually
 
+from router.http import upstream
 from router.http.upstream import Dechunker, Http1Client, UpstreamConnectError, UpstreamIOError
 
 Reply = Callable[[asyncio.StreamWriter, "Seen"], Awaitable[bool]]  # True: keep the connection open
@@ -330,4 +331,29 @@ async def test_connections_idle_past_keepalive_are_closed_not_kept_open() -> Non
         # Each kept connection closed the expired ones before it: one left open.
         assert len(legs._idle[address]) == 1
         await eventually(lambda: seen.closes == 2, 10.0, "the two expired connections closed")
+        await legs.close()
+
+
+async def test_an_engine_no_longer_asked_is_forgotten_with_its_idle_connection() -> None:
+    async with engine(writes(WHOLE)) as (gone, seen_gone), engine(writes(WHOLE)) as (staying, _):
+        legs = client(keepalive_s=0.0)
+        for address in (gone, staying):  # the first engine leaves the pool after one leg
+            async with await legs.send("POST", address, "/", {}, b"{}") as answer:
+                assert await answer.read() == JSON
+        assert list(legs._idle) == [staying]
+        await eventually(lambda: seen_gone.closes == 1, 10.0, "the departed engine's connection closed")
+        await legs.close()
+
+
+async def test_a_whole_answer_over_the_limit_is_refused_and_its_connection_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(upstream, "MAX_ANSWER_BYTES", 8)
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nabcde\r\n5\r\nfghij\r\n"
+    async with engine(writes(chunked)) as (address, seen):  # 10 bytes so far, and more to come
+        legs = client()
+        with pytest.raises(UpstreamIOError, match="over 8 bytes"):
+            async with await legs.send("POST", address, "/", {}, b"{}") as answer:
+                await answer.read()
+        await eventually(lambda: seen.closes == 1, 10.0, "the connection closed")
         await legs.close()
