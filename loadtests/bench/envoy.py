@@ -308,7 +308,7 @@ async def closed_loop(
             cell.errors += 1
             return False
         if times:
-            cell.latencies.append(times[-1] - t0)
+            cell.latencies.append(conn.ended_at - t0)
         else:
             cell.errors += 1
             empty += 1

@@ -300,6 +300,9 @@ class HttpConn:
         self.reader = reader
         self.writer = writer
         self.host = host
+        # When the last answer ended (its chunked terminator, or its last byte): a client has the
+        # answer only then, though its pieces (``post``'s times) came before.
+        self.ended_at = 0.0
 
     @classmethod
     async def open(cls, port: int) -> HttpConn:
@@ -330,6 +333,7 @@ class HttpConn:
                 size = int((await self.reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
                 data = await self.reader.readexactly(size + 2)
                 if size == 0:
+                    self.ended_at = time.perf_counter()
                     break
                 times.append(time.perf_counter())
                 del data
@@ -338,6 +342,7 @@ class HttpConn:
             length = int(lower[start : lower.index(b"\r\n", start)])
             await self.reader.readexactly(length)
             times.append(time.perf_counter())
+            self.ended_at = times[-1]
         return times
 
     async def close(self) -> None:
@@ -414,7 +419,7 @@ async def closed_loop(
         except (RuntimeError, OSError, asyncio.IncompleteReadError):
             cell.errors += 1
             return False
-        cell.latencies.append(times[-1] - t0)
+        cell.latencies.append(conn.ended_at - t0)
         cell.gaps.extend(b - a for a, b in itertools.pairwise(times))
         return True
 

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from router.flow.flight import CLIENT_GONE, Flight, RequestFlow
 from router.http.client_io import answer_response, read_body
-from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, with_usage
+from router.http.exchange import Leg, TwoLegExchange, UpstreamError, decode_body, respond, with_usage
 from router.http.headers import DEBUG_DECODE, DEBUG_PREFILL, DEBUG_REASON, forwardable
 from router.http.server import bearer_ok, http_runner
 from router.http.upstream import Answer, engine_client
@@ -154,7 +154,7 @@ class Proxy:
                     endpoint.address,
                     sent,
                     data,
-                    lambda upstream: self._start_response(request, upstream, flight),
+                    lambda upstream, whole: self._start_response(request, upstream, flight, whole),
                     flight.prefill_done,
                     flight.body,
                     flight.body_rest,
@@ -222,24 +222,19 @@ class Proxy:
             tracer.failed(span, "connect_failed" if error.connect else "upstream_failed", error.reason)
 
     async def _start_response(
-        self, request: web.Request, upstream: Answer, flight: Flight
+        self, request: web.Request, upstream: Answer, flight: Flight, whole: bytes | None
     ) -> web.StreamResponse:
         flight.responded(upstream.status)
         flight.first_byte()
         decision, route = flight.decision, flight.request
         assert decision is not None and route is not None
-        response = web.StreamResponse(status=upstream.status)
-        for name in ("Content-Type", "Cache-Control"):
-            if name in upstream.headers:
-                response.headers[name] = upstream.headers[name]
-        response.headers["X-Request-Id"] = route.request_id
+        headers = {"X-Request-Id": route.request_id}
         if self.debug_headers:
-            response.headers[DEBUG_DECODE] = decision.decode.id
+            headers[DEBUG_DECODE] = decision.decode.id
             if decision.prefill is not None:
-                response.headers[DEBUG_PREFILL] = decision.prefill.id
-            response.headers[DEBUG_REASON] = decision.reason
-        await response.prepare(request)
-        return response
+                headers[DEBUG_PREFILL] = decision.prefill.id
+            headers[DEBUG_REASON] = decision.reason
+        return await respond(request, upstream, headers, whole)
 
 
 class ProxyListener:

@@ -9,7 +9,7 @@ the prompt's KV instead of computing it. Used unchanged by the proxy adapter and
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,7 +121,7 @@ class TwoLegExchange:
         address: str,
         leg: Leg,
         data: bytes,
-        start_response: Callable[[Answer], Awaitable[web.StreamResponse]],
+        start_response: Callable[[Answer, bytes | None], Awaitable[web.StreamResponse]],
         on_first_byte: Callable[[], None],
         on_body: Callable[[bytes], bytes] = lambda chunk: chunk,
         on_end: Callable[[], bytes] = lambda: b"",
@@ -129,6 +129,8 @@ class TwoLegExchange:
     ) -> web.StreamResponse:
         """Send the decode leg and stream its answer through ``start_response``; ``on_body`` sees
         every piece of it as it passes and returns what to write, ``on_end`` what is left at the end.
+        A whole (non-streamed) answer is handed to ``start_response`` as its second argument, to
+        go out in one piece (``respond``); a stream's is None and its pieces are written after.
 
         Raises ``UpstreamError`` only while nothing has been sent to the client (so the caller can
         fail over); after that an engine failure ends the stream with an SSE error event and is
@@ -152,17 +154,14 @@ class TwoLegExchange:
                 except (UpstreamIOError, TimeoutError) as exc:
                     raise UpstreamError(address, f"decode answer cut: {_named(exc)}") from None
                 on_first_byte()
-                payload = on_body(payload) + on_end()
-                out = await start_response(answer)
-                await out.write(payload)
-                return out
+                return await start_response(answer, on_body(payload) + on_end())
             out = None
             try:
                 read = answer.readany
                 while chunk := await read():
                     if out is None:
                         on_first_byte()
-                        out = await start_response(answer)
+                        out = await start_response(answer, None)
                     if chunk := on_body(chunk):
                         await out.write(chunk)
             except (UpstreamIOError, TimeoutError) as exc:
@@ -177,10 +176,34 @@ class TwoLegExchange:
                 )
             if out is None:
                 on_first_byte()
-                out = await start_response(answer)
+                out = await start_response(answer, None)
             if rest := on_end():
                 await out.write(rest)
             return out
+
+
+ANSWER_HEADERS = ("Content-Type", "Cache-Control")  # what the client gets of the engine's headers
+
+
+async def respond(
+    request: web.Request, upstream: Answer, headers: Mapping[str, str], whole: bytes | None
+) -> web.StreamResponse:
+    """The client's response to ``upstream``'s answer, with the engine's ``ANSWER_HEADERS`` and
+    ``headers``. A ``whole`` answer is a ``Response`` aiohttp sends once the handler returns,
+    headers and body in one write with their length (a prepared stream costs a write for its
+    headers and another for its last chunk); a stream's is prepared now, for its pieces."""
+    out = (
+        web.Response(status=upstream.status, body=whole)
+        if whole is not None
+        else web.StreamResponse(status=upstream.status)
+    )
+    for name in ANSWER_HEADERS:
+        if name in upstream.headers:
+            out.headers[name] = upstream.headers[name]
+    out.headers.update(headers)
+    if whole is None:
+        await out.prepare(request)
+    return out
 
 
 def _named(exc: BaseException) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 import reprlib
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +32,7 @@ from kvindex.chat_messages import anthropic_messages, responses_messages
 from kvindex.hashing import MAX_TOKEN_ID, estimate_tokens, text_block_keys, token_block_keys
 from router.request.rejections import BadRequest, BodyTooLarge, UnknownModel
 from router.request.rewrite import ModelRewrites
-from router.request.types import RequestLimits, RouteRequest
+from router.request.types import RequestLimits, RouteRequest, new_request_id
 
 COMPLETIONS, CHAT, MESSAGES, RESPONSES, OTHER = "completions", "chat", "messages", "responses", "other"
 # The APIs whose bodies are read, by path. A path that ends with one of these (a gateway's prefix
@@ -410,7 +409,7 @@ def parse_request(
         max_tokens=max_tokens * prompt.prompts,
         block_keys=block_keys,
         body=body,
-        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+        request_id=headers.get("x-request-id") or new_request_id(),
         stream=stream,
         priority=priority_of(headers, objectives),
         prompt=prompt.text,
@@ -510,7 +509,7 @@ def other_request(
         max_tokens=limit,
         block_keys=_NO_BLOCKS,
         body=body,
-        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+        request_id=headers.get("x-request-id") or new_request_id(),
         stream=body.get("stream") is True,
         priority=priority_of(headers, objectives),
         prefill_leg=False,
@@ -535,7 +534,7 @@ def headers_only_request(
         max_tokens=1,
         block_keys=_NO_BLOCKS,
         body={},
-        request_id=headers.get("x-request-id") or uuid.uuid4().hex,
+        request_id=headers.get("x-request-id") or new_request_id(),
         subset=subset,
         prefill_leg=False,
         previous_response_id=stored_response_of(path),

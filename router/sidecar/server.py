@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Iterable
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -30,7 +29,14 @@ from aiohttp import web
 from yarl import URL
 
 from router.http.client_io import answer_response, read_body
-from router.http.exchange import PREFILL_KV_TRANSFER_PARAMS, Leg, TwoLegExchange, UpstreamError, decode_body
+from router.http.exchange import (
+    PREFILL_KV_TRANSFER_PARAMS,
+    Leg,
+    TwoLegExchange,
+    UpstreamError,
+    decode_body,
+    respond,
+)
 from router.http.headers import (
     HOP_HEADERS,
     PASSTHROUGH_DROPPED,
@@ -47,6 +53,7 @@ from router.http.upstream import Answer, engine_client
 from router.request.meter import Usage, usage_of
 from router.request.parse import PD_PATHS, client_json
 from router.request.rejections import BadRequest, PrefillForbidden, Rejection, UpstreamFailed, answer
+from router.request.types import new_request_id
 from router.sidecar.allow import PrefillAllowList, first_prefiller, format_host_port, parse_host_port
 from router.transport.listen import binding
 from router.transport.tls import HTTP1_ALPN, started
@@ -95,7 +102,7 @@ class Sidecar:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         if PREFILL_LEG in request.headers:
             return await self._prefill_leg(request)
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id") or new_request_id()
         target = first_prefiller(request.headers.getall(PREFILLER, []))
         address: str | None = None
         if target is not None:
@@ -137,17 +144,11 @@ class Sidecar:
                 )
                 data = decode_body(body, kv_params)
 
-        async def start_response(upstream: Answer) -> web.StreamResponse:
-            response = web.StreamResponse(status=upstream.status)
-            for name in ("Content-Type", "Cache-Control"):
-                if name in upstream.headers:
-                    response.headers[name] = upstream.headers[name]
-            response.headers["X-Request-Id"] = request_id
-            response.headers[PREFILL_OUTCOME_HEADER] = outcome
+        async def start_response(upstream: Answer, whole: bytes | None) -> web.StreamResponse:
+            headers = {"X-Request-Id": request_id, PREFILL_OUTCOME_HEADER: outcome}
             if timing is not None:
-                response.headers[SERVER_TIMING] = prefill_timing(timing)
-            await response.prepare(request)
-            return response
+                headers[SERVER_TIMING] = prefill_timing(timing)
+            return await respond(request, upstream, headers, whole)
 
         try:
             return await self.exchange.decode(self.decode_address, leg, data, start_response, _noop)

@@ -79,12 +79,18 @@ async def test_prefill_decode_pool_sends_one_plain_request_to_one_pod() -> None:
         body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 4}
         async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
             assert resp.status == 200
-            answer = await resp.json()
+            raw = await resp.read()
+            answer = orjson.loads(raw)
             chosen = resp.headers["x-pd-router-decode"]
+            # A whole answer goes out in one piece with its length, not chunked.
+            assert resp.headers["Content-Length"] == str(len(raw)) and "Transfer-Encoding" not in resp.headers
+            # The request id the proxy made (none was sent): 32 hex digits, sent to the engine too.
+            request_id = resp.headers["X-Request-Id"]
+            assert len(request_id) == 32 and int(request_id, 16) >= 0
         assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] == 4
         assert "x-pd-router-prefill" not in resp.headers
-        _, _, seen = cluster.engines[chosen].requests_seen[-1]
-        assert "kv_transfer_params" not in seen
+        _, engine_headers, seen = cluster.engines[chosen].requests_seen[-1]
+        assert "kv_transfer_params" not in seen and engine_headers["x-request-id"] == request_id
         assert sum(len(e.requests_seen) for e in cluster.engines.values()) == 1
 
 

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from helpers import eventually, sse_events
@@ -138,7 +139,10 @@ async def test_prefill_header_runs_the_prefill_leg_then_the_local_decode_leg() -
             assert timing is not None and timing.seconds > 0
             assert timing.prompt_tokens is not None and timing.prompt_tokens > 0
             assert timing.cached_tokens is not None
-            answer = await resp.json()
+            raw = await resp.read()
+            # A whole answer goes out in one piece with its length, not chunked.
+            assert resp.headers["Content-Length"] == str(len(raw)) and "Transfer-Encoding" not in resp.headers
+            answer = orjson.loads(raw)
         assert answer["usage"]["completion_tokens"] == 8
         [(_, p_headers, p_body)] = p0.requests_seen
         assert p_body["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS
@@ -169,6 +173,7 @@ async def test_the_prefill_sees_exactly_the_params_returned_and_both_legs_share_
         async with http.post(f"{base}/v1/chat/completions", json=body, headers=headers) as resp:
             assert resp.status == 200 and resp.headers["x-pd-sidecar-prefill"] == "remote"
             rid = resp.headers["X-Request-Id"]
+            assert len(rid) == 32 and int(rid, 16) >= 0  # made here: 32 hex digits
             assert (await resp.json())["object"] == "chat.completion"
         [(_, p_headers, _)] = cluster.engines["p0"].requests_seen
         [(path, d_headers, d_body)] = cluster.engines["d0"].requests_seen
