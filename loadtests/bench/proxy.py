@@ -219,9 +219,20 @@ def proxy_main(
         async with App(build(config)) as app:
             assert app.proxy_port is not None
             port = app.proxy_port
+            settle_as_served()
             await _serve_until_term(lambda: _const(port), conn)
 
     run_profiled(serve(), profile_path)
+
+
+def settle_as_served() -> None:
+    """What ``pd-router serve`` does once it has started, in the tree this router was imported
+    from (an older tree may not do it)."""
+    import router.server.cli as cli
+
+    settle = getattr(cli, "settle_heap", None)
+    if settle is not None:
+        settle()
 
 
 def traced_env(engine: str) -> None:

@@ -62,6 +62,7 @@ from loadtests.bench.proxy import (
     null_engine_main,
     process_cpu_s,
     run_profiled,
+    settle_as_served,
     start_child,
 )
 
@@ -119,6 +120,7 @@ def pd_router_main(conn: object, workers: list[str], cpu: int | None, http_clien
         async with App(build(config)) as app:
             port = app.proxy_port
             assert port is not None
+            settle_as_served()
 
             async def bound() -> int:
                 return port

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import eventually, router_for
 
 from loadtests.servers.ports import free_port
+from router.server.cli import until_signal
 from simulator.engine import EngineSpec, SimCluster, TimeModel
 
 pytestmark = pytest.mark.integration
@@ -192,3 +194,25 @@ async def routed(grpc_port: int) -> str:
     headers = {h.header.key: h.header.raw_value.decode() for h in routing}
     assert set(headers) == {"x-gateway-destination-endpoint"}
     return headers["x-gateway-destination-endpoint"]
+
+
+async def test_a_started_server_moves_what_starting_made_out_of_the_collectors_way() -> None:
+    """``until_signal`` (``pd-router serve``, the sidecar) freezes the heap once the server has
+    started: the collector's full passes then walk only what serving makes."""
+
+    class Server:
+        async def __aenter__(self) -> Server:
+            return self
+
+        async def __aexit__(self, *_: object) -> None:
+            return None
+
+    gc.unfreeze()
+    serving = asyncio.create_task(until_signal(Server()))
+    try:
+        await eventually(lambda: gc.get_freeze_count() > 0, what="the heap frozen once started")
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+        gc.unfreeze()
