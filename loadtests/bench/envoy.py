@@ -74,6 +74,7 @@ from loadtests.bench.proxy import (
     drive,
     process_cpu_s,
     run_profiled,
+    settle_as_served,
     start_child,
     traced_env,
 )
@@ -167,6 +168,7 @@ def router_main(
         async with App(build(config)) as app:
             assert app.extproc_port is not None
             port = app.extproc_port
+            settle_as_served()
 
             async def started() -> int:
                 return port
