@@ -226,8 +226,8 @@ def proxy_main(
 
 
 def settle_as_served() -> None:
-    """What ``pd-router serve`` does once it has started, in the tree this router was imported
-    from (an older tree may not do it)."""
+    """What ``pd-router serve`` and ``pd-router sidecar`` do once started, in the tree this
+    server was imported from (an older tree may not do it)."""
     import router.server.cli as cli
 
     settle = getattr(cli, "settle_heap", None)

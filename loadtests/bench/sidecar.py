@@ -34,6 +34,7 @@ from loadtests.bench.proxy import (
     _serve_until_term,
     drive,
     null_engine_main,
+    settle_as_served,
     start_child,
 )
 from router.http.headers import PREFILLER
@@ -49,6 +50,7 @@ def sidecar_main(conn: Any, decode: str, cpu: int | None, http_client: str) -> N
     async def serve() -> None:
         async with SidecarServer(decode, "127.0.0.1", 0, ["127.0.0.1"], http_client=http_client) as server:
             port = server.port
+            settle_as_served()
 
             async def bound() -> int:
                 return port
