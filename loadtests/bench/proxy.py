@@ -16,7 +16,10 @@ proxy never competes with the load generator for CPU; the direct runs use the sa
 client on the same core, so "proxied minus direct" is what the proxy adds. The proxy's CPU cost is
 read from ``/proc/<pid>/stat`` (user + system) before and after each proxied cell. If the
 client's core saturates first, requests/s is a lower bound for the proxy; CPU-ms per request
-(and the proxy core's utilisation, printed) says what the proxy alone could do.
+(and the proxy core's utilisation, printed) says what the proxy alone could do. A last cell
+streams at c=16 with the engine's chunks 2 ms apart, each arriving on its own as a real engine's
+tokens do (the other cells' chunks come in a burst): against the stream c=16 row, the proxy's CPU
+per chunk.
 
     python -m loadtests.bench.proxy                    # default cells (~1 minute)
     python -m loadtests.bench.proxy --scale 3          # 3x the requests per cell
@@ -61,6 +64,7 @@ from simulator.workloads.client import percentile
 
 MODEL = "sim-model"
 SSE_CHUNKS = 8
+SPREAD_MS = 2.0  # the engine's chunk gap in the spread-streams cell
 GAP_HEADER = "x-null-gap-ms"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 MS = 1000.0
@@ -478,6 +482,7 @@ class ProxyResults:
     gap_requests: int
     gap_direct: Cell
     gap_proxied: Cell
+    spread: ProxyCell  # streams at c=16 whose chunks come ``SPREAD_MS`` apart (no direct run)
 
 
 async def measure(args: argparse.Namespace, engine: Child, proxy: Child) -> ProxyResults:
@@ -508,7 +513,21 @@ async def measure(args: argparse.Namespace, engine: Child, proxy: Child) -> Prox
     gap_proxied = await closed_loop(
         proxy.port, stream=True, concurrency=1, requests=gap_n, timeout_s=60, gap_ms=args.gap_ms
     )
-    return ProxyResults(cells, args.gap_ms, gap_n, gap_direct, gap_proxied)
+    # A real engine's tokens arrive one by one, each a read, an SSE scan and a write of its own
+    # (the cells above get theirs in a burst): streams at c=16 with their chunks spread.
+    spread_n = int(counts[16] * args.scale)
+    await closed_loop(proxy.port, stream=True, concurrency=16, requests=100, timeout_s=30, gap_ms=SPREAD_MS)
+    cpu0 = proxy.cpu_s()
+    spread = await closed_loop(
+        proxy.port,
+        stream=True,
+        concurrency=16,
+        requests=spread_n,
+        timeout_s=args.cell_timeout,
+        gap_ms=SPREAD_MS,
+    )
+    spread_cell = ProxyCell("stream", 16, spread_n, Cell(), spread, proxy.cpu_s() - cpu0)
+    return ProxyResults(cells, args.gap_ms, gap_n, gap_direct, gap_proxied, spread_cell)
 
 
 def render(args: argparse.Namespace, results: ProxyResults) -> list[str]:
@@ -556,6 +575,14 @@ def render(args: argparse.Namespace, results: ProxyResults) -> list[str]:
             f"  {name:<8} {_f(cell_.pct(0.5, g) * MS, 2):>7} {_f(cell_.pct(0.99, g) * MS, 2):>7} "
             f"{_f(max(g) * MS if g else float('nan'), 2):>7} {sum(x > 0.020 for x in g):>12}"
         )
+    streams_c16 = [c.cpu_ms for c in results.cells if c.mode == "stream" and c.concurrency == 16]
+    bunched = streams_c16[0] if streams_c16 else float("nan")
+    per_chunk = (results.spread.cpu_ms - bunched) / (SSE_CHUNKS - 1) * 1000.0
+    lines.append(
+        f"  proxy CPU ms per stream at c=16: {_f(results.spread.cpu_ms)} with its {SSE_CHUNKS} chunks "
+        f"{SPREAD_MS:g} ms apart, {_f(bunched)} in a burst (the row above): {per_chunk:.0f} µs per chunk "
+        "arriving on its own"
+    )
     lines += [
         "",
         "  targets: added p50 at c=1 ≤ 0.6 ms: "
