@@ -590,7 +590,7 @@ def _routing_mutation(
 
 
 def _destination_metadata(decision: RouteDecision) -> struct_pb2.Struct:
-    # Set field by field: ``Struct.update`` converts the dict in Python, at 2.5× the cost.
+    # Set field by field: ``Struct.update`` converts the dict in Python, at over twice the cost.
     metadata = struct_pb2.Struct()
     metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION].string_value = decision.decode.address
     return metadata

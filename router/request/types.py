@@ -13,7 +13,7 @@ import numpy as np
 
 def new_request_id() -> str:
     """A request's id where the client sent none: 128 random bits as 32 hex digits (a uuid4's
-    ``hex`` costs four times as much, in building the UUID)."""
+    ``hex`` costs several times as much, in building the UUID)."""
     return os.urandom(16).hex()
 
 

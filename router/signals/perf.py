@@ -67,7 +67,7 @@ class SampleBuckets:
 
     def __init__(self, width: int, edges: np.ndarray, per_bucket: int) -> None:
         self.edges = edges
-        self._edges = edges.tolist()  # bisect on a list: a µs less than np.searchsorted per sample
+        self._edges = edges.tolist()  # bisect on a list: np.searchsorted's wrapper costs more per sample
         self.per_bucket = per_bucket
         buckets = len(edges) + 1
         self.x = np.zeros((buckets, per_bucket, width))
