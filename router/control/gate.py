@@ -20,8 +20,7 @@ import orjson
 from router.control.checks import CHECKS
 from router.control.checks.base import CANARY_HEADER, GateFailed
 from router.control.topology import GroupSpec
-from router.http.exchange import Leg, TwoLegExchange, UpstreamError
-from router.http.upstream import UpstreamConnectError, UpstreamIOError
+from router.http.exchange import Leg, TwoLegExchange
 from router.observe.scrape import Scraper
 from router.state.pool import Pool
 
@@ -169,12 +168,5 @@ class Gate:
         return peers
 
     async def decode_once(self, address: str, leg: Leg, data: bytes) -> bytes:
-        headers = {**leg.headers, "content-type": "application/json"}
-        try:
-            async with await self.exchange.client.send("POST", address, leg.path, headers, data) as answer:
-                payload = await answer.read()
-                if answer.status != 200:
-                    raise UpstreamError(address, f"decode leg answered HTTP {answer.status}")
-                return payload
-        except (UpstreamConnectError, UpstreamIOError, TimeoutError) as exc:
-            raise UpstreamError(address, f"decode leg failed: {type(exc).__name__}") from None
+        """A canary's decode leg, its answer read whole (``UpstreamError`` on anything but a 200)."""
+        return await self.exchange.whole("decode", address, leg, data)

@@ -92,21 +92,25 @@ class TwoLegExchange:
     def __init__(self, client: EngineClient) -> None:
         self.client = client
 
-    async def prefill(self, address: str, leg: Leg, body: dict[str, Any]) -> tuple[Any, Any]:
-        """Run the prefill leg; returns its ``kv_transfer_params`` and ``usage`` (None when it sent
-        none) or raises ``UpstreamError``."""
+    async def whole(self, what: str, address: str, leg: Leg, data: bytes) -> bytes:
+        """POST ``data`` as the ``what`` leg (``prefill``, a canary's ``decode``) and read its JSON
+        answer whole; anything but a 200 raises ``UpstreamError``."""
         headers = {**leg.headers, "content-type": "application/json"}
         try:
-            async with await self.client.send(
-                "POST", address, leg.path, headers, prefill_body(body, leg.path)
-            ) as answer:
+            async with await self.client.send("POST", address, leg.path, headers, data) as answer:
                 payload = await answer.read()
-                if answer.status != 200:
-                    raise UpstreamError(address, f"prefill leg answered HTTP {answer.status}")
         except UpstreamConnectError as exc:
             raise UpstreamError(address, str(exc), connect=True) from None
         except (UpstreamIOError, TimeoutError) as exc:
-            raise UpstreamError(address, f"prefill leg failed: {_named(exc)}") from None
+            raise UpstreamError(address, f"{what} leg failed: {_named(exc)}") from None
+        if answer.status != 200:
+            raise UpstreamError(address, f"{what} leg answered HTTP {answer.status}")
+        return payload
+
+    async def prefill(self, address: str, leg: Leg, body: dict[str, Any]) -> tuple[Any, Any]:
+        """Run the prefill leg; returns its ``kv_transfer_params`` and ``usage`` (None when it sent
+        none) or raises ``UpstreamError``."""
+        payload = await self.whole("prefill", address, leg, prefill_body(body, leg.path))
         try:
             answer_body = orjson.loads(payload)
             params = answer_body["kv_transfer_params"]

@@ -554,6 +554,11 @@ def _tokens(values: list[str]) -> list[str]:
 # -- the aiohttp session behind the same calls -----------------------------------------------------
 
 
+def session_timeout(connect_timeout_s: float, request_timeout_s: float) -> aiohttp.ClientTimeout:
+    """A leg's limits for the aiohttp session: the whole leg, and its connect."""
+    return aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+
+
 class SessionClient:
     """The legs through an ``aiohttp.ClientSession`` (or the in-process network's stand-in)."""
 
@@ -561,7 +566,7 @@ class SessionClient:
         self, session: aiohttp.ClientSession, connect_timeout_s: float, request_timeout_s: float
     ) -> None:
         self.session = session
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        self.timeout = session_timeout(connect_timeout_s, request_timeout_s)
 
     async def send(
         self, method: str, address: str, path: str, headers: Mapping[str, str], body: bytes | None

@@ -49,7 +49,7 @@ from router.http.headers import (
 )
 from router.http.server import http_runner
 from router.http.session import upstream_session
-from router.http.upstream import Answer, engine_client
+from router.http.upstream import Answer, engine_client, session_timeout
 from router.request.meter import Usage, usage_of
 from router.request.parse import PD_PATHS, client_json
 from router.request.rejections import BadRequest, PrefillForbidden, Rejection, UpstreamFailed, answer
@@ -300,7 +300,7 @@ class SidecarServer:
         client = engine_client(self.http_client, session, self.connect_timeout_s, self.request_timeout_s)
         stack.push_async_callback(client.close)
         exchange = TwoLegExchange(client)
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
+        timeout = session_timeout(self.connect_timeout_s, self.request_timeout_s)  # the pass-through's
         sidecar = Sidecar(self.decode_address, exchange, session, timeout, self.allow, self.max_body_bytes)
         # handler_cancellation: a client that hangs up cancels the engine calls, which frees their KV.
         runner = http_runner(sidecar.app(), drain_timeout_s=self.drain_timeout_s, cancel_on_disconnect=True)

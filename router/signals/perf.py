@@ -66,8 +66,7 @@ class SampleBuckets:
     """Samples ``(features, seconds)`` in ring buffers per power-of-two bucket of a size."""
 
     def __init__(self, width: int, edges: np.ndarray, per_bucket: int) -> None:
-        self.edges = edges
-        self._edges = edges.tolist()  # bisect on a list: np.searchsorted's wrapper costs more per sample
+        self.edges = edges.tolist()  # a list for bisect: np.searchsorted's wrapper costs more per sample
         self.per_bucket = per_bucket
         buckets = len(edges) + 1
         self.x = np.zeros((buckets, per_bucket, width))
@@ -75,7 +74,7 @@ class SampleBuckets:
         self.count = np.zeros(buckets, dtype=np.int64)  # samples ever added per bucket
 
     def add(self, size: float, features: Sequence[float], seconds: float) -> None:
-        bucket = bisect.bisect_right(self._edges, size)
+        bucket = bisect.bisect_right(self.edges, size)
         row = int(self.count[bucket] % self.per_bucket)
         self.x[bucket, row] = features
         self.y[bucket, row] = seconds

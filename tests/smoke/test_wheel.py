@@ -349,10 +349,14 @@ def test_sim_serves_every_endpoint_of_the_pool_file(sim_pool: SimPool) -> None:
         assert status == 200 and b"vllm:num_requests_running" in body
 
 
-def test_sidecar_answers_a_completion_with_a_remote_prefill(installed: Installed, sim_pool: SimPool) -> None:
+@pytest.mark.parametrize("client", ["builtin", "aiohttp"])
+def test_sidecar_answers_a_completion_with_a_remote_prefill(
+    installed: Installed, sim_pool: SimPool, client: str
+) -> None:
     port = free_port()
     decode, prefill = sim_pool.addresses["decode-a"], sim_pool.addresses["prefill-a"]
     args = ("sidecar", "--decode", decode, "--port", str(port), "--allow", "127.0.0.1")
+    args += ("--http-client", client)  # the engine legs' client, either kind
     with installed.started("sidecar", installed.pd_router, *args) as sidecar:
         base = f"http://127.0.0.1:{port}"
         # Not a completion: passed through to the engine, so this is up once the sidecar listens.
@@ -365,6 +369,7 @@ def test_sidecar_answers_a_completion_with_a_remote_prefill(installed: Installed
     assert headers.get("x-pd-sidecar-prefill") == "remote"
     # The leg's report a picker behind Envoy learns the prefill speed from.
     assert headers.get("server-timing", "").startswith("pd-prefill;dur="), headers
+    assert headers.get("content-length") == str(len(answer)), headers  # a whole answer in one piece
     assert json.loads(answer)["choices"][0]["text"]
 
 
