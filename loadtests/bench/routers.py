@@ -181,6 +181,7 @@ def aiohttp_forward_main(conn: object, workers: list[str], cpu: int | None, with
         async def start() -> int:
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", 0).start()
+            settle_as_served()  # as the pd-router rows do: the rows differ in what they run, not how
             return int(runner.addresses[0][1])
 
         try:
